@@ -1,0 +1,20 @@
+"""The exceptions pyckpt raises on purpose.
+
+Every error about input names the file and the rule it broke, so a user can act on one line.
+"""
+
+
+class PyckptError(Exception):
+    """Base class of pyckpt's own errors."""
+
+
+class CheckpointFormatError(PyckptError, ValueError):
+    """The input does not follow DeepSpeed's checkpoint format (missing or inconsistent files/keys)."""
+
+
+class UnsafePickleError(PyckptError):
+    """A pickle asked for something outside the allowlist; nothing from it was imported or run."""
+
+
+class OutputExistsError(PyckptError, FileExistsError):
+    """The output folder exists and overwriting was not requested."""

@@ -1,0 +1,173 @@
+"""A conversion plan: which output files exist and where each of their bytes comes from.
+
+Format rules (ZeRO-1/2, ZeRO-3, ...) only build a Plan. It is plain data, cheap to build and to
+print (``--dry-run``); :meth:`Plan.execute` hands it to the native executor, which copies the bytes
+in parallel with the GIL released and streams them into the output archives.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from . import _core
+from .safe_pickle import ITEMSIZE, StorageRef
+from .torch_pickle import NewTensor, dumps
+
+# What the executor can do to a source element on its way to a float32 output (Tensor.float()).
+CONVERT_TO_F32 = {
+    "float32": 0,
+    "bfloat16": _core.KIND_BF16_TO_F32,
+    "float16": _core.KIND_F16_TO_F32,
+    "float64": _core.KIND_F64_TO_F32,
+    "int64": _core.KIND_I64_TO_F32,
+    "int32": _core.KIND_I32_TO_F32,
+    "int16": _core.KIND_I16_TO_F32,
+    "int8": _core.KIND_I8_TO_F32,
+    "uint8": _core.KIND_U8_TO_F32,
+    "bool": _core.KIND_BOOL_TO_F32,
+}
+
+
+@dataclass
+class Piece:
+    """Bytes [src_off, src_off+nbytes) of a source file land at dst_off of a new tensor."""
+
+    src: Any  # pyckpt.archive.SourceFile
+    src_off: int
+    nbytes: int
+    dst_off: int
+    kind: int = 0
+    rows: int = 1
+    stride: int = 0
+
+
+@dataclass
+class ArchiveOut:
+    relpath: str
+    obj: Any
+
+
+@dataclass
+class FileCopy:
+    src: str
+    relpath: str
+
+
+@dataclass
+class Plan:
+    archives: List[ArchiveOut] = field(default_factory=list)
+    copies: List[FileCopy] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)  # what a --dry-run should tell besides the files
+
+    def add_archive(self, relpath: str, obj: Any) -> None:
+        self.archives.append(ArchiveOut(relpath, obj))
+
+    def add_copy(self, src: str, relpath: str) -> None:
+        self.copies.append(FileCopy(os.fspath(src), relpath))
+
+    # -- compiling to the executor's tables --------------------------------------------------------
+    def compile(self, root: str):
+        """Returns (sources, outputs, ops, tensor_bytes) for _core.write_archives."""
+        sources: List[str] = []
+        source_index: Dict[int, int] = {}
+        outputs = []
+        ops: List[Tuple[int, ...]] = []
+        tensor_bytes = 0
+
+        def src_id(sf) -> int:
+            i = source_index.get(id(sf))
+            if i is None:
+                i = len(sources)
+                source_index[id(sf)] = i
+                sources.append(sf.path)
+            return i
+
+        for out_idx, arc in enumerate(self.archives):
+            pkl, storages = dumps(arc.obj)
+            name = os.path.splitext(os.path.basename(arc.relpath))[0]
+            records = [("data.pkl", len(pkl), pkl), (".format_version", 1, b"1"), (".storage_alignment", 2, b"64"),
+                       ("byteorder", 6, b"little")]
+            for st in storages:
+                rec = len(records)
+                nbytes = st.numel * ITEMSIZE[st.dtype]
+                records.append((f"data/{st.key}", nbytes, None))
+                tensor_bytes += nbytes
+                src = st.source
+                if isinstance(src, StorageRef):
+                    sf = src.source
+                    ops.append((src_id(sf), sf.storage_offset(src), out_idx, rec, 0, nbytes, 0, 1, 0))
+                elif isinstance(src, NewTensor):
+                    for p in src.pieces:
+                        ops.append((src_id(p.src), p.src_off, out_idx, rec, p.dst_off, p.nbytes, p.kind, p.rows,
+                                    p.stride))
+                else:  # pragma: no cover - torch_pickle only produces the two kinds above
+                    raise TypeError(type(src))
+            records.append(("version", 2, b"3\n"))
+            outputs.append((os.path.join(root, arc.relpath), name, records))
+        table = np.array(ops, dtype=np.int64).reshape(-1, 9)
+        return sources, outputs, table, tensor_bytes
+
+    def execute(self, root: str, workers: Optional[int] = None, progress: bool = False) -> Dict[str, int]:
+        """Writes every output under ``root`` (which must exist). Returns byte counts."""
+        dirs = {os.path.dirname(os.path.join(root, a.relpath)) for a in self.archives}
+        dirs |= {os.path.dirname(os.path.join(root, c.relpath)) for c in self.copies}
+        for d in sorted(dirs):
+            os.makedirs(d, exist_ok=True)
+        copied = 0
+        for c in self.copies:
+            # shutil.copy2 uses the kernel's in-place copy (sendfile/copy_file_range) on Linux.
+            shutil.copy2(c.src, os.path.join(root, c.relpath))
+            copied += os.path.getsize(c.src)
+        sources, outputs, ops, tensor_bytes = self.compile(root)
+        bar = _ProgressBar(tensor_bytes) if progress else None
+        try:
+            result = _core.write_archives(sources, outputs, ops, workers or 0, False, bar.update if bar else None)
+        finally:
+            if bar:
+                bar.close()
+        return {"bytes_written": int(result["bytes_written"]) + copied, "tensor_bytes": tensor_bytes,
+                "files": len(outputs) + len(self.copies), "copied_bytes": copied}
+
+    # -- describing ----------------------------------------------------------------------------
+    def describe(self, limit: int = 40) -> str:
+        lines = []
+        total = 0
+        for arc in self.archives:
+            _, storages = dumps(arc.obj)
+            nbytes = sum(st.numel * ITEMSIZE[st.dtype] for st in storages)
+            npieces = sum(len(st.source.pieces) if isinstance(st.source, NewTensor) else 1 for st in storages)
+            total += nbytes
+            if len(lines) < limit:
+                lines.append(f"  {arc.relpath}: {nbytes} bytes from {npieces} piece(s)")
+        if len(self.archives) > limit:
+            lines.append(f"  ... and {len(self.archives) - limit} more archive(s)")
+        for c in self.copies:
+            lines.append(f"  {c.relpath}: copy of {c.src}")
+        head = [f"{len(self.archives)} archive(s), {total} tensor bytes; {len(self.copies)} file copies"]
+        return "\n".join(head + self.notes + lines)
+
+
+class _ProgressBar:
+    """tqdm on stderr, fed from the executor's progress callback."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+        self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                         desc="pyckpt", leave=False, disable=None)
+        self._last = 0
+
+    def update(self, done: int, total: int) -> None:
+        if done > self._last:
+            self._bar.update(done - self._last)
+            self._last = done
+
+    def close(self) -> None:
+        self._bar.close()

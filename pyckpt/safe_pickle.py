@@ -1,0 +1,312 @@
+"""Reading the pickles inside torch.save files without running code from them.
+
+DeepSpeed checkpoints are pickles, and ``torch.load(weights_only=False)`` will import and call any
+global a pickle names. This module parses them with an allowlist instead:
+
+* tensors become :class:`TensorRef` (storage record key, dtype, offset, shape, stride) - no bytes
+  are read, so opening a 10 GB shard costs only its small ``data.pkl``;
+* plain containers are rebuilt as themselves (dict, OrderedDict, list, tuple, set, torch.Size);
+* a short list of known DeepSpeed/torch/numpy/argparse classes become :class:`Opaque` records of
+  (global, arguments, state) - inert data that :mod:`pyckpt.torch_pickle` can write back under the
+  same global name without importing it;
+* anything else raises :class:`UnsafePickleError` naming the file and the global.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from .errors import CheckpointFormatError, UnsafePickleError
+
+# Legacy storage class names in persistent ids -> (dtype name, itemsize).
+STORAGE_DTYPES: Dict[str, Tuple[str, int]] = {
+    "FloatStorage": ("float32", 4),
+    "DoubleStorage": ("float64", 8),
+    "HalfStorage": ("float16", 2),
+    "BFloat16Storage": ("bfloat16", 2),
+    "LongStorage": ("int64", 8),
+    "IntStorage": ("int32", 4),
+    "ShortStorage": ("int16", 2),
+    "CharStorage": ("int8", 1),
+    "ByteStorage": ("uint8", 1),
+    "BoolStorage": ("bool", 1),
+    "ComplexFloatStorage": ("complex64", 8),
+    "ComplexDoubleStorage": ("complex128", 16),
+}
+DTYPE_STORAGE = {dtype: name for name, (dtype, _) in STORAGE_DTYPES.items()}
+ITEMSIZE = {dtype: size for dtype, size in STORAGE_DTYPES.values()}
+
+
+@dataclass(eq=False)
+class StorageRef:
+    """One tensor storage record of a torch.save archive (not read)."""
+
+    source: Any  # the object that opened the file (pyckpt.archive.SourceFile)
+    key: str
+    dtype: str
+    numel: int
+    location: str = "cpu"
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(eq=False)
+class TensorRef:
+    """A tensor as the pickle describes it: a strided view of a storage record."""
+
+    storage: StorageRef
+    offset: int  # in elements
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    requires_grad: bool = False
+    # torch writes tensors that carry Python attributes (ZeRO-3's fp32 partitions have ``ds_id``)
+    # through torch._tensor._rebuild_from_type_v2; keeping the attributes lets us write them back.
+    py_state: Optional[dict] = None
+    is_parameter: bool = False
+
+    @property
+    def dtype(self) -> str:
+        return self.storage.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, st in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and st != expected:
+                return False
+            expected *= size
+        return True
+
+    def __repr__(self) -> str:  # short, for --dry-run and error messages
+        return f"TensorRef({self.dtype}{list(self.shape)} @{self.storage.key}+{self.offset})"
+
+
+class Opaque:
+    """An allowlisted object kept as data: which global built it, with what, and its state."""
+
+    _global: Tuple[str, str] = ("", "")
+
+    def __new__(cls, *args):
+        obj = object.__new__(cls)
+        obj.__dict__.update(_args=args, _state=None, _how="newobj", _items=[], _setitems=[])
+        return obj
+
+    def __init__(self, *args):
+        # Only REDUCE goes through __init__ (NEWOBJ calls __new__ alone), so this tells them apart.
+        self.__dict__["_how"] = "reduce"
+
+    def __setstate__(self, state):
+        self.__dict__["_state"] = state
+
+    # APPENDS/SETITEMS on a reduced object call these; record instead of acting.
+    def append(self, item):
+        self.__dict__["_items"].append(item)
+
+    def extend(self, items):
+        self.__dict__["_items"].extend(items)
+
+    def __setitem__(self, key, value):
+        self.__dict__["_setitems"].append((key, value))
+
+    def __getattr__(self, name):
+        state = self.__dict__.get("_state")
+        if isinstance(state, dict) and name in state:
+            return state[name]
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) and name in state[1]:
+            return state[1][name]  # (dict_state, slot_state) form
+        raise AttributeError(f"{self._global[0]}.{self._global[1]} object has no field {name!r}")
+
+    def __eq__(self, other):
+        return (isinstance(other, Opaque) and self._global == other._global and self._args == other._args
+                and self._state == other._state)
+
+    def __hash__(self):
+        return hash(self._global)
+
+    def __repr__(self):
+        mod, name = self._global
+        inner = self._state if self._state is not None else self._args
+        return f"<{mod}.{name} {inner!r}>"
+
+
+class OpaqueEnum(Opaque):
+    """An Enum member pickled as ``Cls(value)`` (DeepSpeed's ZeroStageEnum)."""
+
+    @property
+    def value(self):
+        return self._args[0]
+
+    def __int__(self):
+        return int(self._args[0])
+
+    def __eq__(self, other):
+        if isinstance(other, int):
+            return self._args[0] == other
+        return Opaque.__eq__(self, other)
+
+    def __hash__(self):
+        return hash(self._args[0])
+
+
+@dataclass(frozen=True)
+class GlobalName:
+    """A global that is used as a value (a dtype, ``torch.Tensor``) and written back by name."""
+
+    module: str
+    name: str
+
+
+# Classes that are rebuilt as inert Opaque records.
+OPAQUE_CLASSES = {
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape"),
+    ("argparse", "Namespace"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("copyreg", "_reconstructor"),
+}
+OPAQUE_ENUMS = {
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+}
+TORCH_DTYPE_NAMES = {
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool", "complex64",
+    "complex128", "float", "double", "half", "long", "int"
+}
+
+
+def _safe_codecs_encode(text, encoding="utf-8"):
+    # Protocol-2 pickles of ``bytes`` use _codecs.encode(str, 'latin1'); nothing else is needed.
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise UnsafePickleError(f"_codecs.encode called with {type(text).__name__}/{encoding!r}")
+    return text.encode(encoding)
+
+
+def _set(items=()):
+    return set(items)
+
+
+def _frozenset(items=()):
+    return frozenset(items)
+
+
+class _Reader(pickle.Unpickler):
+
+    def __init__(self, data: bytes, source, where: str):
+        super().__init__(io.BytesIO(data))
+        self._source = source
+        self._where = where
+        self._storages: Dict[str, StorageRef] = {}
+        self._classes: Dict[Tuple[str, str], type] = {}
+
+    def find_class(self, module: str, name: str):
+        key = (module, name)
+        if key == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor_v2
+        if key == ("torch._utils", "_rebuild_parameter"):
+            return _rebuild_parameter
+        if key == ("torch._tensor", "_rebuild_from_type_v2"):
+            return _rebuild_from_type_v2
+        if key == ("torch", "Tensor"):
+            return TORCH_TENSOR
+        if module == "torch" and name in STORAGE_DTYPES:
+            return GlobalName(module, name)
+        if module == "torch" and name in TORCH_DTYPE_NAMES:
+            return GlobalName(module, name)
+        if key == ("torch", "Size"):
+            return torch.Size
+        if key == ("collections", "OrderedDict"):
+            return OrderedDict
+        if key in (("builtins", "set"), ("__builtin__", "set")):
+            return _set
+        if key in (("builtins", "frozenset"), ("__builtin__", "frozenset")):
+            return _frozenset
+        if key == ("_codecs", "encode"):
+            return _safe_codecs_encode
+        if key in OPAQUE_CLASSES or key in OPAQUE_ENUMS:
+            cls = self._classes.get(key)
+            if cls is None:
+                base = OpaqueEnum if key in OPAQUE_ENUMS else Opaque
+                cls = type(name, (base, ), {"_global": key, "__module__": "pyckpt.safe_pickle"})
+                self._classes[key] = cls
+            return cls
+        raise UnsafePickleError(f"{self._where}: refusing to load global '{module}.{name}': it is not on pyckpt's "
+                                "allowlist of checkpoint types, so the file was not unpickled (nothing was run)")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise CheckpointFormatError(f"{self._where}: unexpected persistent id {pid!r}")
+        _, storage_type, key, location, numel = pid
+        if not isinstance(storage_type, GlobalName) or storage_type.name not in STORAGE_DTYPES:
+            raise CheckpointFormatError(f"{self._where}: unsupported storage type {storage_type!r}")
+        ref = self._storages.get(key)
+        if ref is None:
+            dtype = STORAGE_DTYPES[storage_type.name][0]
+            ref = StorageRef(self._source, str(key), dtype, int(numel), str(location))
+            self._storages[key] = ref
+        return ref
+
+
+TORCH_TENSOR = GlobalName("torch", "Tensor")
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    if not isinstance(storage, StorageRef):
+        raise CheckpointFormatError(f"tensor rebuilt from {type(storage).__name__}, expected a storage record")
+    if metadata:
+        raise CheckpointFormatError("tensors with serialized metadata (e.g. conjugate/negative views) are not "
+                                    "supported")
+    return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride),
+                     bool(requires_grad))
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks):
+    if not isinstance(data, TensorRef):
+        raise CheckpointFormatError("parameter rebuilt from a non-tensor")
+    data.requires_grad = bool(requires_grad)
+    data.is_parameter = True
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    if func is not _rebuild_tensor_v2 or new_type is not TORCH_TENSOR:
+        raise UnsafePickleError("_rebuild_from_type_v2 is only accepted for plain torch.Tensor")
+    tensor = _rebuild_tensor_v2(*args)
+    tensor.py_state = dict(state) if state else {}
+    return tensor
+
+
+def loads(data: bytes, source=None, where: str = "<pickle>") -> Any:
+    """Parse one pickle; ``where`` names the file in every error."""
+    try:
+        return _Reader(data, source, where).load()
+    except (UnsafePickleError, CheckpointFormatError):
+        raise
+    except Exception as exc:  # truncated or garbled bytes
+        raise CheckpointFormatError(f"{where}: cannot parse pickle: {type(exc).__name__}: {exc}") from None
