@@ -1,0 +1,185 @@
+"""ZeRO stage 1/2 → Universal: the copy plan, following DeepSpeed 0.19.8's ds_to_universal.
+
+Each dp rank's optimizer shard holds a flat fp32 partition per param group (padding stripped) and
+flat Adam moments of the same layout; ``param_slice_mappings[g][name] = (start, numel)`` says where
+a parameter's fragment sits in that rank's partition. A parameter's universal tensor is the
+concatenation of its fragments in dp order, reshaped to ``param_shapes``. Every fragment is a
+contiguous byte range, so the whole conversion is a list of byte copies.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from typing import Dict, List, Tuple
+
+from .checkpoint import ZeroCheckpoint
+from .errors import CheckpointFormatError
+from .plan import CONVERT_TO_F32, Piece, Plan
+from .safe_pickle import TensorRef
+from .torch_pickle import NewTensor
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+# ds_to_universal drops these from rank 0's optimizer state when it writes zero/optimizer_state.pt:
+# they are per-rank and are rebuilt by the loader from the per-parameter files.
+SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+TP_PATTERN_KEYS = ("tp_replicated_parameter_patterns", "parameter_to_average_patterns",
+                   "parameter_with_row_parallelism_patterns", "vocabulary_parameter_patterns",
+                   "parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params", "affine_map")
+
+
+def _shape_numel(shape) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def flatten_param_shapes(model_file) -> "OrderedDict[str, tuple]":
+    groups = model_file.load().get("param_shapes")
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
+        raise CheckpointFormatError(f"{model_file.path}: param_shapes must be a list of dicts (is this a ZeRO "
+                                    "checkpoint?)")
+    out = OrderedDict()
+    for g in groups:
+        out.update(g)
+    return out
+
+
+def universal_checkpoint_info(ck: ZeroCheckpoint, inject_missing_state: bool):
+    info = ck.model[0].load().get("universal_checkpoint_info")
+    if info is None:
+        if not inject_missing_state:
+            raise CheckpointFormatError(
+                f"{ck.model[0].path}: Required universal_checkpoint_info state is missing in checkpoint. Verify "
+                "that client creates this state (save with client_state={'universal_checkpoint_info': {}}), or "
+                "pass --inject_missing_state")
+        info = {"universal_checkpoint_version": 0.4}
+    unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
+    if unsupported:
+        details = ", ".join(f"{p}: {r}" for p, r in sorted(unsupported.items()))
+        raise CheckpointFormatError(f"AutoTP universal checkpoint conversion is not supported for {details}.")
+    used = [k for k in TP_PATTERN_KEYS if info.get(k)]
+    if used:
+        raise NotImplementedError(f"{ck.model[0].path}: universal_checkpoint_info declares {used}; tensor-parallel "
+                                  "merge rules are not supported by this version of pyckpt")
+    return info
+
+
+def _step_value(sf, step):
+    """A comparable value of an Adam step (0-d tensor or number)."""
+    if isinstance(step, TensorRef):
+        off, nbytes = sf.tensor_byte_range(step)
+        return (step.dtype, sf.read_bytes(off, nbytes))
+    return step
+
+
+def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = False) -> Dict[str, int]:
+    universal_checkpoint_info(ck, inject_missing_state)
+    shapes = flatten_param_shapes(ck.model[0])
+    shards = [(sf, sf.load()["optimizer_state_dict"]) for sf in ck.optim]
+
+    # name -> [(rank, group, start, numel)] in dp order
+    fragments: Dict[str, List[Tuple[int, int, int, int]]] = {}
+    for rank, (sf, osd) in enumerate(shards):
+        mappings = osd.get("param_slice_mappings")
+        state = osd["base_optimizer_state"].get("state")
+        fp32 = osd.get("single_partition_of_fp32_groups")
+        if mappings is None or state is None or fp32 is None:
+            raise CheckpointFormatError(f"{sf.path}: ZeRO-1/2 optimizer shard lacks param_slice_mappings, "
+                                        "base_optimizer_state['state'] or single_partition_of_fp32_groups")
+        for g in range(len(state)):
+            if g >= len(mappings) or g >= len(fp32):
+                raise CheckpointFormatError(f"{sf.path}: optimizer state has group {g} but the shard has only "
+                                            f"{len(mappings)} slice mappings / {len(fp32)} fp32 partitions")
+            for name, frag in mappings[g].items():
+                fragments.setdefault(name, []).append((rank, g, int(frag.start), int(frag.numel)))
+
+    written = set()
+    params = 0
+    for name, shape in shapes.items():
+        frags = fragments.get(name)
+        if not frags:
+            continue  # no optimizer state: the module fallback below writes fp32.pt, as DeepSpeed does
+        params += 1
+        written.add(name)
+        for state_name in STATES:
+            pieces, dst, dtype, requires_grad = [], 0, None, False
+            for rank, g, start, numel in frags:
+                sf, osd = shards[rank]
+                src = (osd["single_partition_of_fp32_groups"][g]
+                       if state_name == "fp32" else osd["base_optimizer_state"]["state"][g].get(state_name))
+                if not isinstance(src, TensorRef):
+                    raise CheckpointFormatError(f"{sf.path}: group {g} has no {state_name} tensor for {name}")
+                if dtype is None:
+                    dtype = src.dtype
+                elif src.dtype != dtype:
+                    raise CheckpointFormatError(f"{sf.path}: {state_name} of {name} is {src.dtype} here but "
+                                                f"{dtype} on a lower dp rank")
+                requires_grad |= src.requires_grad
+                off, nbytes = sf.tensor_byte_range(src, start, numel)
+                pieces.append(Piece(sf, off, nbytes, dst))
+                dst += nbytes
+            total = sum(f[3] for f in frags)
+            if total != _shape_numel(shape):
+                raise CheckpointFormatError(f"{ck.folder}: the fragments of {name} across dp ranks hold {total} "
+                                            f"elements, but param_shapes says {tuple(shape)}")
+            tensor = NewTensor(dtype, tuple(int(d) for d in shape), pieces, requires_grad)
+            plan.add_archive(f"zero/{name}/{state_name}.pt", {"cat_dim": 0, "param": tensor})
+        steps = []
+        for rank, g, _, _ in frags:
+            sf, osd = shards[rank]
+            group_state = osd["base_optimizer_state"]["state"][g]
+            if "step" in group_state:
+                steps.append((sf, group_state["step"]))
+        if steps:
+            values = [_step_value(sf, s) for sf, s in steps]
+            if any(v != values[0] for v in values[1:]):
+                raise CheckpointFormatError(f"{ck.folder}: dp ranks disagree on the Adam step of {name}")
+            sf, step = steps[0]
+            if isinstance(step, TensorRef):
+                off, nbytes = sf.tensor_byte_range(step)
+                step = NewTensor(step.dtype, step.shape, [Piece(sf, off, nbytes, 0)], step.requires_grad)
+            plan.add_archive(f"zero/{name}/step.pt", step)
+
+    # DeepSpeed 0.19.8 writes {'param': module[name].float()} for every module entry that got no fp32.pt:
+    # frozen parameters, tied aliases, buffers, parameters without optimizer fragments.
+    fallback = 0
+    for mf in ck.model:
+        module = mf.load().get("module")
+        if module is None:
+            continue
+        for name, t in module.items():
+            if name in written or not isinstance(t, TensorRef):
+                continue
+            written.add(name)
+            fallback += 1
+            plan.add_archive(f"zero/{name}/fp32.pt", {"param": _as_float32(mf, name, t)})
+
+    plan.add_archive("zero/optimizer_state.pt", _common_optimizer_state(shards[0][1], ck.dp))
+    for path in ck.model_paths:
+        plan.add_copy(path, os.path.basename(path))
+    return {"params": params, "fallback_params": fallback}
+
+
+def _as_float32(sf, name: str, t: TensorRef) -> NewTensor:
+    kind = CONVERT_TO_F32.get(t.dtype)
+    if kind is None:
+        raise CheckpointFormatError(f"{sf.path}: module entry {name} has dtype {t.dtype}, which DeepSpeed's .float() "
+                                    "fallback would convert but pyckpt cannot")
+    off, nbytes = sf.tensor_byte_range(t)
+    pieces = [Piece(sf, off, nbytes, 0, kind)] if nbytes else []
+    return NewTensor("float32", t.shape, pieces, t.requires_grad)
+
+
+def _common_optimizer_state(osd, dp: int):
+    out = {}
+    for key, value in osd.items():
+        if key in SHARDED_KEYS:
+            continue
+        if key == "partition_count" and value:
+            value = [dp] * len(value)
+        elif key == "group_paddings" and value:
+            value = [0] * len(value)
+        out[key] = value
+    out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
+    return out
+
