@@ -1,0 +1,90 @@
+"""Command line: ``python -m pyckpt.convert INPUT OUTPUT`` (a drop-in for ds_to_universal.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DESCRIPTION = """\
+Convert a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint to DeepSpeed's Universal Checkpoint layout,
+the same files DeepSpeed's ds_to_universal.py writes, so that a run with
+{"checkpoint": {"load_universal": true}} can resume it at another data-parallel size.
+
+INPUT is the checkpoint's tag folder (e.g. ckpt/global_step100) or the folder holding `latest`.
+OUTPUT is the universal folder to create (e.g. ckpt/global_step100_universal); `latest_universal`
+is written beside it, naming it. The output appears complete or not at all: it is written into a
+hidden sibling folder and renamed when done. Input files are never unpickled with code execution.
+"""
+
+EPILOG = """\
+ds_to_universal.py flags are accepted as aliases: --input_folder, --output_folder,
+--num_extract_workers / --num_merge_workers (threads here; the larger one is used when --workers is
+not given), --inject_missing_state, --no_strict, --keep_temp_folder (no temp folder is ever made).
+
+exit status: 0 done, 1 conversion failed (one line on stderr; --debug for a traceback), 2 usage.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pyckpt.convert", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", nargs="?", help="ZeRO checkpoint tag folder, or its parent holding `latest`")
+    p.add_argument("output", nargs="?", help="universal checkpoint folder to create")
+    p.add_argument("--input_folder", "--input-folder", dest="input_folder", help="alias of INPUT")
+    p.add_argument("--output_folder", "--output-folder", dest="output_folder", help="alias of OUTPUT")
+    p.add_argument("--workers", "-j", type=int, default=None,
+                   help="copy threads (default: one per CPU core)")
+    p.add_argument("--num_extract_workers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--num_merge_workers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--inject_missing_state", "--inject-missing-state", action="store_true",
+                   help="convert checkpoints saved without client_state['universal_checkpoint_info'] "
+                   "(as ds_to_universal.py --inject_missing_state; the copied model files are unchanged)")
+    p.add_argument("--no_strict", "--no-strict", dest="strict", action="store_false",
+                   help="warn instead of failing on unused tensor-parallel merge patterns")
+    p.add_argument("--keep_temp_folder", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (swapped in when complete)")
+    p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+                   help="print what would be written, write nothing")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no closing line")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    src = args.input_folder or args.input
+    dst = args.output_folder or args.output
+    if not src or not dst:
+        parser.error("INPUT and OUTPUT are required (positionally or as --input_folder/--output_folder)")
+    workers = args.workers
+    if workers is None and (args.num_extract_workers or args.num_merge_workers):
+        workers = max(args.num_extract_workers or 0, args.num_merge_workers or 0)
+    from . import convert_to_universal
+    try:
+        report = convert_to_universal(src, dst, workers, inject_missing_state=args.inject_missing_state,
+                                      overwrite=args.overwrite, progress=not args.quiet, dry_run=args.dry_run,
+                                      strict=args.strict)
+    except KeyboardInterrupt:
+        print("pyckpt: interrupted; no output was published", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one clear line, the traceback only on request
+        if args.debug:
+            raise
+        print(f"pyckpt: error: {exc}", file=sys.stderr)
+        return 1
+    if args.dry_run:
+        print(report.plan_text)
+        return 0
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    if not args.quiet:
+        print(f"pyckpt: {report.summary()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

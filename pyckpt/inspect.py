@@ -1,0 +1,81 @@
+"""Command line: ``python -m pyckpt.inspect CKPT`` - what a ZeRO checkpoint holds, from metadata only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import Counter
+
+from .checkpoint import discover
+from .safe_pickle import TensorRef
+
+
+def describe(path) -> dict:
+    ck = discover(path)
+    model = ck.model[0].load()
+    shapes = {}
+    for group in model.get("param_shapes") or []:
+        shapes.update(group)
+    frozen = model.get("frozen_param_shapes") or {}
+    module = model.get("module") or {}
+    lp_dtypes = Counter(t.dtype for t in module.values() if isinstance(t, TensorRef) and t.numel() > 0)
+    osd = ck.optim[0].load()["optimizer_state_dict"]
+    master = osd.get("single_partition_of_fp32_groups") or osd.get("fp32_flat_groups") or []
+    files = sorted(os.listdir(ck.folder))
+    sizes = {f: os.path.getsize(os.path.join(ck.folder, f)) for f in files}
+    return {
+        "folder": ck.folder,
+        "zero_stage": ck.stage,
+        "dp": ck.dp,
+        "tp": ck.tp,
+        "pp": ck.pp,
+        "zero_sub_groups": len(model.get("param_shapes") or []),
+        "trainable_params": len(shapes),
+        "trainable_numel": sum(math.prod(int(d) for d in s) for s in shapes.values()),
+        "frozen_params": len(frozen),
+        "frozen_numel": sum(math.prod(int(d) for d in s) for s in frozen.values()),
+        "model_dtypes": dict(lp_dtypes),
+        "master_dtype": master[0].dtype if master and isinstance(master[0], TensorRef) else None,
+        "bf16_optimizer_files": ck.bf16_prefix,
+        "ds_version": model.get("ds_version"),
+        "global_steps": model.get("global_steps"),
+        "has_universal_checkpoint_info": model.get("universal_checkpoint_info") is not None,
+        "files": len(files),
+        "bytes": sum(sizes.values()),
+        "file_sizes": sizes,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pyckpt.inspect",
+                                description="Show a DeepSpeed ZeRO checkpoint's stage, dp degree, dtypes, parameter "
+                                "count, bytes and files. Reads only the pickled metadata; runs no code from it.")
+    p.add_argument("checkpoint", help="tag folder, or the folder holding `latest`")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = p.parse_args(argv)
+    try:
+        info = describe(args.checkpoint)
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"pyckpt: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    for key, value in info.items():
+        if key == "file_sizes":
+            print("files:")
+            for name, size in value.items():
+                print(f"  {size:>14,d}  {name}")
+        else:
+            print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
