@@ -20,8 +20,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import torch
-
 from .errors import CheckpointFormatError, UnsafePickleError
 
 # Legacy storage class names in persistent ids -> (dtype name, itemsize).
@@ -169,6 +167,24 @@ class OpaqueEnum(Opaque):
         return hash(self._args[0])
 
 
+class TorchSize(tuple):
+    """torch.Size as data: a tuple that is written back as ``torch.Size`` (torch is never imported)."""
+
+    __slots__ = ()
+
+    def __new__(cls, dims=()):
+        return super().__new__(cls, (int(d) for d in dims))
+
+    def numel(self) -> int:
+        n = 1
+        for d in self:
+            n *= d
+        return n
+
+    def __repr__(self):
+        return f"torch.Size({list(self)})"
+
+
 @dataclass(frozen=True)
 class GlobalName:
     """A global that is used as a value (a dtype, ``torch.Tensor``) and written back by name."""
@@ -240,7 +256,7 @@ class _Reader(pickle.Unpickler):
         if module == "torch" and name in TORCH_DTYPE_NAMES:
             return GlobalName(module, name)
         if key == ("torch", "Size"):
-            return torch.Size
+            return TorchSize
         if key == ("collections", "OrderedDict"):
             return OrderedDict
         if key in (("builtins", "set"), ("__builtin__", "set")):

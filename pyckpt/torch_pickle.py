@@ -13,9 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
-from .safe_pickle import DTYPE_STORAGE, GlobalName, Opaque, StorageRef, TensorRef, TORCH_TENSOR
+from .safe_pickle import DTYPE_STORAGE, GlobalName, Opaque, StorageRef, TensorRef, TorchSize
 
 
 @dataclass(eq=False)
@@ -175,7 +173,7 @@ class _Emitter:
             self._str(obj)
         elif isinstance(obj, (TensorRef, NewTensor)):
             self._tensor(obj)
-        elif isinstance(obj, torch.Size):
+        elif isinstance(obj, TorchSize) or _is_torch_size(obj):
             self._global("torch", "Size")
             self._tuple([tuple(obj)])
             self.out += b"R"
@@ -220,6 +218,12 @@ class _Emitter:
             self._appends(obj._items)
         if obj._setitems:
             self._setitems(obj._setitems)
+
+
+def _is_torch_size(obj) -> bool:
+    # Callers may hand in real torch.Size objects; recognise them without importing torch.
+    cls = type(obj)
+    return cls.__name__ == "Size" and cls.__module__ == "torch"
 
 
 def dumps(obj) -> Tuple[bytes, List[StorageOut]]:

@@ -1,0 +1,91 @@
+"""Session fixtures: real DeepSpeed 0.19.8 checkpoints made on CPU, and both converters' outputs.
+
+Making checkpoints dominates the suite's time, so every configuration is trained once per session
+(batched into one launch per world size by the harness) and tests that damage a checkpoint work on
+a copy.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import dsharness
+from dsharness import Config
+
+# name -> configuration. Names say stage, dtype, dp degree and what is special.
+CONFIGS = {
+    "s1_fp32_dp2": Config(1, "fp32", 2),
+    "s2_bf16_dp2": Config(2, "bf16", 2),
+    "s3_fp32_dp2_subgroups": Config(3, "fp32", 2, sub_group_size=16),
+    "s2_fp32_dp3": Config(2, "fp32", 3),
+    "s3_bf16_dp3": Config(3, "bf16", 3),
+    "s1_fp32_dp4": Config(1, "fp32", 4),
+    "s2_fp32_dp4": Config(2, "fp32", 4),
+    "s3_fp32_dp4": Config(3, "fp32", 4),
+    "s1_frozen_tied": Config(1, "fp32", 2, model="frozen_tied"),
+    "s2_bf16_frozen_tied": Config(2, "bf16", 2, model="frozen_tied"),
+    "s3_frozen_tied": Config(3, "fp32", 2, model="frozen_tied"),
+    "s2_fp32_dp2_no_uc_info": Config(2, "fp32", 2, uc_info=False),
+}
+
+# (checkpoint, world size to load it at): 4 -> 2 and 2 -> 3 for every stage.
+LOADS = [
+    ("s1_fp32_dp4", 2),
+    ("s2_fp32_dp4", 2),
+    ("s3_fp32_dp4", 2),
+    ("s1_fp32_dp2", 3),
+    ("s2_bf16_dp2", 3),
+    ("s3_fp32_dp2_subgroups", 3),
+    ("s2_bf16_frozen_tied", 3),
+]
+
+
+def converter_args(name: str):
+    return ("--inject_missing_state", ) if not CONFIGS[name].uc_info else ()
+
+
+@pytest.fixture(scope="session")
+def ds_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("deepspeed")
+
+
+@pytest.fixture(scope="session")
+def ds_environ(ds_root) -> dict:
+    # A private TORCH_EXTENSIONS_DIR per session: DeepSpeed builds its CPU ops there.
+    return dsharness.ds_env(ds_root)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(ds_root, ds_environ) -> dict:
+    items = [(cfg, ds_root / "ckpt" / name) for name, cfg in CONFIGS.items()]
+    made = dsharness.make_checkpoints(items, env=ds_environ)
+    return dict(zip(CONFIGS, made))
+
+
+@pytest.fixture(scope="session")
+def deepspeed_universal(checkpoints, ds_root, ds_environ) -> dict:
+    """DeepSpeed's ds_to_universal output for every checkpoint (the reference)."""
+    out = {}
+    batches = {}
+    for name, ck in checkpoints.items():
+        dest = ds_root / "ds_universal" / name / f"{ck.tag}_universal"
+        batches.setdefault(converter_args(name), []).append((ck.tag_dir, dest))
+        out[name] = dest
+    for args, jobs in batches.items():
+        dsharness.run_ds_to_universal_many(jobs, *args, env=ds_environ)
+    return out
+
+
+@pytest.fixture(scope="session")
+def pyckpt_universal(checkpoints, ds_root) -> dict:
+    import pyckpt
+
+    out = {}
+    for name, ck in checkpoints.items():
+        dest = ds_root / "pyckpt_universal" / name / f"{ck.tag}_universal"
+        pyckpt.convert_to_universal(ck.root, dest, inject_missing_state=not CONFIGS[name].uc_info)
+        out[name] = dest
+    return out

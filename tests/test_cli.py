@@ -1,0 +1,82 @@
+"""The command lines: python -m pyckpt.convert (ds_to_universal.py flags too) and python -m pyckpt.inspect."""
+
+import json
+import subprocess
+import sys
+
+from compare import diff_folders
+
+
+def run(*args, check=True):
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed with {proc.returncode}:\n{proc.stderr}")
+    return proc
+
+
+def test_convert_positional_matches_deepspeed(checkpoints, deepspeed_universal, tmp_path):
+    ck = checkpoints["s1_fp32_dp2"]
+    out = tmp_path / "u"
+    proc = run("-m", "pyckpt.convert", str(ck.tag_dir), str(out), "--workers", "2", "--json")
+    report = json.loads(proc.stdout)
+    assert report["stage"] == 1 and report["dp"] == 2 and report["params"] > 0 and report["bytes_written"] > 0
+    assert "converted" in proc.stderr and "GB/s" in proc.stderr  # the closing line
+    assert diff_folders(str(deepspeed_universal["s1_fp32_dp2"]), str(out)) == []
+
+
+def test_convert_accepts_ds_to_universal_flags(checkpoints, deepspeed_universal, tmp_path):
+    ck = checkpoints["s2_fp32_dp2_no_uc_info"]
+    out = tmp_path / "u"
+    run("-m", "pyckpt.convert", "--input_folder", str(ck.tag_dir), "--output_folder", str(out),
+        "--num_extract_workers", "4", "--num_merge_workers", "2", "--inject_missing_state", "--no_strict",
+        "--keep_temp_folder", "--quiet")
+    assert diff_folders(str(deepspeed_universal["s2_fp32_dp2_no_uc_info"]), str(out)) == []
+    assert (tmp_path / "latest_universal").read_text() == "u"
+
+
+def test_missing_universal_checkpoint_info_is_one_line_error(checkpoints, tmp_path):
+    ck = checkpoints["s2_fp32_dp2_no_uc_info"]
+    proc = run("-m", "pyckpt.convert", str(ck.tag_dir), str(tmp_path / "u"), check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "universal_checkpoint_info" in proc.stderr
+    assert "--inject_missing_state" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "u").exists()
+
+
+def test_dry_run_writes_nothing(checkpoints, tmp_path):
+    ck = checkpoints["s3_fp32_dp2_subgroups"]
+    proc = run("-m", "pyckpt.convert", str(ck.root), str(tmp_path / "u"), "--dry-run")
+    assert "zero/optimizer_state.pt" in proc.stdout and "archive(s)" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_explains_usage():
+    out = run("-m", "pyckpt.convert", "--help").stdout
+    for word in ("INPUT", "OUTPUT", "load_universal", "--workers", "--dry-run", "--inject_missing_state",
+                 "--input_folder", "--overwrite"):
+        assert word in out, word
+
+
+def test_usage_error_exits_2():
+    assert run("-m", "pyckpt.convert", check=False).returncode == 2
+
+
+def test_inspect_reports_topology(checkpoints):
+    ck = checkpoints["s3_bf16_dp3"]
+    info = json.loads(run("-m", "pyckpt.inspect", str(ck.root), "--json").stdout)
+    assert info["zero_stage"] == 3 and info["dp"] == 3
+    assert info["master_dtype"] == "float32" and info["bf16_optimizer_files"] is True
+    assert info["trainable_numel"] > 0 and info["bytes"] > 0 and info["files"] >= 6
+    text = run("-m", "pyckpt.inspect", str(ck.tag_dir)).stdout
+    assert "zero_stage: 3" in text and "dp: 3" in text
+
+
+def test_inspect_reports_dtypes(checkpoints):
+    info = json.loads(run("-m", "pyckpt.inspect", str(checkpoints["s2_bf16_dp2"].tag_dir), "--json").stdout)
+    assert list(info["model_dtypes"]) == ["bfloat16"] and info["master_dtype"] == "float32"
+    assert info["zero_stage"] == 2 and info["dp"] == 2 and info["frozen_params"] == 0
+
+
+def test_inspect_error_is_one_line(tmp_path):
+    proc = run("-m", "pyckpt.inspect", str(tmp_path), check=False)
+    assert proc.returncode == 1 and "not a DeepSpeed ZeRO checkpoint" in proc.stderr
