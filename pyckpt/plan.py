@@ -121,18 +121,30 @@ class Plan:
         dirs |= {os.path.dirname(os.path.join(root, c.relpath)) for c in self.copies}
         for d in sorted(dirs):
             os.makedirs(d, exist_ok=True)
-        copied = 0
-        for c in self.copies:
-            # shutil.copy2 uses the kernel's in-place copy (sendfile/copy_file_range) on Linux.
-            shutil.copy2(c.src, os.path.join(root, c.relpath))
-            copied += os.path.getsize(c.src)
+        # Whole-file copies (model-state files) go through the kernel's copy path in a thread, so they
+        # overlap with the native executor instead of adding to it (both release the GIL).
+        copy_error = []
+
+        def copy_all():
+            try:
+                for c in self.copies:
+                    shutil.copy2(c.src, os.path.join(root, c.relpath))
+            except BaseException as exc:  # reported on the calling thread
+                copy_error.append(exc)
+
         sources, outputs, ops, tensor_bytes = self.compile(root)
+        copier = threading.Thread(target=copy_all, name="pyckpt-copy")
+        copier.start()
         bar = _ProgressBar(tensor_bytes) if progress else None
         try:
             result = _core.write_archives(sources, outputs, ops, workers or 0, False, bar.update if bar else None)
         finally:
+            copier.join()
             if bar:
                 bar.close()
+        if copy_error:
+            raise copy_error[0]
+        copied = sum(os.path.getsize(c.src) for c in self.copies)
         return {"bytes_written": int(result["bytes_written"]) + copied, "tensor_bytes": tensor_bytes,
                 "files": len(outputs) + len(self.copies), "copied_bytes": copied}
 
@@ -165,6 +177,9 @@ class _ProgressBar:
         self._last = 0
 
     def update(self, done: int, total: int) -> None:
+        # The executor counts archive headers too; follow its total so the bar ends at 100%.
+        if total != self._bar.total:
+            self._bar.total = total
         if done > self._last:
             self._bar.update(done - self._last)
             self._last = done

@@ -1,0 +1,244 @@
+#include "archive.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "errors.hpp"
+#include "zip_format.hpp"
+
+namespace pyckpt {
+
+using namespace zip;
+
+namespace {
+
+constexpr uint16_t kFlagEncrypted = 0x0001;
+constexpr uint16_t kFlagStrongEncryption = 0x0040;
+constexpr uint16_t kFlagDataDescriptor = 0x0008;
+
+std::string num(uint64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+Archive::Archive(std::string path) : path_(std::move(path)) {
+    map_ = std::make_unique<MappedFile>(path_);
+    size_ = map_->size();
+    parse();
+}
+
+void Archive::fail(std::string_view what) const { throw archive_error(path_, what); }
+void Archive::fail(std::string_view member, std::string_view what) const {
+    throw archive_error(path_, member, what);
+}
+
+void Archive::parse() {
+    const uint8_t* f = map_->data();
+    const uint64_t n = size_;
+    if (n < kEocdSize)
+        fail("file too short to be a ZIP archive (" + num(n) + " bytes, no end-of-central-directory record)");
+
+    // The end record sits at the very end unless an archive comment follows it; scan back over
+    // at most the largest possible comment.
+    uint64_t eocd = UINT64_MAX;
+    const uint64_t lowest = n - kEocdSize > kMax16 ? n - kEocdSize - kMax16 : 0;
+    for (uint64_t pos = n - kEocdSize + 1; pos-- > lowest;) {
+        if (rd32(f + pos) == kEocdSig && pos + kEocdSize + rd16(f + pos + 20) <= n) {
+            eocd = pos;
+            break;
+        }
+    }
+    if (eocd == UINT64_MAX) fail("no end-of-central-directory record (not a ZIP archive or truncated)");
+
+    const uint8_t* e = f + eocd;
+    uint64_t disk = rd16(e + 4), cd_disk = rd16(e + 6);
+    uint64_t entries_here = rd16(e + 8), entries = rd16(e + 10);
+    uint64_t cd_size = rd32(e + 12), cd_offset = rd32(e + 16);
+    uint64_t cd_limit = eocd;  // the central directory must end before the end records
+
+    bool has_locator = eocd >= kEocd64LocatorSize && rd32(f + eocd - kEocd64LocatorSize) == kEocd64LocatorSig;
+    if (has_locator) {
+        const uint8_t* loc = f + eocd - kEocd64LocatorSize;
+        uint64_t rec = rd64(loc + 8);
+        if (rd32(loc + 16) > 1) fail("multi-disk ZIP64 archives are not supported");
+        if (rec > eocd - kEocd64LocatorSize || eocd - kEocd64LocatorSize - rec < kEocd64Size)
+            fail("truncated ZIP64 end-of-central-directory record (offset " + num(rec) + ")");
+        const uint8_t* z = f + rec;
+        if (rd32(z) != kEocd64Sig) fail("bad ZIP64 end-of-central-directory signature at offset " + num(rec));
+        // torch writes both end records with real values; a plain field that is not the ZIP64
+        // sentinel must agree with its ZIP64 twin, or one of the two records is corrupt.
+        auto agree = [&](uint64_t plain, uint64_t sentinel, uint64_t wide, const char* what) {
+            if (plain != sentinel && plain != wide)
+                fail(std::string("end-of-central-directory records disagree on the ") + what + " (" + num(plain) +
+                     " vs ZIP64 " + num(wide) + ")");
+        };
+        agree(entries, kMax16, rd64(z + 32), "entry count");
+        agree(cd_size, kMax32, rd64(z + 40), "central directory size");
+        agree(cd_offset, kMax32, rd64(z + 48), "central directory offset");
+        disk = rd32(z + 16);
+        cd_disk = rd32(z + 20);
+        entries_here = rd64(z + 24);
+        entries = rd64(z + 32);
+        cd_size = rd64(z + 40);
+        cd_offset = rd64(z + 48);
+        cd_limit = rec;
+    } else if (entries == kMax16 || cd_size == kMax32 || cd_offset == kMax32) {
+        fail("end-of-central-directory record requires ZIP64 but the ZIP64 locator is missing");
+    }
+    if (disk != 0 || cd_disk != 0 || entries_here != entries) fail("multi-disk ZIP archives are not supported");
+    if (cd_offset > n || cd_size > n - cd_offset)
+        fail("central directory past end of file (offset " + num(cd_offset) + ", size " + num(cd_size) +
+             ", file size " + num(n) + ")");
+    if (cd_offset + cd_size > cd_limit) fail("central directory overlaps the end-of-central-directory records");
+    // Each entry needs at least the fixed header, which bounds the count before we reserve.
+    if (entries > cd_size / kCentralHeaderSize)
+        fail("central directory too small for " + num(entries) + " entries");
+
+    members_.reserve(entries);
+    uint64_t pos = cd_offset;
+    const uint64_t cd_end = cd_offset + cd_size;
+    for (uint64_t i = 0; i < entries; ++i) {
+        if (cd_end - pos < kCentralHeaderSize)
+            fail("truncated central directory at entry " + num(i));
+        const uint8_t* c = f + pos;
+        if (rd32(c) != kCentralSig) fail("bad central directory signature at offset " + num(pos));
+        uint16_t flags = rd16(c + 8), method = rd16(c + 10);
+        uint32_t crc = rd32(c + 16);
+        uint64_t csize = rd32(c + 20), usize = rd32(c + 24);
+        uint16_t name_len = rd16(c + 28), extra_len = rd16(c + 30), comment_len = rd16(c + 32);
+        uint64_t lho = rd32(c + 42);
+        uint64_t var_len = uint64_t{name_len} + extra_len + comment_len;
+        if (cd_end - pos - kCentralHeaderSize < var_len)
+            fail("truncated central directory at entry " + num(i));
+        std::string name(reinterpret_cast<const char*>(c + kCentralHeaderSize), name_len);
+
+        // ZIP64 extra: only the saturated slots are present, in the order usize, csize, offset.
+        const uint8_t* x = c + kCentralHeaderSize + name_len;
+        const uint8_t* x_end = x + extra_len;
+        bool need64 = usize == kMax32 || csize == kMax32 || lho == kMax32;
+        bool got64 = false;
+        while (x_end - x >= 4) {
+            uint16_t id = rd16(x), len = rd16(x + 2);
+            if (x_end - x - 4 < len) fail(name, "truncated extra field in central directory");
+            if (id == kZip64ExtraId) {
+                const uint8_t* v = x + 4;
+                uint64_t avail = len;
+                auto take = [&](uint64_t& slot) {
+                    if (slot != kMax32) return;
+                    if (avail < 8) fail(name, "truncated ZIP64 extra field in central directory");
+                    slot = rd64(v);
+                    v += 8;
+                    avail -= 8;
+                };
+                take(usize);
+                take(csize);
+                take(lho);
+                got64 = true;
+            }
+            x += 4 + len;
+        }
+        if (need64 && !got64) fail(name, "missing ZIP64 extra field in central directory");
+
+        if (flags & (kFlagEncrypted | kFlagStrongEncryption)) fail(name, "member is encrypted");
+        if (method != 0) fail(name, "member is compressed (method " + num(method) + "); only stored members are supported");
+        if (csize != usize) fail(name, "stored member has compressed size " + num(csize) + " != size " + num(usize));
+
+        // Local header: the data offset depends on its own name/extra lengths, which may differ
+        // from the central directory's.
+        if (lho > n || n - lho < kLocalHeaderSize) fail(name, "local header past end of file (offset " + num(lho) + ")");
+        const uint8_t* l = f + lho;
+        if (rd32(l) != kLocalSig) fail(name, "bad local header signature at offset " + num(lho));
+        uint16_t l_flags = rd16(l + 6), l_method = rd16(l + 8);
+        uint16_t l_name_len = rd16(l + 26), l_extra_len = rd16(l + 28);
+        if (n - lho - kLocalHeaderSize < uint64_t{l_name_len} + l_extra_len)
+            fail(name, "local header past end of file");
+        if (std::string_view(reinterpret_cast<const char*>(l + kLocalHeaderSize), l_name_len) != name)
+            fail(name, "local header name mismatch ('" +
+                           std::string(reinterpret_cast<const char*>(l + kLocalHeaderSize), l_name_len) + "')");
+        if (l_method != 0) fail(name, "member is compressed in its local header (method " + num(l_method) + ")");
+        if (l_flags & (kFlagEncrypted | kFlagStrongEncryption)) fail(name, "member is encrypted");
+        if (!(l_flags & kFlagDataDescriptor)) {
+            uint64_t l_csize = rd32(l + 18), l_usize = rd32(l + 22);
+            const uint8_t* lx = l + kLocalHeaderSize + l_name_len;
+            const uint8_t* lx_end = lx + l_extra_len;
+            while (lx_end - lx >= 4) {
+                uint16_t id = rd16(lx), len = rd16(lx + 2);
+                if (lx_end - lx - 4 < len) fail(name, "truncated extra field in local header");
+                if (id == kZip64ExtraId) {
+                    const uint8_t* v = lx + 4;
+                    uint64_t avail = len;
+                    if (l_usize == kMax32) {
+                        if (avail < 8) fail(name, "truncated ZIP64 extra field in local header");
+                        l_usize = rd64(v), v += 8, avail -= 8;
+                    }
+                    if (l_csize == kMax32) {
+                        if (avail < 8) fail(name, "truncated ZIP64 extra field in local header");
+                        l_csize = rd64(v);
+                    }
+                }
+                lx += 4 + len;
+            }
+            if (l_usize != usize || l_csize != csize)
+                fail(name, "local header size " + num(l_usize) + " disagrees with central directory size " + num(usize));
+        }
+        uint64_t data_offset = lho + kLocalHeaderSize + l_name_len + l_extra_len;
+        if (data_offset > n || n - data_offset < usize)
+            fail(name, "member data past end of file (offset " + num(data_offset) + ", size " + num(usize) +
+                           ", file size " + num(n) + ")");
+        if (data_offset + usize > cd_offset)
+            fail(name, "member data overlaps the central directory");
+
+        members_.push_back(ArchiveMember{std::move(name), lho, data_offset, usize, crc});
+        pos += kCentralHeaderSize + var_len;
+    }
+
+    // Overlap check over [local header, data end): catches crafted archives whose entries alias
+    // each other, which would otherwise make two tensors share bytes silently.
+    std::vector<std::size_t> order(members_.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+        return members_[a].header_offset < members_[b].header_offset;
+    });
+    for (std::size_t k = 1; k < order.size(); ++k) {
+        const ArchiveMember& a = members_[order[k - 1]];
+        const ArchiveMember& b = members_[order[k]];
+        if (a.data_offset + a.size > b.header_offset)
+            fail(b.name, "overlaps member '" + a.name + "' (data ranges [" + num(a.header_offset) + ", " +
+                             num(a.data_offset + a.size) + ") and [" + num(b.header_offset) + ", " +
+                             num(b.data_offset + b.size) + "))");
+    }
+
+    index_.reserve(members_.size());
+    for (std::size_t i = 0; i < members_.size(); ++i) {
+        if (!index_.emplace(members_[i].name, i).second) fail(members_[i].name, "duplicate member name");
+    }
+}
+
+const ArchiveMember& Archive::member(std::string_view name) const {
+    auto it = index_.find(name);
+    if (it == index_.end())
+        throw MemberNotFound(path_ + ": no member named '" + std::string(name) + "'");
+    return members_[it->second];
+}
+
+const uint8_t* Archive::member_data(const ArchiveMember& m) const {
+    if (!map_) throw std::logic_error(path_ + ": archive is closed");
+    return map_->data() + m.data_offset;
+}
+
+std::string Archive::prefix() const {
+    if (members_.empty()) fail("archive has no members, so no top-level folder");
+    std::string_view first = members_[0].name;
+    auto slash = first.find('/');
+    if (slash == std::string_view::npos || slash == 0)
+        fail(members_[0].name, "member is not inside a top-level folder");
+    std::string_view pre = first.substr(0, slash + 1);
+    for (const auto& m : members_) {
+        if (std::string_view(m.name).substr(0, pre.size()) != pre)
+            fail(m.name, "member is not inside the top-level folder '" + std::string(first.substr(0, slash)) + "'");
+    }
+    return std::string(first.substr(0, slash));
+}
+
+void Archive::close() noexcept { map_.reset(); }
+
+}  // namespace pyckpt

@@ -1,0 +1,61 @@
+// Read-only view of a torch.save archive: a memory-mapped ZIP whose members are all stored
+// (uncompressed), indexed from the central directory and cross-checked against local headers.
+//
+// Thread/GIL contract: the constructor parses (headers only, no member data is read) and throws
+// ArchiveError/system_error; after that every const method is safe to call concurrently from
+// any thread. close() must not race with other calls. Nothing here touches Python; callers
+// may release the GIL around any call.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "mapped_file.hpp"
+
+namespace pyckpt {
+
+struct ArchiveMember {
+    std::string name;
+    uint64_t header_offset = 0;
+    uint64_t data_offset = 0;  // absolute offset of the first data byte in the file
+    uint64_t size = 0;
+    uint32_t crc32 = 0;  // as recorded in the central directory (not verified)
+};
+
+class Archive {
+public:
+    explicit Archive(std::string path);
+
+    const std::string& path() const noexcept { return path_; }
+    uint64_t size() const noexcept { return size_; }
+    const std::vector<ArchiveMember>& members() const noexcept { return members_; }
+
+    // Throws MemberNotFound naming the file and the member.
+    const ArchiveMember& member(std::string_view name) const;
+    // Pointer to the member's bytes inside the mapping; valid until close(). Throws
+    // std::logic_error once closed.
+    const uint8_t* member_data(const ArchiveMember& m) const;
+
+    // The single top-level folder every member lives in; ArchiveError if there is none.
+    std::string prefix() const;
+
+    void close() noexcept;
+    bool closed() const noexcept { return !map_; }
+
+private:
+    void parse();
+    [[noreturn]] void fail(std::string_view what) const;
+    [[noreturn]] void fail(std::string_view member, std::string_view what) const;
+
+    std::string path_;
+    std::unique_ptr<MappedFile> map_;
+    uint64_t size_ = 0;
+    std::vector<ArchiveMember> members_;
+    std::unordered_map<std::string_view, std::size_t> index_;  // views into members_[i].name
+};
+
+}  // namespace pyckpt

@@ -1,0 +1,369 @@
+#include "executor.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_set>
+
+#include "crc32.hpp"
+#include "errors.hpp"
+#include "gather.hpp"
+#include "parallel.hpp"
+#include "sources.hpp"
+#include "zip_format.hpp"
+
+namespace pyckpt {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+              "torch.save data is little-endian and is copied verbatim; big-endian hosts need byte swaps");
+
+namespace {
+
+constexpr auto kTickInterval = std::chrono::milliseconds(100);
+// Zero-copy writes go out in slices small enough to still be in L2 when pwrite copies them
+// right after the CRC pass read them.
+constexpr uint64_t kDirectSlice = 256u << 10;
+// Staging buffer per worker; windows larger than this are gathered in slices.
+constexpr uint64_t kStagingBytes = 1u << 20;
+
+void pwrite_all(int fd, const uint8_t* p, uint64_t len, uint64_t off, const std::string& path) {
+    while (len > 0) {
+        // Linux caps one write at ~2 GiB; stay well below it.
+        std::size_t chunk = static_cast<std::size_t>(std::min<uint64_t>(len, 1u << 30));
+        ssize_t n = ::pwrite(fd, p, chunk, static_cast<off_t>(off));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            throw_errno("write", path);
+        }
+        if (n == 0) throw_errno_code(EIO, "write (no progress)", path);
+        p += n;
+        off += static_cast<uint64_t>(n);
+        len -= static_cast<uint64_t>(n);
+    }
+}
+
+struct OutputState {
+    std::mutex mu;
+    int fd = -1;
+    bool created = false;
+    std::atomic<uint64_t> windows_left{0};
+};
+
+// Everything a write_archives call shares between its workers.
+struct WriteJob {
+    const std::vector<OutputSpec>& outputs;
+    const WriteOptions& options;
+    SourceSet sources;
+    std::vector<Target> targets;
+    std::vector<uint64_t> output_first_target;  // size outputs+1
+    std::vector<zip::ArchiveLayout> layouts;
+    std::vector<std::vector<std::string>> names;  // full member names per output
+    std::vector<Piece> pieces;
+    WindowPlan plan;
+    std::vector<uint32_t> window_crc;
+    std::unique_ptr<OutputState[]> state;
+    std::atomic<uint64_t> done{0};
+    uint64_t total = 0;
+
+    WriteJob(const std::vector<std::string>& srcs, const std::vector<OutputSpec>& outs, const WriteOptions& opt)
+        : outputs(outs), options(opt), sources(srcs) {}
+
+    int open_output(std::size_t o) {
+        OutputState& st = state[o];
+        std::lock_guard<std::mutex> lk(st.mu);
+        if (st.fd >= 0) return st.fd;
+        const std::string& path = outputs[o].path;
+        int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+        if (fd < 0) throw_errno("open", path);
+        st.created = true;
+        st.fd = fd;
+        // Sizing the file up front lets windows land in any order and leaves all-zero windows
+        // as holes that read back as zeros.
+        if (::ftruncate(fd, static_cast<off_t>(layouts[o].file_size)) != 0) throw_errno("truncate", path);
+        return fd;
+    }
+
+    void run_window(uint64_t wi, uint8_t* staging, SourceDrops& drops) {
+        const Window& w = plan.windows[wi];
+        const uint32_t t = w.target;
+        std::size_t o = output_of_target(t);
+        int fd = open_output(o);
+        const std::string& path = outputs[o].path;
+        const uint64_t len = w.end - w.begin;
+        const uint64_t file_off = targets[t].base + w.begin;
+        uint32_t crc = 0;
+        int64_t src = -1;
+        uint64_t src_off = 0;
+        if (const uint8_t* run = window_as_source_run(w, plan, pieces, sources, src, src_off)) {
+            for (uint64_t at = 0; at < len; at += kDirectSlice) {
+                uint64_t n = std::min(kDirectSlice, len - at);
+                crc = crc32(crc, run + at, n);
+                pwrite_all(fd, run + at, n, file_off + at, path);
+            }
+            drops.add(src, src_off, len);
+        } else if (window_is_zero_fill(w, plan, pieces)) {
+            crc = crc32_zeros(0, len);  // left as a hole by ftruncate
+        } else {
+            // Gather/CRC/write slice by slice so the staging bytes are still cache-hot for the
+            // CRC and the copy into the page cache.
+            for (uint64_t at = 0; at < len; at += kStagingBytes) {
+                Window part = w;
+                part.begin = w.begin + at;
+                part.end = std::min(w.end, part.begin + kStagingBytes);
+                const uint64_t n = part.end - part.begin;
+                gather_window(part, plan, pieces, sources, staging, drops);
+                crc = crc32(crc, staging, n);
+                pwrite_all(fd, staging, n, file_off + at, path);
+            }
+        }
+        drops.release(sources);
+        window_crc[wi] = crc;
+        done.fetch_add(len, std::memory_order_relaxed);
+        if (state[o].windows_left.fetch_sub(1, std::memory_order_acq_rel) == 1) finalize(o);
+    }
+
+    std::size_t output_of_target(uint32_t t) const {
+        auto it = std::upper_bound(output_first_target.begin(), output_first_target.end(), uint64_t{t});
+        return static_cast<std::size_t>(it - output_first_target.begin()) - 1;
+    }
+
+    // Headers can only be written once every window's CRC is known; adjacent header/inline
+    // regions are coalesced into single writes.
+    void finalize(std::size_t o) {
+        int fd = open_output(o);
+        const OutputSpec& out = outputs[o];
+        const zip::ArchiveLayout& L = layouts[o];
+        std::vector<uint32_t> crcs(out.records.size());
+        std::string chunk;
+        uint64_t chunk_off = 0;
+        auto flush = [&] {
+            if (!chunk.empty())
+                pwrite_all(fd, reinterpret_cast<const uint8_t*>(chunk.data()), chunk.size(), chunk_off, out.path);
+            chunk.clear();
+        };
+        auto place = [&](uint64_t off) {
+            if (!chunk.empty() && chunk_off + chunk.size() != off) flush();
+            if (chunk.empty()) chunk_off = off;
+        };
+        for (std::size_t r = 0; r < out.records.size(); ++r) {
+            const RecordSpec& rec = out.records[r];
+            const uint32_t t = static_cast<uint32_t>(output_first_target[o] + r);
+            uint32_t crc = 0;
+            if (rec.has_inline) {
+                crc = crc32(0, rec.inline_bytes.data(), rec.inline_bytes.size());
+            } else {
+                for (uint64_t w = plan.target_first[t]; w < plan.target_first[t + 1]; ++w)
+                    crc = crc32_combine(crc, window_crc[w], plan.windows[w].end - plan.windows[w].begin);
+            }
+            crcs[r] = crc;
+            place(L.entries[r].header_offset);
+            zip::append_local_header(chunk, names[o][r], L.entries[r], crc);
+            if (rec.has_inline) chunk.append(rec.inline_bytes);
+        }
+        place(L.cd_offset);
+        chunk.append(zip::build_central_directory(names[o], L, crcs));
+        flush();
+        if (options.fsync && ::fsync(fd) != 0) throw_errno("fsync", out.path);
+        {
+            std::lock_guard<std::mutex> lk(state[o].mu);
+            int rc = ::close(fd);
+            state[o].fd = -1;
+            if (rc != 0 && errno != EINTR) throw_errno("close", out.path);
+        }
+        uint64_t window_bytes = 0;
+        for (uint64_t w = plan.target_first[output_first_target[o]];
+             w < plan.target_first[output_first_target[o + 1]]; ++w)
+            window_bytes += plan.windows[w].end - plan.windows[w].begin;
+        done.fetch_add(L.file_size - window_bytes, std::memory_order_relaxed);
+    }
+
+    void cleanup_after_failure() noexcept {
+        for (std::size_t o = 0; o < outputs.size(); ++o) {
+            OutputState& st = state[o];
+            if (st.fd >= 0) ::close(st.fd);
+            st.fd = -1;
+            if (st.created) ::unlink(outputs[o].path.c_str());
+        }
+    }
+};
+
+void validate_outputs(const std::vector<OutputSpec>& outputs) {
+    std::unordered_set<std::string> paths;
+    for (const OutputSpec& out : outputs) {
+        if (out.path.empty()) throw std::invalid_argument("output path must not be empty");
+        if (!paths.insert(out.path).second)
+            throw std::invalid_argument("output '" + out.path + "' is listed more than once");
+        if (out.archive_name.empty())
+            throw std::invalid_argument("output '" + out.path + "': archive_name must not be empty");
+        std::unordered_set<std::string> names;
+        for (const RecordSpec& r : out.records) {
+            if (r.name.empty()) throw std::invalid_argument("output '" + out.path + "': empty record name");
+            if (!names.insert(r.name).second)
+                throw std::invalid_argument("output '" + out.path + "': record '" + r.name + "' is listed more than once");
+            if (r.has_inline && r.inline_bytes.size() != r.size)
+                throw std::invalid_argument("output '" + out.path + "' record '" + r.name + "': size " +
+                                            std::to_string(r.size) + " != length of its inline bytes (" +
+                                            std::to_string(r.inline_bytes.size()) + ")");
+        }
+    }
+}
+
+// Refuses to truncate a file we are about to read from.
+void check_outputs_are_not_sources(const std::vector<OutputSpec>& outputs, SourceSet& sources) {
+    for (const OutputSpec& out : outputs) {
+        struct stat st {};
+        if (::stat(out.path.c_str(), &st) != 0) continue;
+        for (std::size_t s = 0; s < sources.count(); ++s) {
+            dev_t dev;
+            ino_t ino;
+            if (sources.identity(s, dev, ino) && dev == st.st_dev && ino == st.st_ino)
+                throw std::invalid_argument("output '" + out.path + "' is the same file as source '" + sources.path(s) + "'");
+        }
+    }
+}
+
+uint64_t resolve_window(uint64_t w) { return w == 0 ? kDefaultWindowBytes : w; }
+
+}  // namespace
+
+WriteStats write_archives(const std::vector<std::string>& sources, const std::vector<OutputSpec>& outputs,
+                          const OpRow* ops, std::size_t n_ops, const WriteOptions& options,
+                          const ProgressFn& progress) {
+    const unsigned workers = resolve_workers(options.workers);
+    validate_outputs(outputs);
+    WriteJob job(sources, outputs, options);
+
+    // One target per record, numbered output by output so an output's windows are contiguous.
+    job.output_first_target.assign(outputs.size() + 1, 0);
+    job.layouts.reserve(outputs.size());
+    job.names.resize(outputs.size());
+    WriteStats stats;
+    for (std::size_t o = 0; o < outputs.size(); ++o) {
+        const OutputSpec& out = outputs[o];
+        std::vector<uint64_t> sizes;
+        for (const RecordSpec& r : out.records) {
+            job.names[o].push_back(out.archive_name + "/" + r.name);
+            sizes.push_back(r.size);
+        }
+        job.layouts.push_back(zip::plan_archive(job.names[o], sizes, options.force_zip64));
+        for (std::size_t r = 0; r < out.records.size(); ++r) {
+            Target t;
+            t.base = job.layouts[o].entries[r].data_offset;
+            t.size = out.records[r].size;
+            t.fillable = !out.records[r].has_inline;
+            t.label = "output '" + out.path + "' record '" + out.records[r].name + "'";
+            job.targets.push_back(std::move(t));
+        }
+        job.output_first_target[o + 1] = job.targets.size();
+        stats.bytes_written += job.layouts[o].file_size;
+        stats.records += out.records.size();
+    }
+    stats.files = outputs.size();
+    if (job.targets.size() >= UINT32_MAX) throw std::invalid_argument("too many records");
+
+    job.pieces = parse_ops(ops, n_ops, job.sources, job.targets, [&](const OpRow& r, std::size_t i) -> uint32_t {
+        if (r.out < 0 || static_cast<uint64_t>(r.out) >= outputs.size())
+            throw std::out_of_range("op row " + std::to_string(i) + ": output index " + std::to_string(r.out) +
+                                    " out of range (" + std::to_string(outputs.size()) + " outputs)");
+        const auto& recs = outputs[static_cast<std::size_t>(r.out)].records;
+        if (r.rec < 0 || static_cast<uint64_t>(r.rec) >= recs.size())
+            throw std::out_of_range("op row " + std::to_string(i) + ": record index " + std::to_string(r.rec) +
+                                    " out of range for output '" + outputs[static_cast<std::size_t>(r.out)].path +
+                                    "' (" + std::to_string(recs.size()) + " records)");
+        return static_cast<uint32_t>(job.output_first_target[static_cast<std::size_t>(r.out)] +
+                                     static_cast<uint64_t>(r.rec));
+    });
+    check_exact_coverage(job.pieces, job.targets);
+    check_outputs_are_not_sources(outputs, job.sources);
+
+    const uint64_t W = resolve_window(options.window_bytes);
+    job.plan = plan_windows(job.pieces, job.targets, W, /*skip_empty=*/false);
+    job.window_crc.assign(job.plan.windows.size(), 0);
+    job.state = std::make_unique<OutputState[]>(outputs.size());
+    job.total = stats.bytes_written;
+
+    // Task list: each output's windows in order; an output without windows gets one task that
+    // only writes its headers.
+    constexpr uint64_t kHeadersOnly = UINT64_MAX;
+    struct Task {
+        uint32_t output;
+        uint64_t window;
+    };
+    std::vector<Task> tasks;
+    tasks.reserve(job.plan.windows.size() + outputs.size());
+    for (std::size_t o = 0; o < outputs.size(); ++o) {
+        uint64_t w0 = job.plan.target_first[job.output_first_target[o]];
+        uint64_t w1 = job.plan.target_first[job.output_first_target[o + 1]];
+        job.state[o].windows_left.store(w1 - w0);
+        if (w0 == w1) tasks.push_back({static_cast<uint32_t>(o), kHeadersOnly});
+        for (uint64_t w = w0; w < w1; ++w) tasks.push_back({static_cast<uint32_t>(o), w});
+    }
+
+    std::vector<std::unique_ptr<uint8_t[]>> staging(workers);
+    std::vector<SourceDrops> drops(workers);
+    auto task = [&](uint64_t i, unsigned wid) {
+        const Task& tk = tasks[i];
+        if (tk.window == kHeadersOnly) {
+            job.finalize(tk.output);
+            return;
+        }
+        if (!staging[wid]) staging[wid] = std::make_unique<uint8_t[]>(std::min(W, kStagingBytes));
+        job.run_window(tk.window, staging[wid].get(), drops[wid]);
+    };
+    auto tick = [&]() -> bool { return !progress || progress(job.done.load(), job.total); };
+    try {
+        parallel_for(tasks.size(), workers, task, tick, kTickInterval);
+        if (progress && !progress(job.total, job.total)) throw Cancelled();
+    } catch (...) {
+        job.cleanup_after_failure();
+        throw;
+    }
+    return stats;
+}
+
+uint64_t execute_into(const std::vector<std::string>& source_paths, const OpRow* ops, std::size_t n_ops,
+                      uint8_t* dst, uint64_t dst_len, int64_t workers_requested, uint64_t window_bytes,
+                      const ProgressFn& progress) {
+    const unsigned workers = resolve_workers(workers_requested);
+    SourceSet sources(source_paths);
+    std::vector<Target> targets(1);
+    targets[0].base = 0;
+    targets[0].size = dst_len;
+    targets[0].label = "destination buffer";
+    std::vector<Piece> pieces = parse_ops(ops, n_ops, sources, targets, [&](const OpRow& r, std::size_t i) -> uint32_t {
+        if (r.out != 0 || r.rec != 0)
+            throw std::invalid_argument("op row " + std::to_string(i) +
+                                        ": execute_into needs out == 0 and rec == 0 (got out=" + std::to_string(r.out) +
+                                        ", rec=" + std::to_string(r.rec) + ")");
+        return 0;
+    });
+    uint64_t total = 0;
+    for (const Piece& p : pieces) total += p.dst_bytes();
+    const uint64_t W = resolve_window(window_bytes);
+    WindowPlan plan = plan_windows(pieces, targets, W, /*skip_empty=*/true);
+
+    std::atomic<uint64_t> done{0};
+    std::vector<SourceDrops> drops(workers);
+    auto task = [&](uint64_t i, unsigned wid) {
+        const Window& w = plan.windows[i];
+        gather_window(w, plan, pieces, sources, dst + w.begin, drops[wid]);
+        drops[wid].release(sources);
+        done.fetch_add(w.end - w.begin, std::memory_order_relaxed);
+    };
+    // `done` counts window spans, which exceed `total` where pieces leave holes; report the
+    // byte total only at the end so values stay monotone and end exactly at total.
+    auto tick = [&]() -> bool { return !progress || progress(std::min(done.load(), total), total); };
+    parallel_for(plan.windows.size(), workers, task, tick, kTickInterval);
+    if (progress && !progress(total, total)) throw Cancelled();
+    return total;
+}
+
+}  // namespace pyckpt

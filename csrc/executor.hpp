@@ -1,0 +1,67 @@
+// Entry points that run an op table: write_archives() builds torch-loadable ZIP files and
+// execute_into() gathers into a caller buffer.
+//
+// Thread/GIL contract: call from one thread with the GIL released (nothing here touches
+// Python). Work runs on internal worker threads; `progress` is invoked only on the calling
+// thread, about every 100 ms and once more at the end, so it may reacquire the GIL. If it
+// returns false or throws, the workers stop, outputs created so far are removed, and the call
+// throws Cancelled (or progress's exception). The caller must keep `dst` alive and unaliased
+// for the duration of execute_into().
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ops.hpp"
+
+namespace pyckpt {
+
+struct RecordSpec {
+    std::string name;  // member name below the archive's top folder
+    uint64_t size = 0;
+    bool has_inline = false;
+    std::string inline_bytes;  // used when has_inline
+};
+
+struct OutputSpec {
+    std::string path;
+    std::string archive_name;
+    std::vector<RecordSpec> records;
+};
+
+struct WriteOptions {
+    int64_t workers = 0;  // 0: one per CPU
+    bool fsync = false;
+    bool force_zip64 = false;     // test knob: ZIP64 structures even for small files
+    uint64_t window_bytes = 0;    // 0: default (kDefaultWindowBytes)
+};
+
+struct WriteStats {
+    uint64_t bytes_written = 0;  // total size of the files produced (headers included)
+    uint64_t files = 0;
+    uint64_t records = 0;
+};
+
+// Windows are the unit of scheduling, CRC and page dropping. 4 MiB keeps per-window costs
+// (madvise TLB shootdowns, task hand-off) small while leaving enough windows to balance.
+constexpr uint64_t kDefaultWindowBytes = 4u << 20;
+
+// Returns false to cancel. Arguments: bytes done, bytes total.
+using ProgressFn = std::function<bool(uint64_t, uint64_t)>;
+
+// Validation failures throw before any output is touched: std::out_of_range for bad
+// indices, std::invalid_argument otherwise (naming the output path and record). I/O failures
+// throw std::system_error naming the path; every output this call created is then removed.
+WriteStats write_archives(const std::vector<std::string>& sources, const std::vector<OutputSpec>& outputs,
+                          const OpRow* ops, std::size_t n_ops, const WriteOptions& options,
+                          const ProgressFn& progress);
+
+// Same op semantics with one destination buffer: `out` and `rec` must be 0 and dst_off is
+// the byte offset in `dst`. No coverage requirement. Returns the bytes written.
+uint64_t execute_into(const std::vector<std::string>& sources, const OpRow* ops, std::size_t n_ops,
+                      uint8_t* dst, uint64_t dst_len, int64_t workers, uint64_t window_bytes,
+                      const ProgressFn& progress);
+
+}  // namespace pyckpt

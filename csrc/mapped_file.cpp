@@ -1,0 +1,65 @@
+#include "mapped_file.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "errors.hpp"
+
+namespace pyckpt {
+
+namespace {
+uint64_t page_size() {
+    static const uint64_t ps = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    return ps;
+}
+}  // namespace
+
+MappedFile::MappedFile(std::string path) : path_(std::move(path)) {
+    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw_errno("open", path_);
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+        int e = errno;
+        ::close(fd);
+        throw_errno_code(e, "stat", path_);
+    }
+    if (!S_ISREG(st.st_mode)) {
+        ::close(fd);
+        throw_errno_code(EINVAL, "map (not a regular file)", path_);
+    }
+    size_ = static_cast<uint64_t>(st.st_size);
+    if (size_ > 0) {
+        void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED) {
+            int e = errno;
+            ::close(fd);
+            throw_errno_code(e, "mmap", path_);
+        }
+        data_ = static_cast<const uint8_t*>(p);
+    }
+    // The mapping keeps the file referenced; holding the descriptor would only cost fd slots
+    // when thousands of shards are open.
+    ::close(fd);
+}
+
+MappedFile::~MappedFile() { close(); }
+
+void MappedFile::close() noexcept {
+    if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+    data_ = nullptr;
+}
+
+void MappedFile::drop(uint64_t offset, uint64_t len) const noexcept {
+    if (!data_ || len == 0 || offset >= size_) return;
+    uint64_t end = offset + len < size_ ? offset + len : size_;
+    const uint64_t ps = page_size();
+    uint64_t lo = offset / ps * ps;
+    uint64_t hi = (end + ps - 1) / ps * ps;
+    ::madvise(const_cast<uint8_t*>(data_) + lo, hi - lo, MADV_DONTNEED);
+}
+
+}  // namespace pyckpt

@@ -1,0 +1,41 @@
+// Read-only memory mapping of a whole file.
+//
+// Thread/GIL contract: construction and destruction belong to one thread; once constructed the
+// object is immutable, and data()/size()/drop() may be called concurrently from any number of
+// threads. No Python involvement. The mapping is MAP_SHARED + PROT_READ, so dropping pages
+// never loses data: a later access faults them back in from the page cache.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pyckpt {
+
+class MappedFile {
+public:
+    // Throws std::system_error (errno + path) if the file cannot be opened, stat'ed or mapped.
+    explicit MappedFile(std::string path);
+    ~MappedFile();
+    MappedFile(const MappedFile&) = delete;
+    MappedFile& operator=(const MappedFile&) = delete;
+
+    const std::string& path() const noexcept { return path_; }
+    const uint8_t* data() const noexcept { return data_; }
+    uint64_t size() const noexcept { return size_; }
+
+    // Unmaps [offset, offset+len) rounded outward to pages from this process's page tables
+    // (MADV_DONTNEED), so streaming through a large file does not grow our RSS; the kernel
+    // keeps the pages cached. Best effort: failures are ignored.
+    void drop(uint64_t offset, uint64_t len) const noexcept;
+
+    // Releases the mapping early; data() becomes null. Not safe concurrently with readers.
+    void close() noexcept;
+
+private:
+    std::string path_;
+    const uint8_t* data_ = nullptr;
+    uint64_t size_ = 0;
+};
+
+}  // namespace pyckpt

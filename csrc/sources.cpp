@@ -1,0 +1,60 @@
+#include "sources.hpp"
+
+#include <sys/stat.h>
+
+#include <stdexcept>
+
+#include "errors.hpp"
+
+namespace pyckpt {
+
+SourceSet::SourceSet(std::vector<std::string> paths) {
+    entries_.reserve(paths.size());
+    for (auto& p : paths) {
+        auto e = std::make_unique<Entry>();
+        e->path = std::move(p);
+        entries_.push_back(std::move(e));
+    }
+}
+
+SourceSet::~SourceSet() = default;
+
+uint64_t SourceSet::size_of(std::size_t i) {
+    Entry& e = *entries_[i];
+    if (!e.stat_done) {
+        struct stat st {};
+        if (::stat(e.path.c_str(), &st) != 0) throw_errno("stat", e.path);
+        e.size = static_cast<uint64_t>(st.st_size);
+        e.dev = st.st_dev;
+        e.ino = st.st_ino;
+        e.stat_done = true;
+    }
+    return e.size;
+}
+
+bool SourceSet::identity(std::size_t i, dev_t& dev, ino_t& ino) const {
+    const Entry& e = *entries_[i];
+    if (!e.stat_done) return false;
+    dev = e.dev;
+    ino = e.ino;
+    return true;
+}
+
+void SourceSet::require(std::size_t i, uint64_t end) {
+    if (end > entries_[i]->required) entries_[i]->required = end;
+}
+
+const MappedFile& SourceSet::map(std::size_t i) {
+    Entry& e = *entries_[i];
+    std::call_once(e.once, [&] {
+        auto f = std::make_unique<MappedFile>(e.path);
+        if (f->size() < e.required)
+            throw std::runtime_error("source '" + e.path + "' shrank to " + std::to_string(f->size()) +
+                                     " bytes after validation (ops read up to byte " +
+                                     std::to_string(e.required) + ")");
+        e.file = std::move(f);
+    });
+    return *e.file;
+}
+
+}  // namespace pyckpt

@@ -1,0 +1,55 @@
+// The set of input files an op table reads from: stat'ed during validation, memory-mapped on
+// first use, and shared by every worker.
+//
+// Thread/GIL contract: size_of()/identity()/require() are for the single validating thread;
+// map() may then be called concurrently from any number of workers (each file is mapped
+// exactly once, guarded by a per-file once_flag). No Python involvement.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "mapped_file.hpp"
+
+namespace pyckpt {
+
+class SourceSet {
+public:
+    explicit SourceSet(std::vector<std::string> paths);
+    ~SourceSet();
+
+    std::size_t count() const noexcept { return entries_.size(); }
+    const std::string& path(std::size_t i) const { return entries_[i]->path; }
+
+    // File size via stat(); throws std::system_error naming the path.
+    uint64_t size_of(std::size_t i);
+    // (device, inode) of a source that has been stat'ed, for "output would clobber input" checks.
+    bool identity(std::size_t i, dev_t& dev, ino_t& ino) const;
+    // Records that ops read source i up to byte `end`, re-checked when the file is mapped so a
+    // file that shrank after validation fails cleanly instead of faulting.
+    void require(std::size_t i, uint64_t end);
+
+    // Thread-safe lazy mapping. Throws std::system_error, or std::runtime_error if the file
+    // became shorter than the validated ranges.
+    const MappedFile& map(std::size_t i);
+
+private:
+    struct Entry {
+        std::string path;
+        bool stat_done = false;
+        uint64_t size = 0;
+        dev_t dev = 0;
+        ino_t ino = 0;
+        uint64_t required = 0;
+        std::once_flag once;
+        std::unique_ptr<MappedFile> file;
+    };
+    std::vector<std::unique_ptr<Entry>> entries_;
+};
+
+}  // namespace pyckpt

@@ -1,0 +1,72 @@
+// ZIP record layouts (stored members only) as torch.save writes them: every member's data
+// starts at a multiple of 64 thanks to an "FB" padding extra field in its local header.
+//
+// Thread/GIL contract: pure functions and value types; reentrant, callable from any thread,
+// never touch Python.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace pyckpt::zip {
+
+constexpr uint32_t kLocalSig = 0x04034b50;
+constexpr uint32_t kCentralSig = 0x02014b50;
+constexpr uint32_t kEocdSig = 0x06054b50;
+constexpr uint32_t kEocd64Sig = 0x06064b50;
+constexpr uint32_t kEocd64LocatorSig = 0x07064b50;
+constexpr std::size_t kLocalHeaderSize = 30;
+constexpr std::size_t kCentralHeaderSize = 46;
+constexpr std::size_t kEocdSize = 22;
+constexpr std::size_t kEocd64Size = 56;
+constexpr std::size_t kEocd64LocatorSize = 20;
+constexpr uint16_t kZip64ExtraId = 0x0001;
+constexpr uint16_t kPadExtraId = 0x4246;  // "FB", the id torch uses for alignment padding
+constexpr uint32_t kMax32 = 0xFFFFFFFFu;
+constexpr uint16_t kMax16 = 0xFFFFu;
+constexpr uint64_t kAlignment = 64;  // torch's .storage_alignment
+
+inline uint16_t rd16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+inline uint32_t rd32(const uint8_t* p) {
+    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+           (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+}
+inline uint64_t rd64(const uint8_t* p) {
+    return static_cast<uint64_t>(rd32(p)) | (static_cast<uint64_t>(rd32(p + 4)) << 32);
+}
+
+// Placement of one member inside an archive being written.
+struct EntryLayout {
+    uint64_t header_offset = 0;  // local header start
+    uint64_t data_offset = 0;    // first data byte (multiple of kAlignment)
+    uint64_t size = 0;
+    uint16_t local_extra_len = 0;
+    bool zip64_local = false;  // local header carries a ZIP64 size extra
+};
+
+struct ArchiveLayout {
+    std::vector<EntryLayout> entries;
+    uint64_t cd_offset = 0;
+    uint64_t cd_size = 0;
+    uint64_t file_size = 0;
+    bool zip64_end = false;  // ZIP64 end record + locator present
+    bool force_zip64 = false;
+};
+
+// Computes where every header and data block goes. `names` are full member names.
+// Throws std::invalid_argument for names longer than the format allows.
+ArchiveLayout plan_archive(const std::vector<std::string>& names, const std::vector<uint64_t>& sizes,
+                           bool force_zip64);
+
+// Appends the local header (signature through padding) of one entry.
+void append_local_header(std::string& out, const std::string& name, const EntryLayout& e,
+                         uint32_t crc);
+
+// Central directory plus end records, to be written at layout.cd_offset.
+std::string build_central_directory(const std::vector<std::string>& names, const ArchiveLayout& layout,
+                                    const std::vector<uint32_t>& crcs);
+
+}  // namespace pyckpt::zip
