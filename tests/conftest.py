@@ -29,6 +29,9 @@ CONFIGS = {
     "s2_bf16_frozen_tied": Config(2, "bf16", 2, model="frozen_tied"),
     "s3_frozen_tied": Config(3, "fp32", 2, model="frozen_tied"),
     "s2_fp32_dp2_no_uc_info": Config(2, "fp32", 2, uc_info=False),
+    "s3_fp32_dp3_no_uc_info": Config(3, "fp32", 3, uc_info=False),
+    # bf16 + ZeRO-1 + fp32 gradient accumulation selects BF16_Optimizer: no zero_stage key, padded partitions.
+    "s1_bf16_dp2_bf16_optimizer": Config(1, "bf16", 2, grad_accum_dtype="fp32"),
 }
 
 # (checkpoint, world size to load it at): 4 -> 2 and 2 -> 3 for every stage.
@@ -40,6 +43,7 @@ LOADS = [
     ("s2_bf16_dp2", 3),
     ("s3_fp32_dp2_subgroups", 3),
     ("s2_bf16_frozen_tied", 3),
+    ("s1_bf16_dp2_bf16_optimizer", 3),
 ]
 
 
@@ -54,7 +58,7 @@ def ds_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def ds_environ(ds_root) -> dict:
-    # A private TORCH_EXTENSIONS_DIR per session: DeepSpeed builds its CPU ops there.
+    # A private TORCH_EXTENSIONS_DIR per session, so no test depends on or pollutes a shared op cache.
     return dsharness.ds_env(ds_root)
 
 

@@ -103,6 +103,21 @@ def test_corrupt_zip_directory_names_the_file(ckpt_copy, tmp_path):
     _assert_no_output(out)
 
 
+def test_disagreeing_end_records_name_the_file(ckpt_copy, tmp_path):
+    # torch writes the plain and the ZIP64 end record; a reader that trusted only one would miss this.
+    root, tag = ckpt_copy
+    victim = _optim(root, tag, 0)
+    data = bytearray(victim.read_bytes())
+    eocd = data.rfind(b"PK\x05\x06")
+    data[eocd + 16:eocd + 20] = (len(data) + 1000).to_bytes(4, "little")
+    victim.write_bytes(bytes(data))
+    out = tmp_path / "out" / "u"
+    out.parent.mkdir()
+    with pytest.raises(CheckpointFormatError, match=f"{victim}.*disagree"):
+        pyckpt.convert_to_universal(root, out)
+    _assert_no_output(out)
+
+
 def test_failure_while_writing_leaves_nothing(ckpt_copy, tmp_path, monkeypatch):
     root, tag = ckpt_copy
     real = _core.write_archives
