@@ -1,0 +1,76 @@
+"""Running a command while measuring what it costs: wall time, peak RSS of its whole process tree,
+and the peak disk usage of a folder (to catch temp files)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import psutil
+
+
+def folder_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for f in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+@dataclass
+class Measurement:
+    seconds: float
+    peak_rss: int  # bytes, summed over the process tree at the worst sample
+    peak_disk: int  # bytes under the watched folder at the worst sample
+    returncode: int
+
+
+def run_measured(cmd, watch_dir: Optional[str] = None, env=None, interval: float = 0.02,
+                 disk_interval: float = 0.25) -> Measurement:
+    peak = {"rss": 0, "disk": 0}
+    stop = threading.Event()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def sample():
+        try:
+            root = psutil.Process(proc.pid)
+        except psutil.NoSuchProcess:
+            return
+        last_disk = 0.0
+        while not stop.is_set():
+            rss = 0
+            try:
+                procs = [root] + root.children(recursive=True)
+            except psutil.NoSuchProcess:
+                break
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                except psutil.NoSuchProcess:
+                    pass
+            peak["rss"] = max(peak["rss"], rss)
+            now = time.perf_counter()
+            if watch_dir and now - last_disk >= disk_interval:
+                peak["disk"] = max(peak["disk"], folder_bytes(watch_dir))
+                last_disk = now
+            time.sleep(interval)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    _, err = proc.communicate()
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    if watch_dir:
+        peak["disk"] = max(peak["disk"], folder_bytes(watch_dir))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{err.decode()[-3000:]}")
+    return Measurement(elapsed, peak["rss"], peak["disk"], proc.returncode)
