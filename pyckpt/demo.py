@@ -82,7 +82,6 @@ def main(argv=None) -> int:
     work = args.workdir or tempfile.mkdtemp(prefix="pyckpt-demo-")
     os.makedirs(work, exist_ok=True)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(work, "torch_extensions"))
     import torch.multiprocessing as mp
 
     save_dir = os.path.join(work, "checkpoint")
