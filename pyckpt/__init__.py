@@ -5,6 +5,13 @@ layout (what ``ds_to_universal.py`` writes), reading the input without unpicklin
 the bytes with a native parallel executor.
 """
 
+try:
+    from . import _core  # noqa: F401  (the native executor; everything below needs it)
+except ImportError as exc:  # most often: running from the source folder, which has no built module
+    raise ImportError("pyckpt's native module pyckpt._core is not built here. Install the package "
+                      "(`pip install .`, or scripts/setup.sh) and run from outside the source folder, or use an "
+                      "editable install (`pip install --no-build-isolation -e .`).") from exc
+
 from .errors import CheckpointFormatError, OutputExistsError, PyckptError, UnsafePickleError
 from .universal import ConversionReport, convert_to_universal
 

@@ -3,12 +3,15 @@
 import json
 import subprocess
 import sys
+import tempfile
 
 from compare import diff_folders
 
 
-def run(*args, check=True):
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True)
+def run(*args, check=True, cwd=None):
+    # From a neutral folder: in the repository root, the source `pyckpt/` (no native module) would
+    # shadow the installed package.
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd or tempfile.gettempdir())
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} failed with {proc.returncode}:\n{proc.stderr}")
     return proc
