@@ -147,11 +147,6 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
     if tp * pp != 1 or len(mp_names) != 1 or len(grid) != 1:
         raise NotImplementedError(f"{folder}: tensor/pipeline-parallel checkpoints (tp={tp}, pp={pp}, "
                                   f"{len(mp_names)} model-state files) are not supported by this version of pyckpt")
-    top = model[0].load()
-    experts = [n for n in names if is_expert_model_file(n)]
-    if top.get("ds_autoep_layers") is not None or top.get("autoep_layers") is not None or experts:
-        raise NotImplementedError(f"{folder}: expert-parallel (AutoEP / DeepSpeed-MoE) checkpoints are not "
-                                  "supported by this version of pyckpt")
     optim = [first if grid[0][r] == os.path.basename(first.path) else SourceFile(os.path.join(folder, grid[0][r]))
              for r in range(dp)]
     for r, sf in enumerate(optim):
@@ -189,10 +184,5 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
     optim = [first if grid[0][r] == os.path.basename(first.path) else SourceFile(os.path.join(folder, grid[0][r]))
              for r in range(dp)]
     model = [SourceFile(os.path.join(folder, by_rank[r])) for r in range(dp)]
-    for sf in model:
-        obj = sf.load()
-        if isinstance(obj, dict) and (obj.get("ds_autoep_layers") is not None or obj.get("autoep_layers") is not None):
-            raise NotImplementedError(f"{sf.path}: AutoEP (expert-parallel) checkpoints are not supported by this "
-                                      "version of pyckpt")
     return ZeroCheckpoint(folder, 3, dp, 1, 1, optim, model, [os.path.join(folder, n) for n in model_names],
                           bf16_prefix=zero3[0].startswith("bf16_"))

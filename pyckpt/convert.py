@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_strict", "--no-strict", dest="strict", action="store_false",
                    help="warn instead of failing on unused tensor-parallel merge patterns")
     p.add_argument("--keep_temp_folder", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dense-only", "--dense_only", dest="dense_only", action="store_true",
+                   help="for checkpoints with native DeepSpeed-MoE / Megatron-DeepSpeed expert files (no AutoEP "
+                   "metadata): convert the dense parameters and leave the experts out, as ds_to_universal.py does "
+                   "(without this flag such checkpoints are refused: their experts need a model-specific migration)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (swapped in when complete)")
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="print what would be written, write nothing")
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
     try:
         report = convert_to_universal(src, dst, workers, inject_missing_state=args.inject_missing_state,
                                       overwrite=args.overwrite, progress=not args.quiet, dry_run=args.dry_run,
-                                      strict=args.strict)
+                                      strict=args.strict, dense_only=args.dense_only)
     except KeyboardInterrupt:
         print("pyckpt: interrupted; no output was published", file=sys.stderr)
         return 130

@@ -18,3 +18,18 @@ class UnsafePickleError(PyckptError):
 
 class OutputExistsError(PyckptError, FileExistsError):
     """The output folder exists and overwriting was not requested."""
+
+
+class UnsupportedCheckpointError(PyckptError, NotImplementedError):
+    """A valid checkpoint layout that this converter (like DeepSpeed's) does not handle."""
+
+
+class AutoEPError(CheckpointFormatError, RuntimeError):
+    """AutoEP (expert-parallel) metadata or expert state is malformed or inconsistent.
+
+    A RuntimeError, as DeepSpeed raises for the same cases, and a CheckpointFormatError.
+    """
+
+
+class MissingExpertFileError(CheckpointFormatError, FileNotFoundError):
+    """AutoEP metadata promises a per-expert file that is not in the checkpoint folder."""

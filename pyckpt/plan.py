@@ -49,6 +49,59 @@ class Piece:
     stride: int = 0
 
 
+class Segments:
+    """A virtual flat byte string made of source ranges: a fragment concatenation not yet copied.
+
+    Conversions compose slicing and concatenation (ZeRO fragments -> an EP rank's local experts ->
+    rows of the full expert tensor) on these, and only the final pieces become copy ops.
+    """
+
+    def __init__(self, parts=()):
+        self.parts: List[Tuple[Any, int, int]] = []  # (source file, absolute offset, nbytes)
+        self.nbytes = 0
+        for sf, off, n in parts:
+            self.append(sf, off, n)
+
+    def append(self, sf, off: int, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        last = self.parts[-1] if self.parts else None
+        if last is not None and last[0] is sf and last[1] + last[2] == off:
+            self.parts[-1] = (sf, last[1], last[2] + nbytes)  # adjacent ranges merge into one copy
+        else:
+            self.parts.append((sf, off, nbytes))
+        self.nbytes += nbytes
+
+    def extend(self, other: "Segments") -> None:
+        for sf, off, n in other.parts:
+            self.append(sf, off, n)
+
+    def slice(self, start: int, nbytes: int) -> "Segments":
+        if start < 0 or nbytes < 0 or start + nbytes > self.nbytes:
+            raise ValueError(f"byte range [{start}, {start + nbytes}) outside a {self.nbytes}-byte segment list")
+        out = Segments()
+        pos = 0
+        end = start + nbytes
+        for sf, off, n in self.parts:
+            lo, hi = max(start, pos), min(end, pos + n)
+            if lo < hi:
+                out.append(sf, off + (lo - pos), hi - lo)
+            pos += n
+            if pos >= end:
+                break
+        return out
+
+    def pieces(self, dst_off: int = 0) -> List["Piece"]:
+        out = []
+        for sf, off, n in self.parts:
+            out.append(Piece(sf, off, n, dst_off))
+            dst_off += n
+        return out
+
+    def read(self) -> bytes:
+        return b"".join(sf.read_bytes(off, n) for sf, off, n in self.parts)
+
+
 @dataclass
 class ArchiveOut:
     relpath: str

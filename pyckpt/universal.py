@@ -51,10 +51,10 @@ class ConversionReport:
         return d
 
 
-def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False):
+def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False, dense_only: bool = False):
     plan = Plan()
     if ck.stage <= 2:
-        counts = plan_zero12(ck, plan, inject_missing_state)
+        counts = plan_zero12(ck, plan, inject_missing_state, dense_only)
     else:
         counts = plan_zero3(ck, plan)
     return plan, counts
@@ -62,15 +62,18 @@ def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False):
 
 def convert_to_universal(input, output, workers: Optional[int] = None, *, inject_missing_state: bool = False,
                          overwrite: bool = False, progress: bool = False, dry_run: bool = False,
-                         strict: bool = True) -> ConversionReport:
+                         strict: bool = True, dense_only: bool = False) -> ConversionReport:
     """Convert a DeepSpeed ZeRO checkpoint (tag folder or its parent with ``latest``) to Universal format.
 
     ``output`` is the universal tag folder to create (e.g. ``ckpt/global_step100_universal``);
     ``latest_universal`` is written beside it, as DeepSpeed's ds_to_universal.py does.
+    ``dense_only`` converts a checkpoint with native DeepSpeed-MoE expert files (no AutoEP metadata)
+    without its experts, as ds_to_universal.py does; without it such input is refused.
+    ``strict`` is accepted for ds_to_universal compatibility (``--no_strict``).
     """
     t0 = time.perf_counter()
     ck = discover(input)
-    plan, counts = build_plan(ck, inject_missing_state)
+    plan, counts = build_plan(ck, inject_missing_state, dense_only)
     output = os.path.abspath(os.fspath(output))
     report = ConversionReport(ck.folder, output, ck.stage, ck.dp, ck.tp, ck.pp, counts["params"], 0, 0,
                               len(plan.archives) + len(plan.copies), 0.0)

@@ -15,7 +15,8 @@ from collections import OrderedDict
 from typing import Dict, List, Tuple
 
 from .checkpoint import ZeroCheckpoint
-from .errors import CheckpointFormatError
+from . import autoep
+from .errors import AutoEPError, CheckpointFormatError
 from .plan import CONVERT_TO_F32, Piece, Plan
 from .safe_pickle import TensorRef
 from .torch_pickle import NewTensor
@@ -64,7 +65,7 @@ def universal_checkpoint_info(ck: ZeroCheckpoint, inject_missing_state: bool):
     return info
 
 
-def _step_value(sf, step):
+def step_value(sf, step):
     """A comparable value of an Adam step (0-d tensor or number)."""
     if isinstance(step, TensorRef):
         off, nbytes = sf.tensor_byte_range(step)
@@ -72,9 +73,26 @@ def _step_value(sf, step):
     return step
 
 
-def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = False) -> Dict[str, int]:
+def step_output(sf, step):
+    """The step as step.pt holds it: a copy of the 0-d tensor, or the number itself."""
+    if isinstance(step, TensorRef):
+        off, nbytes = sf.tensor_byte_range(step)
+        return NewTensor(step.dtype, step.shape, [Piece(sf, off, nbytes, 0)], step.requires_grad)
+    return step
+
+
+def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = False,
+                dense_only: bool = False) -> Dict[str, int]:
     universal_checkpoint_info(ck, inject_missing_state)
     shapes = flatten_param_shapes(ck.model[0])
+    layers, data_before_expert = autoep.aggregate_zero12(ck.model)
+    expert_file_names = autoep.expert_files_in(ck.folder)
+    if layers is None and expert_file_names and not dense_only:
+        raise AutoEPError(
+            f"{ck.folder}: found {len(expert_file_names)} per-expert files (e.g. {expert_file_names[0]}) but no AutoEP "
+            "metadata (ds_autoep_layers): these are native DeepSpeed-MoE / Megatron-DeepSpeed experts, which need a "
+            "model-specific migration to the AutoEP layout. Pass --dense-only to convert the dense parameters and "
+            "leave the experts out (what ds_to_universal.py does).")
     shards = [(sf, sf.load()["optimizer_state_dict"]) for sf in ck.optim]
 
     # name -> [(rank, group, start, numel)] in dp order
@@ -94,8 +112,16 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
                 fragments.setdefault(name, []).append((rank, g, int(frag.start), int(frag.numel)))
 
     written = set()
-    params = 0
+    experts = set()
+    if layers is not None:
+        expert_files = autoep.check_expert_files(ck.folder, layers)
+        experts = autoep.plan_zero12_experts(ck, plan, shards, fragments, shapes, layers, data_before_expert,
+                                             expert_files)
+        written |= experts
+    params = len(experts)
     for name, shape in shapes.items():
+        if name in experts:
+            continue
         frags = fragments.get(name)
         if not frags:
             continue  # no optimizer state: the module fallback below writes fp32.pt, as DeepSpeed does
@@ -131,14 +157,10 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
             if "step" in group_state:
                 steps.append((sf, group_state["step"]))
         if steps:
-            values = [_step_value(sf, s) for sf, s in steps]
+            values = [step_value(sf, s) for sf, s in steps]
             if any(v != values[0] for v in values[1:]):
                 raise CheckpointFormatError(f"{ck.folder}: dp ranks disagree on the Adam step of {name}")
-            sf, step = steps[0]
-            if isinstance(step, TensorRef):
-                off, nbytes = sf.tensor_byte_range(step)
-                step = NewTensor(step.dtype, step.shape, [Piece(sf, off, nbytes, 0)], step.requires_grad)
-            plan.add_archive(f"zero/{name}/step.pt", step)
+            plan.add_archive(f"zero/{name}/step.pt", step_output(*steps[0]))
 
     # DeepSpeed 0.19.8 writes {'param': module[name].float()} for every module entry that got no fp32.pt:
     # frozen parameters, tied aliases, buffers, parameters without optimizer fragments.
@@ -155,9 +177,14 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
             plan.add_archive(f"zero/{name}/fp32.pt", {"param": _as_float32(mf, name, t)})
 
     plan.add_archive("zero/optimizer_state.pt", _common_optimizer_state(shards[0][1], ck.dp))
-    for path in ck.model_paths:
-        plan.add_copy(path, os.path.basename(path))
-    return {"params": params, "fallback_params": fallback}
+    for mf in ck.model:
+        if layers is not None:
+            autoep.resave_with_expert_patterns(plan, mf, autoep.ZERO12_PATTERNS, layers)
+        else:
+            plan.add_copy(mf.path, os.path.basename(mf.path))
+    if expert_file_names and layers is None:
+        plan.notes.append(f"  dense only: {len(expert_file_names)} native MoE expert files left out")
+    return {"params": params, "fallback_params": fallback, "experts": len(experts)}
 
 
 def _as_float32(sf, name: str, t: TensorRef) -> NewTensor:

@@ -13,6 +13,7 @@ import math
 import os
 from typing import Dict, List
 
+from . import autoep
 from .checkpoint import ZeroCheckpoint
 from .errors import CheckpointFormatError
 from .plan import Piece, Plan
@@ -27,6 +28,7 @@ def _numel(shape) -> int:
 
 
 def plan_zero3(ck: ZeroCheckpoint, plan: Plan) -> Dict[str, int]:
+    experts = autoep.plan_zero3_experts(ck, plan)
     param_shapes = ck.model[0].load().get("param_shapes")
     if not isinstance(param_shapes, (list, tuple)) or not all(isinstance(g, dict) for g in param_shapes):
         raise CheckpointFormatError(f"{ck.model[0].path}: param_shapes must be a list of per-sub-group dicts")
@@ -61,6 +63,9 @@ def plan_zero3(ck: ZeroCheckpoint, plan: Plan) -> Dict[str, int]:
                 n = _numel(shape)
                 q = math.ceil(n / count)
                 real = max(0, min(q, n - prank * q))
+                if name in experts:
+                    offset += q
+                    continue
                 for key, t in flats.items():
                     off, nbytes = sf.tensor_byte_range(t, offset, real)
                     lst = pieces.setdefault((name, key), [])
@@ -73,9 +78,7 @@ def plan_zero3(ck: ZeroCheckpoint, plan: Plan) -> Dict[str, int]:
                     m[1] |= t.requires_grad
                 offset += q
 
-    names = []
-    for sub in param_shapes:
-        names.extend(sub.keys())
+    names = [n for sub in param_shapes for n in sub.keys() if n not in experts]
     for name in names:
         for key in STATES:
             dtype, requires_grad, n = meta[(name, key)]
@@ -90,7 +93,8 @@ def plan_zero3(ck: ZeroCheckpoint, plan: Plan) -> Dict[str, int]:
     common = dict(rank0)
     common["param_groups"] = rank0["optimizer_state_dict"]["param_groups"]
     plan.add_archive("zero/optimizer_state.pt", common)
-    for path in ck.model_paths:
-        plan.add_copy(path, os.path.basename(path))
-    return {"params": len(names), "fallback_params": 0}
+    if not experts:  # with AutoEP the model files were re-saved with expert patterns instead
+        for path in ck.model_paths:
+            plan.add_copy(path, os.path.basename(path))
+    return {"params": len(names) + len(experts), "fallback_params": 0, "experts": len(experts)}
 
