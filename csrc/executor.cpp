@@ -103,6 +103,7 @@ struct WriteJob {
         int64_t src = -1;
         uint64_t src_off = 0;
         if (const uint8_t* run = window_as_source_run(w, plan, pieces, sources, src, src_off)) {
+            sources.map(static_cast<std::size_t>(src)).prefetch(src_off, len);
             for (uint64_t at = 0; at < len; at += kDirectSlice) {
                 uint64_t n = std::min(kDirectSlice, len - at);
                 crc = crc32(crc, run + at, n);

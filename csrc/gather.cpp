@@ -58,6 +58,8 @@ void gather_window(const Window& w, const WindowPlan& plan, const std::vector<Pi
         rows_touching(p, w.begin, w.end, i0, i1);
         if (i0 >= i1) continue;
         const uint8_t* base = p.src >= 0 ? sources.map(static_cast<std::size_t>(p.src)).data() + p.src_off : nullptr;
+        if (base)
+            sources.map(static_cast<std::size_t>(p.src)).prefetch(p.src_off + i0 * p.src_row, (i1 - i0) * p.src_row);
         for (uint64_t i = i0; i < i1; ++i) {
             const uint64_t row_dst = p.dst_off + i * p.stride;
             const uint64_t lo = std::max(row_dst, w.begin);

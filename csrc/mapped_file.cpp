@@ -40,6 +40,10 @@ MappedFile::MappedFile(std::string path) : path_(std::move(path)) {
             throw_errno_code(e, "mmap", path_);
         }
         data_ = static_cast<const uint8_t*>(p);
+        // Header parsing and slice reads touch a few pages of large files; with the default
+        // read-around every fault would pull in a whole readahead window (8 MiB on the CI disks).
+        // Bulk reads prefetch their exact ranges instead (prefetch()).
+        ::madvise(p, size_, MADV_RANDOM);
     }
     // The mapping keeps the file referenced; holding the descriptor would only cost fd slots
     // when thousands of shards are open.
@@ -51,6 +55,14 @@ MappedFile::~MappedFile() { close(); }
 void MappedFile::close() noexcept {
     if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
     data_ = nullptr;
+}
+
+void MappedFile::prefetch(uint64_t offset, uint64_t len) const noexcept {
+    if (!data_ || len == 0 || offset >= size_) return;
+    uint64_t end = offset + len < size_ ? offset + len : size_;
+    const uint64_t ps = page_size();
+    uint64_t lo = offset / ps * ps;
+    ::madvise(const_cast<uint8_t*>(data_) + lo, end - lo, MADV_WILLNEED);
 }
 
 void MappedFile::drop(uint64_t offset, uint64_t len) const noexcept {

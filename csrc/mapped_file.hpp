@@ -28,6 +28,9 @@ public:
     // (MADV_DONTNEED), so streaming through a large file does not grow our RSS; the kernel
     // keeps the pages cached. Best effort: failures are ignored.
     void drop(uint64_t offset, uint64_t len) const noexcept;
+    // Asks the kernel to read [offset, offset+len) ahead (MADV_WILLNEED). The mapping itself is
+    // MADV_RANDOM, so nothing outside the ranges we prefetch is read around a fault.
+    void prefetch(uint64_t offset, uint64_t len) const noexcept;
 
     // Releases the mapping early; data() becomes null. Not safe concurrently with readers.
     void close() noexcept;
