@@ -152,7 +152,10 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
     for r, sf in enumerate(optim):
         osd = _optim_state(sf)
         counts = osd.get("partition_count")
-        if isinstance(counts, list) and any(int(c) != dp for c in counts):
+        # Dense groups are partitioned over all dp ranks; expert groups over their expert-data-parallel
+        # group, a divisor of dp. A missing top rank file shows up as a largest count != files present.
+        if isinstance(counts, list) and counts and (max(int(c) for c in counts) != dp
+                                                    or any(dp % int(c) for c in counts)):
             raise CheckpointFormatError(f"{sf.path}: partition_count {counts} disagrees with the {dp} optimizer "
                                         "shards present in the folder (a rank file is missing or foreign)")
         if not isinstance(osd.get("base_optimizer_state"), dict):
