@@ -19,6 +19,7 @@ import glob
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -204,6 +205,11 @@ def plan_zero12_experts(ck, plan: Plan, shards, fragments, shapes, layers, data_
         full_shape = (n_exp, ) + local_shape[1:]
         for state in STATES:
             ep_parts = []  # per EP rank: (Segments, dtype, requires_grad)
+            absent = _absent_moment(state, name, by_rank, shards)
+            if absent:
+                # The seed's policy: expert optimizer state is best effort; fp32 is still written.
+                warnings.warn(f"AutoEP: skipped {state} of {name}: no {state} in {absent}", stacklevel=3)
+                continue
             for e in range(ep):
                 seg, requires_grad = Segments(), False
                 for r in zero12_dp_ranks(e, dp, ep, data_before_expert):
@@ -248,6 +254,17 @@ def plan_zero12_experts(ck, plan: Plan, shards, fragments, shapes, layers, data_
             raise AutoEPError(f"Inconsistent AutoEP optimizer steps for {name}.")
         plan.add_archive(f"zero/{name}/step.pt", step_output(*steps[0]))
     return set(info)
+
+
+def _absent_moment(state, name, by_rank, shards) -> Optional[str]:
+    """The shard file lacking an Adam moment needed for ``name``, if any."""
+    if state == "fp32":
+        return None
+    for r, (g, _, _) in sorted(by_rank.items()):
+        sf, osd = shards[r]
+        if not isinstance(osd["base_optimizer_state"]["state"].get(g, {}).get(state), TensorRef):
+            return sf.path
+    return None
 
 
 def _expert_file_rows(meta, name, ep_rank, expert_files):
@@ -434,6 +451,7 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
     frags: Dict[Tuple[str, str], Dict[int, list]] = {}
     layer_of: Dict[str, dict] = {}
     placement_of_param: Dict[str, dict] = {}
+    skipped: Dict[Tuple[str, str], str] = {}  # (name, moment) -> a shard lacking it
     local_shape_of: Dict[Tuple[str, int], tuple] = {}
     for r, meta in partitioned.items():
         mf, sf = ck.model[r], ck.optim[r]
@@ -479,14 +497,21 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
                     local_shape_of[(name, ep_rank)] = tuple(int(d) for d in shape)
                     for state, t in flats.items():
                         if not isinstance(t, TensorRef):
-                            raise AutoEPError(f"Missing optimizer state '{state}' for AutoEP expert parameter {name} "
-                                              f"on ZeRO rank {r} ({sf.path})")
+                            if state == "fp32":
+                                raise AutoEPError(f"Missing fp32 partition for AutoEP expert parameter {name} on "
+                                                  f"ZeRO rank {r} ({sf.path})")
+                            skipped.setdefault((name, state), sf.path)
+                            continue
                         seg = Segments([(sf, *sf.tensor_byte_range(t, offset, real))])
                         frags.setdefault((name, state), {}).setdefault(ep_rank, []).append(
                             (prank, seg, t.requires_grad, e["expert_data_parallel_world_size"], t.dtype))
                 offset += q
 
+    for (name, state), path in sorted(skipped.items()):
+        warnings.warn(f"AutoEP: skipped {state} of {name}: no {state} in {path}", stacklevel=3)
     for (name, state), by_ep in sorted(frags.items()):
+        if (name, state) in skipped:
+            continue
         placement = placement_of_param[name]
         e0 = layer_of[name]
         held = {x["rank"]: x["experts"] for x in placement["ranks"]}

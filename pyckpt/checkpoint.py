@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from .archive import SourceFile
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, UnsupportedCheckpointError
 from .safe_pickle import Opaque
 
 ZERO_PREFIXES = ("zero_pp_rank_", "fp16_zero_pp_rank_", "bf16_zero_pp_rank_")
@@ -145,7 +145,7 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
     if isinstance(dims, dict):
         pp, tp = int(dims.get("pp_degree", 1)), int(dims.get("tp_degree", 1))
     if tp * pp != 1 or len(mp_names) != 1 or len(grid) != 1:
-        raise NotImplementedError(f"{folder}: tensor/pipeline-parallel checkpoints (tp={tp}, pp={pp}, "
+        raise UnsupportedCheckpointError(f"{folder}: tensor/pipeline-parallel checkpoints (tp={tp}, pp={pp}, "
                                   f"{len(mp_names)} model-state files) are not supported by this version of pyckpt")
     optim = [first if grid[0][r] == os.path.basename(first.path) else SourceFile(os.path.join(folder, grid[0][r]))
              for r in range(dp)]
@@ -170,8 +170,9 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
     grid = _rank_table(folder, zero3)
     dp = _check_complete(folder, grid, "ZeRO-3 optimizer shards")
     if len(grid) != 1:
-        raise NotImplementedError(f"{folder}: ZeRO-3 with tensor parallelism ({len(grid)} mp ranks) is not "
-                                  "supported by this version of pyckpt")
+        raise UnsupportedCheckpointError(
+            f"{folder}: ZeRO-3 with tensor parallelism ({len(grid)} mp ranks) is not supported by this version of "
+            "pyckpt (nor is AutoEP combined with AutoTP, which DeepSpeed's converter refuses too)")
     model_names = [n for n in names if n.endswith("_model_states.pt") and not is_expert_model_file(n)]
     if not model_names:
         raise CheckpointFormatError(f"can't find ZeRO Stage 3 model state files in directory '{folder}'")

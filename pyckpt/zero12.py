@@ -118,7 +118,12 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
         experts = autoep.plan_zero12_experts(ck, plan, shards, fragments, shapes, layers, data_before_expert,
                                              expert_files)
         written |= experts
-    params = len(experts)
+    elif expert_file_names:  # dense_only: leave out what lives in expert-parallel param groups
+        experts = _expert_group_params([osd for _, osd in shards], ck.dp)
+        written |= experts
+        plan.notes.append(f"  dense only: {len(experts)} expert parameter(s) and {len(expert_file_names)} native "
+                          "MoE expert files left out")
+    params = len(experts) if layers is not None else 0
     for name, shape in shapes.items():
         if name in experts:
             continue
@@ -182,9 +187,18 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
             autoep.resave_with_expert_patterns(plan, mf, autoep.ZERO12_PATTERNS, layers)
         else:
             plan.add_copy(mf.path, os.path.basename(mf.path))
-    if expert_file_names and layers is None:
-        plan.notes.append(f"  dense only: {len(expert_file_names)} native MoE expert files left out")
     return {"params": params, "fallback_params": fallback, "experts": len(experts)}
+
+
+def _expert_group_params(shard_states, dp: int) -> set:
+    """Parameters of param groups partitioned over fewer ranks than dp: DeepSpeed-MoE expert groups."""
+    names = set()
+    for osd in shard_states:
+        counts = osd.get("partition_count") or []
+        for g, mapping in enumerate(osd.get("param_slice_mappings") or []):
+            if g < len(counts) and int(counts[g]) != dp:
+                names.update(mapping.keys())
+    return names
 
 
 def _as_float32(sf, name: str, t: TensorRef) -> NewTensor:

@@ -32,6 +32,12 @@ CONFIGS = {
     "s3_fp32_dp3_no_uc_info": Config(3, "fp32", 3, uc_info=False),
     # bf16 + ZeRO-1 + fp32 gradient accumulation selects BF16_Optimizer: no zero_stage key, padded partitions.
     "s1_bf16_dp2_bf16_optimizer": Config(1, "bf16", 2, grad_accum_dtype="fp32"),
+    # AutoEP: a two-layer Mixtral-layout MoE with 8 experts on 4 ranks, autoep_size 2.
+    "ep_s1_fp32": Config(1, "fp32", 4, model="moe", ep_size=2),
+    "ep_s2_bf16": Config(2, "bf16", 4, model="moe", ep_size=2),
+    "ep_s2_fp32_data_before_expert": Config(2, "fp32", 4, model="moe", ep_size=2, use_data_before_expert_parallelism=True),
+    "ep_s3_fp32": Config(3, "fp32", 4, model="moe", ep_size=2),
+    "ep_s3_bf16": Config(3, "bf16", 4, model="moe", ep_size=2),
 }
 
 # (checkpoint, world size to load it at): 4 -> 2 and 2 -> 3 for every stage.
