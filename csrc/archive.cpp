@@ -21,7 +21,9 @@ std::string num(uint64_t v) { return std::to_string(v); }
 }  // namespace
 
 Archive::Archive(std::string path) : path_(std::move(path)) {
-    map_ = std::make_unique<MappedFile>(path_);
+    // Parsing reads the end records, the central directory and one local header per member:
+    // a few scattered pages that must not each drag in a readahead window.
+    map_ = std::make_unique<MappedFile>(path_, /*random_access=*/true);
     size_ = map_->size();
     parse();
 }

@@ -18,7 +18,7 @@ uint64_t page_size() {
 }
 }  // namespace
 
-MappedFile::MappedFile(std::string path) : path_(std::move(path)) {
+MappedFile::MappedFile(std::string path, bool random_access) : path_(std::move(path)) {
     int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw_errno("open", path_);
     struct stat st {};
@@ -40,10 +40,7 @@ MappedFile::MappedFile(std::string path) : path_(std::move(path)) {
             throw_errno_code(e, "mmap", path_);
         }
         data_ = static_cast<const uint8_t*>(p);
-        // Header parsing and slice reads touch a few pages of large files; with the default
-        // read-around every fault would pull in a whole readahead window (8 MiB on the CI disks).
-        // Bulk reads prefetch their exact ranges instead (prefetch()).
-        ::madvise(p, size_, MADV_RANDOM);
+        if (random_access) ::madvise(p, size_, MADV_RANDOM);
     }
     // The mapping keeps the file referenced; holding the descriptor would only cost fd slots
     // when thousands of shards are open.

@@ -15,7 +15,9 @@ namespace pyckpt {
 class MappedFile {
 public:
     // Throws std::system_error (errno + path) if the file cannot be opened, stat'ed or mapped.
-    explicit MappedFile(std::string path);
+    // `random_access`: MADV_RANDOM for the whole mapping (header parsing touches a few pages of
+    // large files; the default read-around would pull in a whole readahead window per fault).
+    explicit MappedFile(std::string path, bool random_access = false);
     ~MappedFile();
     MappedFile(const MappedFile&) = delete;
     MappedFile& operator=(const MappedFile&) = delete;
@@ -28,8 +30,8 @@ public:
     // (MADV_DONTNEED), so streaming through a large file does not grow our RSS; the kernel
     // keeps the pages cached. Best effort: failures are ignored.
     void drop(uint64_t offset, uint64_t len) const noexcept;
-    // Asks the kernel to read [offset, offset+len) ahead (MADV_WILLNEED). The mapping itself is
-    // MADV_RANDOM, so nothing outside the ranges we prefetch is read around a fault.
+    // Asks the kernel to read [offset, offset+len) ahead (MADV_WILLNEED), so the faults that follow
+    // find their pages in flight or cached and trigger no read-around of their own.
     void prefetch(uint64_t offset, uint64_t len) const noexcept;
 
     // Releases the mapping early; data() becomes null. Not safe concurrently with readers.
