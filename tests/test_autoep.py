@@ -196,3 +196,37 @@ def test_read_expert_slice_on_converted_experts(pyckpt_universal, name):
             rows = 8 // ep
             for rank in range(ep):
                 assert torch.equal(read_expert_slice(f, rank, ep), full[rank * rows:(rank + 1) * rows])
+
+
+# (checkpoint saved at 4 ranks with autoep_size 2, world size to load at, autoep_size to load at)
+EP_LOADS = [
+    ("ep_s1_fp32", 4, 4),
+    ("ep_s2_bf16", 4, 4),
+    ("ep_s2_bf16", 2, 1),
+    ("ep_s2_fp32_data_before_expert", 2, 1),
+    ("ep_s3_fp32", 4, 4),
+    ("ep_s3_fp32", 2, 1),
+    ("ep_s3_bf16", 2, 1),
+]
+
+
+@pytest.fixture(scope="session")
+def ep_loaded(checkpoints, pyckpt_universal, ds_environ):
+    import dataclasses
+    requests = []
+    for name, world, ep in EP_LOADS:
+        out = pyckpt_universal[name]
+        cfg = dataclasses.replace(checkpoints[name].config, world_size=world, ep_size=ep)
+        requests.append((cfg, out.parent, out.name, world))
+    states = dsharness.load_universal_many(requests, env=ds_environ)
+    return dict(zip(EP_LOADS, states))
+
+
+@pytest.mark.parametrize("load", EP_LOADS, ids=[f"{n}-to-{w}ranks-ep{e}" for n, w, e in EP_LOADS])
+def test_deepspeed_resumes_pyckpt_autoep_output_at_another_ep_size(load, checkpoints, ep_loaded):
+    reference = checkpoints[load[0]].reference
+    loaded = ep_loaded[load]
+    experts = [n for n in reference["fp32"] if ".experts.w" in n]
+    assert len(experts) == 6 and all(reference["fp32"][n].shape[0] == 8 for n in experts)
+    assert loaded["meta"]["ep_size"] == load[2]
+    assert dsharness.compare_states(reference, loaded) == []
