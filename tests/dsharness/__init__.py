@@ -12,6 +12,9 @@ State dicts (`Checkpoint.reference` and what `load_universal` returns) look like
      "frozen": [...],                                          # names with requires_grad=False
      "buffers": {name: tensor},                                # module buffers, their own dtype
      "meta": {...}}                                            # optimizer classes, timings, losses
+AutoEP (model="moe"): each expert tensor `<layer>.experts.w1/w2/w3` is in fp32/exp_avg/exp_avg_sq
+with all experts, [num_experts, ...] in global expert order (gathered across the EP ranks), and
+meta adds ep_size, ep_rank_of_rank, num_experts, autoep_layers, expert_params.
 DeepSpeed's universal loader restores neither frozen parameters nor buffers (it never loads
 `module`); see NOTES.md. `compare_states` therefore compares only what the loader restores.
 """
@@ -54,6 +57,8 @@ _HERE = Path(__file__).resolve().parent
 _WORKER = _HERE / "worker.py"
 # Generous: a launch normally takes seconds; this only bounds a hung gloo collective.
 DEFAULT_TIMEOUT_S = 300
+# models.TinyMoE's expert count (kept here so that this module never imports the worker side).
+MOE_NUM_EXPERTS = 8
 
 # (description, world_size, seconds, detail) per worker launch / converter run, for timing
 # reports; detail is the worker's phase split ("startup=.. warm_up=.. ranks=..") or "".
@@ -65,21 +70,35 @@ class Config:
     stage: int  # 1, 2, 3
     dtype: str  # "fp32" or "bf16"
     world_size: int  # dp degree; tp = pp = 1
-    model: str = "tiny"  # "tiny" | "frozen_tied"
+    model: str = "tiny"  # "tiny" | "frozen_tied" | "moe" (AutoEP, Mixtral layout; needs ep_size)
     sub_group_size: int | None = None  # ZeRO-3 only
     steps: int = 3
     uc_info: bool = True  # client_state={"universal_checkpoint_info": {}} at save
     # "fp32" with bf16 + stage 1 makes DeepSpeed use BF16_Optimizer (a different shard layout:
     # no zero_stage key, fp32 partitions saved with padding); None = DeepSpeed's default (model dtype).
     grad_accum_dtype: str | None = None
+    # AutoEP (model="moe" only): expert_parallel.autoep_size, and the top-level
+    # use_data_before_expert_parallelism (D+E: EP rank = rank // (world/ep) instead of rank % ep).
+    ep_size: int | None = None
+    use_data_before_expert_parallelism: bool = False
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, not {self.stage}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be 'fp32' or 'bf16', not {self.dtype!r}")
-        if self.model not in ("tiny", "frozen_tied"):
+        if self.model not in ("tiny", "frozen_tied", "moe"):
             raise ValueError(f"unknown model {self.model!r}")
+        if self.model == "moe":
+            if self.ep_size is None or self.ep_size < 1 or MOE_NUM_EXPERTS % self.ep_size:
+                raise ValueError(f"model='moe' needs ep_size dividing {MOE_NUM_EXPERTS}, not {self.ep_size}")
+            if self.world_size % self.ep_size:
+                raise ValueError(f"ep_size {self.ep_size} does not divide world_size {self.world_size}")
+            if not self.uc_info:
+                # AutoEP writes universal_checkpoint_info itself; there is no checkpoint without it.
+                raise ValueError("uc_info=False is meaningless for model='moe'")
+        elif self.ep_size is not None or self.use_data_before_expert_parallelism:
+            raise ValueError("ep_size and use_data_before_expert_parallelism need model='moe'")
         if self.grad_accum_dtype not in (None, "fp32", "bf16"):
             raise ValueError(f"grad_accum_dtype must be None, 'fp32' or 'bf16', not {self.grad_accum_dtype!r}")
         if self.world_size < 1 or self.steps < 1:
@@ -97,6 +116,10 @@ class Config:
             parts.append("nouc")
         if self.grad_accum_dtype:
             parts.append(f"acc{self.grad_accum_dtype}")
+        if self.ep_size is not None:
+            parts.append(f"ep{self.ep_size}")
+        if self.use_data_before_expert_parallelism:
+            parts.append("dbe")
         return "-".join(parts)
 
 
@@ -299,10 +322,18 @@ def run_ds_to_universal_many(jobs: Sequence[tuple[Path, Path]],
 def load_universal_many(requests: Sequence[tuple[Config, Path, str, int]],
                         env: dict | None = None,
                         timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict]:
-    """Several universal loads `(cfg, universal_root, tag, world_size)`; one launch per world size."""
+    """Several universal loads `(cfg, universal_root, tag, world_size)`; one launch per world size.
+
+    For AutoEP, `cfg.ep_size` is the autoep_size of the loading engine: pass
+    `dataclasses.replace(ckpt.config, world_size=ws, ep_size=n)` to load at another EP size
+    (Config checks ep_size against its own world_size, which the load otherwise ignores).
+    """
     by_ws: dict[int, list[int]] = {}
     for i, req in enumerate(requests):
-        by_ws.setdefault(req[3], []).append(i)
+        cfg, ws = req[0], req[3]
+        if cfg.ep_size is not None and ws % cfg.ep_size:
+            raise ValueError(f"{cfg.id}: ep_size {cfg.ep_size} does not divide the load world size {ws}")
+        by_ws.setdefault(ws, []).append(i)
     results: list[dict | None] = [None] * len(requests)
     for ws, idxs in by_ws.items():
         tasks = []
@@ -320,15 +351,24 @@ def load_universal_many(requests: Sequence[tuple[Config, Path, str, int]],
     return results  # type: ignore[return-value]
 
 
-def load_universal(cfg: Config, universal_root: Path, tag: str, world_size: int, env: dict | None = None) -> dict:
+def load_universal(cfg: Config,
+                   universal_root: Path,
+                   tag: str,
+                   world_size: int,
+                   env: dict | None = None,
+                   ep_size: int | None = None) -> dict:
     """DeepSpeed `load_universal` at `world_size` ranks; returns the restored state.
 
-    The engine is built from `cfg`'s model, stage, dtype, sub_group_size and grad_accum_dtype
-    (its world_size, steps and uc_info play no part), with "checkpoint": {"load_universal":
-    true}, then `engine.load_checkpoint(universal_root, tag=tag)`. `universal_root` holds the
-    `tag` folder written by ds_to_universal. The worker then runs one more training step and
-    fails unless its loss is finite.
+    The engine is built from `cfg`'s model, stage, dtype, sub_group_size, grad_accum_dtype,
+    ep_size and use_data_before_expert_parallelism (its world_size, steps and uc_info play no
+    part), with "checkpoint": {"load_universal": true}, then
+    `engine.load_checkpoint(universal_root, tag=tag)`. `ep_size` overrides `cfg.ep_size` (AutoEP:
+    load at another autoep_size). `universal_root` holds the `tag` folder written by
+    ds_to_universal. The worker then runs one more training step and fails unless its loss is
+    finite.
     """
+    if ep_size is not None:
+        cfg = dataclasses.replace(cfg, ep_size=ep_size, world_size=world_size)
     return load_universal_many([(cfg, Path(universal_root), tag, world_size)], env)[0]
 
 

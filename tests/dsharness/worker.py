@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 import deepspeed  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import models  # noqa: E402
 
@@ -69,6 +69,8 @@ def warm_up() -> None:
     import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
     import deepspeed.runtime.zero.stage3  # noqa: F401
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    import deepspeed.module_inject.auto_ep  # noqa: F401
+    import deepspeed.module_inject.auto_ep_layer  # noqa: F401
     import torch._dynamo  # noqa: F401
 
 
@@ -99,17 +101,103 @@ def ds_config(cfg: dict, world_size: int, load_universal: bool = False) -> dict:
         raise ValueError(f"unsupported dtype {cfg['dtype']!r}")
     if cfg.get("grad_accum_dtype"):
         config["data_types"] = {"grad_accum_dtype": cfg["grad_accum_dtype"]}
+    if cfg["model"] == "moe":
+        # use_grouped_mm=false selects GroupedExperts' per-expert loop: torch._grouped_mm and the
+        # Triton kernel are GPU-only.
+        config["expert_parallel"] = {
+            "enabled": True,
+            "autoep_size": cfg["ep_size"],
+            "preset_model": "mixtral",
+            "use_grouped_mm": False,
+            "disable_triton_grouped_mm": True,
+        }
+        config["use_data_before_expert_parallelism"] = bool(cfg["use_data_before_expert_parallelism"])
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     return config
 
 
+def reset_expert_groups() -> None:
+    """Forget the EP/expert-DP groups a previous task of this launch created.
+
+    deepspeed.utils.groups caches them per name ("ep_size_2") for the life of the process and
+    reuses a cached one even when the next engine asks for the other rank order
+    (use_data_before_expert_parallelism). And the ZeRO-1/2 universal loader takes its EP rank
+    and size from the group with the *largest* cached ep size (_get_max_expert_size_name): an
+    ep-1 load after an ep-2 task in the same launch failed with "Invalid AutoEP universal
+    checkpoint target metadata: target ep_rank 1 does not match parameter metadata ep_rank 0".
+    engine.destroy() clears none of this. The abandoned gloo groups stay alive; that costs
+    nothing that matters here.
+    """
+    for cache in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                  groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        cache.clear()
+
+
+def autoep_layers(module):
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, AutoEPMoELayer)]
+
+
+def expected_ep_rank(cfg: dict, rank: int, world_size: int) -> int:
+    """EP rank of a global rank (tp = pp = 1), as groups._create_expert_and_data_parallel lays it out.
+
+    E+D (default): EP groups are blocks of ep consecutive ranks. D+E: EP group i is
+    range(i, world, world // ep), so the EP rank is the block index.
+    """
+    ep = cfg["ep_size"]
+    return rank // (world_size // ep) if cfg["use_data_before_expert_parallelism"] else rank % ep
+
+
+def check_autoep_start(engine, cfg: dict, sources: dict, world_size: int) -> None:
+    """Before any step: each AutoEP layer sits at the expected EP rank and its fp32 masters are
+    exactly the source experts [ep_rank * n_local, (ep_rank + 1) * n_local).
+
+    This pins the meaning of "global expert id = ep_rank * num_local + local index" to the
+    experts' origin, so the reference built from it (gather_state) is in true global order.
+    Collective (safe_get_full_fp32_param).
+    """
+    dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
+    rank = tdist.get_rank()
+    layers = autoep_layers(engine.module)
+    if [name for name, _ in layers] != list(sources):
+        raise RuntimeError(f"AutoEP replaced {[n for n, _ in layers]}, expected {list(sources)}")
+    for name, layer in layers:
+        if layer.ep_size != cfg["ep_size"] or layer.ep_rank != expected_ep_rank(cfg, rank, world_size):
+            raise RuntimeError(f"rank {rank}: {name} has ep_rank {layer.ep_rank}/{layer.ep_size}, expected "
+                               f"{expected_ep_rank(cfg, rank, world_size)}/{cfg['ep_size']}")
+        gate_up, down = sources[name]
+        nl = layer.num_local_experts
+        lo, hi = layer.ep_rank * nl, (layer.ep_rank + 1) * nl
+        ffn = down.shape[2]
+        expected = {"w1": gate_up[lo:hi, :ffn], "w2": down[lo:hi], "w3": gate_up[lo:hi, ffn:]}
+        for w, want in expected.items():
+            got = safe_get_full_fp32_param(getattr(layer.experts, w)).detach().cpu()
+            # The fp32 master starts as the model-dtype weight, so bf16 runs start from rounded values.
+            if not torch.equal(got, want.to(dtype).float()):
+                raise RuntimeError(f"rank {rank}: {name}.experts.{w} does not hold source experts [{lo}, {hi})")
+
+
 def make_engine(cfg: dict, world_size: int, load_universal: bool = False):
+    reset_expert_groups()
     model = models.build_model(cfg["model"])
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    if cfg["model"] == "moe":
+        sources = {
+            f"model.layers.{i}.mlp": (layer.mlp.experts.gate_up_proj.detach().clone(),
+                                      layer.mlp.experts.down_proj.detach().clone())
+            for i, layer in enumerate(model.model.layers)
+        }
+        # A lazy iterable: AutoEP swaps the MoE blocks inside initialize() before consuming it,
+        # so it yields the replacement parameters. A list would hold the discarded source ones
+        # and rely on DeepSpeed's source-to-replacement remap (not tried).
+        trainable = (p for p in model.parameters() if p.requires_grad)
+    else:
+        trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model,
                                            model_parameters=trainable,
                                            config=ds_config(cfg, world_size, load_universal))
+    if cfg["model"] == "moe":
+        check_autoep_start(engine, cfg, sources, world_size)
     return engine
 
 
@@ -136,17 +224,60 @@ def optimizer_step(engine):
     return steps.pop()
 
 
+def relink_optimizer_fragments(engine) -> None:
+    """Work around DeepSpeed 0.19.8 leaving later ZeRO-1/2 param groups without moment views.
+
+    DeepSpeedZeroOptimizer steps one param group at a time (_optimizer_step(i)) and, after the
+    *first* group's step, links every group's params to their slices of the torch optimizer
+    state once (_lazy_init_hp_params_optimizer_state, then _hp_optimizer_states_linked = True).
+    torch Adam creates a group's state lazily in its own step, so groups 1.. get linked to an
+    empty state and safe_get_full_optimizer_state raises "exp_avg not found in optimizer state
+    fragment" for their params. MoE models always have a second group (the experts). Linking
+    again once every group has stepped only recomputes the views.
+    """
+    opt = engine.optimizer
+    if getattr(opt, "_hp_optimizer_states_linked", False) and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
+def gather_experts(local: torch.Tensor, layer, what: str) -> torch.Tensor:
+    """All experts of one AutoEP tensor, [num_experts, ...] in global expert order.
+
+    `local` is this rank's [num_local, ...] (safe_get_full_* gather only over the expert-DP
+    group). Every rank contributes (its layer's ep_rank, local); EP rank r holds global experts
+    r*num_local .. (r+1)*num_local-1 (check_autoep_start proved that). Ordering by the reported
+    ep_rank rather than by position in some group keeps this right for both rank orders
+    (use_data_before_expert_parallelism), and the expert-DP replicas of one EP rank must agree
+    bit for bit.
+    """
+    items = [None] * tdist.get_world_size()
+    tdist.all_gather_object(items, (layer.ep_rank, local))
+    by_ep = {}
+    for rank, (ep_rank, t) in enumerate(items):
+        if ep_rank in by_ep and not torch.equal(by_ep[ep_rank], t):
+            raise RuntimeError(f"{what}: expert-DP replicas of EP rank {ep_rank} disagree (rank {rank})")
+        by_ep.setdefault(ep_rank, t)
+    if sorted(by_ep) != list(range(layer.ep_size)):
+        raise RuntimeError(f"{what}: EP ranks {sorted(by_ep)} reported, expected 0..{layer.ep_size - 1}")
+    return torch.cat([by_ep[r] for r in range(layer.ep_size)])
+
+
 def gather_state(engine) -> dict:
     """Full (unpartitioned) fp32 masters and Adam moments for every parameter.
 
     Collective under every stage (all-reduce for ZeRO-1/2, all-gather for ZeRO-3), so all
     ranks must call it in the same order; named_parameters() order is identical on all ranks.
+    AutoEP expert tensors come back with all experts (gather_experts), not just the local ones.
     """
     stage3 = engine.zero_optimization_partition_weights()
+    relink_optimizer_fragments(engine)
     module = engine.module
     fp32 = {}
     moments = {k: {} for k in OPTIM_KEYS}
     names, frozen = [], []
+    layers = autoep_layers(module)
+    expert_of = {id(getattr(layer.experts, w)): layer for _, layer in layers for w in ("w1", "w2", "w3")}
     # named_parameters() yields a tied tensor once, under the name it was first registered as.
     for name, p in module.named_parameters():
         names.append(name)
@@ -154,6 +285,11 @@ def gather_state(engine) -> dict:
             fp32[name] = safe_get_full_fp32_param(p).detach().cpu().clone()
             for k in OPTIM_KEYS:
                 moments[k][name] = safe_get_full_optimizer_state(p, k).detach().cpu().clone()
+            layer = expert_of.get(id(p))
+            if layer is not None:
+                fp32[name] = gather_experts(fp32[name], layer, f"fp32/{name}")
+                for k in OPTIM_KEYS:
+                    moments[k][name] = gather_experts(moments[k][name], layer, f"{k}/{name}")
         else:
             # A frozen parameter has no master copy; its module value (exact in fp32) is the
             # only state there is.
@@ -164,6 +300,17 @@ def gather_state(engine) -> dict:
             else:
                 fp32[name] = p.detach().float().cpu().clone()
     buffers = {name: b.detach().cpu().clone() for name, b in module.named_buffers()}
+    meta_ep = {}
+    if layers:
+        ep_ranks = [None] * tdist.get_world_size()
+        tdist.all_gather_object(ep_ranks, layers[0][1].ep_rank)
+        meta_ep = {
+            "ep_size": layers[0][1].ep_size,
+            "ep_rank_of_rank": ep_ranks,
+            "num_experts": layers[0][1].num_experts,
+            "autoep_layers": [name for name, _ in layers],
+            "expert_params": [f"{name}.experts.{w}" for name, _ in layers for w in ("w1", "w2", "w3")],
+        }
     return {
         "fp32": fp32,
         "exp_avg": moments["exp_avg"],
@@ -177,6 +324,10 @@ def gather_state(engine) -> dict:
             "base_optimizer_class": type(engine.optimizer.optimizer).__name__,
             "global_steps": engine.global_steps,
             "world_size": tdist.get_world_size(),
+            # The universal loader overwrites the live param-group keys (names included) with the
+            # saved ones, so these show what it did; see NOTES.md "AutoEP".
+            "param_group_names": [g.get("name") for g in engine.optimizer.optimizer.param_groups],
+            **meta_ep,
         },
     }
 
@@ -186,7 +337,9 @@ def run_save(task: dict, rank: int, world_size: int) -> dict:
     engine = make_engine(cfg, world_size)
     engine.train()
     losses = [train_step(engine, cfg, rank, step) for step in range(cfg["steps"])]
-    client_state = {"universal_checkpoint_info": {}} if cfg["uc_info"] else {}
+    # MoE/AutoEP saves write universal_checkpoint_info themselves and reject it in client_state
+    # (KeyError: reserved checkpoint keys).
+    client_state = {"universal_checkpoint_info": {}} if cfg["uc_info"] and cfg["model"] != "moe" else {}
     engine.save_checkpoint(task["root"], client_state=client_state)
     state = gather_state(engine)
     state["tag"] = f"global_step{engine.global_steps}"
