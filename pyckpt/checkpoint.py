@@ -67,13 +67,14 @@ class ZeroCheckpoint:
     dp: int
     tp: int = 1
     pp: int = 1
-    # ZeRO-1/2: optim[dp] (tp = pp = 1 here); ZeRO-3: optim[dp] (tp = 1 here)
+    # optim[dp] of mp rank 0; optim_grid[mp][dp] for all mp ranks (mp = pp * tp_degree + tp)
     optim: List[SourceFile] = field(default_factory=list)
     # ZeRO-1/2: the mp_rank_* files; ZeRO-3: zero_pp_rank_*_model_states.pt by dp rank
     model: List[SourceFile] = field(default_factory=list)
     # every non-expert *_model_states.pt path, copied to the universal folder
     model_paths: List[str] = field(default_factory=list)
     bf16_prefix: bool = False
+    optim_grid: List[List[SourceFile]] = field(default_factory=list)
 
     @property
     def optim_state(self):
@@ -138,18 +139,18 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
     grid = _rank_table(folder, zero_names)
     dp = _check_complete(folder, grid, "ZeRO optimizer shards")
     model = [SourceFile(os.path.join(folder, n)) for n in mp_names]
-    if not isinstance(model[0].load(), dict):
-        raise CheckpointFormatError(f"{model[0].path}: model-state file does not hold a dict")
-    dims = model[0].load().get("checkpoint_parallel_dimensions")
-    tp = pp = 1
-    if isinstance(dims, dict):
-        pp, tp = int(dims.get("pp_degree", 1)), int(dims.get("tp_degree", 1))
-    if tp * pp != 1 or len(mp_names) != 1 or len(grid) != 1:
-        raise UnsupportedCheckpointError(f"{folder}: tensor/pipeline-parallel checkpoints (tp={tp}, pp={pp}, "
-                                  f"{len(mp_names)} model-state files) are not supported by this version of pyckpt")
-    optim = [first if grid[0][r] == os.path.basename(first.path) else SourceFile(os.path.join(folder, grid[0][r]))
-             for r in range(dp)]
-    for r, sf in enumerate(optim):
+    for mf in model:
+        if not isinstance(mf.load(), dict):
+            raise CheckpointFormatError(f"{mf.path}: model-state file does not hold a dict")
+    pp, tp = _parallel_dims(folder, model, names, sum(len(r) for r in grid.values()))
+    if sorted(grid) != list(range(pp * tp)):
+        raise CheckpointFormatError(f"{folder}: ZeRO shards exist for mp ranks {sorted(grid)}, but the model states "
+                                    f"say pp={pp} x tp={tp}")
+    opened = {os.path.basename(first.path): first}
+    optim_grid = [[opened.get(grid[m][r]) or SourceFile(os.path.join(folder, grid[m][r])) for r in range(dp)]
+                  for m in range(pp * tp)]
+    optim = optim_grid[0]
+    for sf in (sf for row in optim_grid for sf in row):
         osd = _optim_state(sf)
         counts = osd.get("partition_count")
         # Dense groups are partitioned over all dp ranks; expert groups over their expert-data-parallel
@@ -162,7 +163,40 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
             raise CheckpointFormatError(f"{sf.path}: base_optimizer_state is not a dict: elastic checkpoints "
                                         "(zero_optimization.elastic_checkpoint=true) cannot be converted")
     return ZeroCheckpoint(folder, stage, dp, tp, pp, optim, model, [m.path for m in model],
-                          bf16_prefix=zero_names[0].startswith("bf16_"))
+                          bf16_prefix=zero_names[0].startswith("bf16_"), optim_grid=optim_grid)
+
+
+def _parallel_dims(folder, model, names, n_zero):
+    """(pp, tp) as DeepSpeed derives them: checkpoint_parallel_dimensions, else the legacy file counts."""
+    dims = [mf.load().get("checkpoint_parallel_dimensions") for mf in model]
+    given = [d for d in dims if d is not None]
+    if given:
+        if len(given) != len(dims):
+            raise CheckpointFormatError(f"{folder}: checkpoint_parallel_dimensions is missing from some model-state "
+                                        "files")
+        pairs = set()
+        for mf, d in zip(model, dims):
+            if not isinstance(d, dict):
+                raise CheckpointFormatError(f"{mf.path}: checkpoint_parallel_dimensions must be a dictionary")
+            vals = (d.get("pp_degree"), d.get("tp_degree"))
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
+                raise CheckpointFormatError(f"{mf.path}: checkpoint_parallel_dimensions must hold positive "
+                                            f"pp_degree/tp_degree, got {d}")
+            pairs.add(vals)
+        if len(pairs) != 1:
+            raise CheckpointFormatError(f"{folder}: checkpoint_parallel_dimensions disagrees across model-state "
+                                        f"files: {sorted(pairs)}")
+        pp, tp = pairs.pop()
+        if len(model) != pp * tp:
+            raise CheckpointFormatError(f"{folder}: {len(model)} model-state files, but pp_degree={pp} * "
+                                        f"tp_degree={tp}")
+    else:
+        layer01 = [n for n in names if n.startswith("layer_01")]
+        tp = len(layer01) or len(model)
+        pp = max(1, len(model) // tp)
+    if n_zero % (pp * tp):
+        raise CheckpointFormatError(f"{folder}: {n_zero} ZeRO shards is not divisible by pp={pp} * tp={tp}")
+    return pp, tp
 
 
 def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
@@ -189,4 +223,4 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
              for r in range(dp)]
     model = [SourceFile(os.path.join(folder, by_rank[r])) for r in range(dp)]
     return ZeroCheckpoint(folder, 3, dp, 1, 1, optim, model, [os.path.join(folder, n) for n in model_names],
-                          bf16_prefix=zero3[0].startswith("bf16_"))
+                          bf16_prefix=zero3[0].startswith("bf16_"), optim_grid=[optim])

@@ -151,9 +151,14 @@ class Plan:
             for st in storages:
                 rec = len(records)
                 nbytes = st.numel * ITEMSIZE[st.dtype]
-                records.append((f"data/{st.key}", nbytes, None))
                 tensor_bytes += nbytes
                 src = st.source
+                if isinstance(src, NewTensor) and src.data is not None:
+                    if len(src.data) != nbytes:
+                        raise ValueError(f"{arc.relpath}: computed tensor holds {len(src.data)} bytes, expected {nbytes}")
+                    records.append((f"data/{st.key}", nbytes, src.data))
+                    continue
+                records.append((f"data/{st.key}", nbytes, None))
                 if isinstance(src, StorageRef):
                     sf = src.source
                     ops.append((src_id(sf), sf.storage_offset(src), out_idx, rec, 0, nbytes, 0, 1, 0))

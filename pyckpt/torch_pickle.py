@@ -24,6 +24,9 @@ class NewTensor:
     shape: Tuple[int, ...]
     pieces: list = field(default_factory=list)  # pyckpt.plan.Piece
     requires_grad: bool = False
+    # Bytes computed in memory (the few outputs that are not copies, e.g. TP-averaged parameters);
+    # when set, ``pieces`` is empty and these bytes are written as the record.
+    data: Optional[bytes] = None
 
     def numel(self) -> int:
         n = 1

@@ -51,10 +51,11 @@ class ConversionReport:
         return d
 
 
-def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False, dense_only: bool = False):
+def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False, dense_only: bool = False,
+               strict: bool = True):
     plan = Plan()
     if ck.stage <= 2:
-        counts = plan_zero12(ck, plan, inject_missing_state, dense_only)
+        counts = plan_zero12(ck, plan, inject_missing_state, dense_only, strict)
     else:
         counts = plan_zero3(ck, plan)
     return plan, counts
@@ -69,11 +70,11 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     ``latest_universal`` is written beside it, as DeepSpeed's ds_to_universal.py does.
     ``dense_only`` converts a checkpoint with native DeepSpeed-MoE expert files (no AutoEP metadata)
     without its experts, as ds_to_universal.py does; without it such input is refused.
-    ``strict`` is accepted for ds_to_universal compatibility (``--no_strict``).
+    ``strict=False`` (``--no_strict``) only warns about tensor-parallel merge patterns that match no parameter.
     """
     t0 = time.perf_counter()
     ck = discover(input)
-    plan, counts = build_plan(ck, inject_missing_state, dense_only)
+    plan, counts = build_plan(ck, inject_missing_state, dense_only, strict)
     output = os.path.abspath(os.fspath(output))
     report = ConversionReport(ck.folder, output, ck.stage, ck.dp, ck.tp, ck.pp, counts["params"], 0, 0,
                               len(plan.archives) + len(plan.copies), 0.0)
