@@ -75,6 +75,7 @@ class ZeroCheckpoint:
     model_paths: List[str] = field(default_factory=list)
     bf16_prefix: bool = False
     optim_grid: List[List[SourceFile]] = field(default_factory=list)
+    model_grid: List[List[SourceFile]] = field(default_factory=list)  # ZeRO-3: [tp][dp]
 
     @property
     def optim_state(self):
@@ -203,10 +204,10 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
     zero3 = [n for n in zero_names if not n.startswith("fp16_")]
     grid = _rank_table(folder, zero3)
     dp = _check_complete(folder, grid, "ZeRO-3 optimizer shards")
-    if len(grid) != 1:
-        raise UnsupportedCheckpointError(
-            f"{folder}: ZeRO-3 with tensor parallelism ({len(grid)} mp ranks) is not supported by this version of "
-            "pyckpt (nor is AutoEP combined with AutoTP, which DeepSpeed's converter refuses too)")
+    tp = 1 + max(grid)
+    missing_tp = [t for t in range(tp) if t not in grid]
+    if missing_tp:
+        raise CheckpointFormatError(f"{folder}: ZeRO-3 optimizer shards for tp rank(s) {missing_tp} are missing")
     model_names = [n for n in names if n.endswith("_model_states.pt") and not is_expert_model_file(n)]
     if not model_names:
         raise CheckpointFormatError(f"can't find ZeRO Stage 3 model state files in directory '{folder}'")
@@ -214,13 +215,16 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
     for n in model_names:
         m = _ZERO3_MODEL_RE.match(n)
         if m:
-            by_rank[int(m.group(1))] = n
-    missing = [r for r in range(dp) if r not in by_rank]
-    if missing:
-        raise CheckpointFormatError(f"{folder}: ZeRO-3 model-state files for dp rank(s) {missing} are missing "
-                                    f"(expected zero_pp_rank_{missing[0]}_mp_rank_00_model_states.pt)")
-    optim = [first if grid[0][r] == os.path.basename(first.path) else SourceFile(os.path.join(folder, grid[0][r]))
-             for r in range(dp)]
-    model = [SourceFile(os.path.join(folder, by_rank[r])) for r in range(dp)]
-    return ZeroCheckpoint(folder, 3, dp, 1, 1, optim, model, [os.path.join(folder, n) for n in model_names],
-                          bf16_prefix=zero3[0].startswith("bf16_"), optim_grid=[optim])
+            by_rank[(int(m.group(2)), int(m.group(1)))] = n
+    for t in range(tp):
+        missing = [r for r in range(dp) if (t, r) not in by_rank]
+        if missing:
+            raise CheckpointFormatError(f"{folder}: ZeRO-3 model-state files for dp rank(s) {missing} of tp rank {t} "
+                                        f"are missing (expected zero_pp_rank_{missing[0]}_mp_rank_{t:02d}_model_states.pt)")
+    opened = {os.path.basename(first.path): first}
+    optim_grid = [[opened.get(grid[t][r]) or SourceFile(os.path.join(folder, grid[t][r])) for r in range(dp)]
+                  for t in range(tp)]
+    model_grid = [[SourceFile(os.path.join(folder, by_rank[(t, r)])) for r in range(dp)] for t in range(tp)]
+    return ZeroCheckpoint(folder, 3, dp, tp, 1, optim_grid[0], model_grid[0],
+                          [os.path.join(folder, n) for n in model_names], bf16_prefix=zero3[0].startswith("bf16_"),
+                          optim_grid=optim_grid, model_grid=model_grid)

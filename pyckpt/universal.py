@@ -57,7 +57,7 @@ def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False, dense_onl
     if ck.stage <= 2:
         counts = plan_zero12(ck, plan, inject_missing_state, dense_only, strict)
     else:
-        counts = plan_zero3(ck, plan)
+        counts = plan_zero3(ck, plan, strict)
     return plan, counts
 
 
