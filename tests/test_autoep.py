@@ -230,3 +230,22 @@ def test_deepspeed_resumes_pyckpt_autoep_output_at_another_ep_size(load, checkpo
     assert len(experts) == 6 and all(reference["fp32"][n].shape[0] == 8 for n in experts)
     assert loaded["meta"]["ep_size"] == load[2]
     assert dsharness.compare_states(reference, loaded) == []
+
+
+def test_zero3_expert_partitions_must_each_be_present_once(checkpoints, tmp_path):
+    root, tag_dir = _copy(checkpoints, "ep_s3_fp32", tmp_path)
+    seen = {}
+
+    def duplicate_partition_rank(obj):
+        for group in obj["optimizer_state_dict"]["ds_zero_partition_groups"]:
+            if "autoep_expert" in group["families"]:
+                seen["from"] = group["partition_rank"]
+                group["partition_rank"] = 1 - group["partition_rank"]  # the other EDP rank's slot, twice
+
+    # Ranks 0 and 2 form one expert-data-parallel group (EP rank 0) under the default rank order.
+    rewrite(next(tag_dir.glob("*zero_pp_rank_2_mp_rank_00_optim_states.pt")), duplicate_partition_rank)
+    assert "from" in seen
+    out = _out(tmp_path)
+    with pytest.raises(RuntimeError, match=r"Duplicate AutoEP expert-DP partition ranks for .*experts\.w1/"):
+        pyckpt.convert_to_universal(root, out)
+    _assert_no_output(out)
