@@ -1,0 +1,177 @@
+"""Tensor/pipeline-parallel merge rules on Megatron-style TP x PP checkpoints in DeepSpeed's format.
+
+Each case is converted by DeepSpeed's ds_to_universal and by pyckpt; the outputs must match bit for
+bit, and DeepSpeed's merged fp32 must be the whole tensor the checkpoint was cut from (so the cases
+really exercise each rule).
+"""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+
+import dsharness
+import pyckpt
+from compare import diff_folders
+from tp_builder import Param, build, perturb, replicate, split_dim, sub_params, two_sub_params
+from pyckpt import CheckpointFormatError
+
+H = 6
+
+
+def _t(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def megatron_params():
+    """Two pipeline stages, tp 2: every merge rule once, a tied vocabulary on both end stages."""
+    qkv0 = [[3, 1], [1, 1], [2, 0]]  # uneven: tp rank 1 holds no v rows
+    qkv1 = [[4, 0], [2, 0], [2, 0]]  # tp rank 1 holds nothing at all
+    return [
+        Param("word_embeddings.weight", _t(12, H, seed=1), split_dim(0), stages=(0, 1)),
+        Param("layers.0.input_layernorm.weight", _t(H, seed=2), replicate),
+        Param("layers.0.attention.query_key_value.weight", _t(8, H, seed=3), sub_params([4, 2, 2], qkv0, 0)),
+        Param("layers.0.attention.dense.weight", _t(H, 8, seed=4), split_dim(1)),
+        Param("layers.0.post_attention_layernorm.weight", _t(H, seed=5), perturb),
+        Param("layers.0.mlp.dense_h_to_4h.weight", _t(16, H, seed=6), two_sub_params),
+        Param("layers.0.mlp.dense_4h_to_h.weight", _t(H, 8, seed=7), split_dim(1, [5, 3])),
+        Param("layers.1.input_layernorm.weight", _t(H, seed=8), replicate, stages=(1, )),
+        Param("layers.1.attention.query_key_value.weight", _t(8, H, seed=9), sub_params([4, 2, 2], qkv1, 0),
+              stages=(1, )),
+        Param("layers.1.attention.dense.weight", _t(H, 8, seed=10), split_dim(1), stages=(1, )),
+        Param("layers.1.mlp.dense_h_to_4h.weight", _t(16, H, seed=11), two_sub_params, stages=(1, )),
+        Param("layers.1.mlp.dense_4h_to_h.bias", _t(H, seed=12), replicate, stages=(1, )),
+        Param("final_layernorm.weight", _t(H, seed=13), replicate, stages=(1, )),
+    ], {"layers\\.0\\.attention\\.query_key_value\\.weight": qkv0,
+        "layers\\.1\\.attention\\.query_key_value\\.weight": qkv1}
+
+
+def megatron_info(widths):
+    return {
+        "universal_checkpoint_version": 0.4,
+        "tp_replicated_parameter_patterns": [r"layers\.\d+\.input_layernorm\.weight", r"final_layernorm\.weight",
+                                             r"layers\.\d+\.mlp\.dense_4h_to_h\.bias"],
+        "parameter_to_average_patterns": [r"layers\.\d+\.post_attention_layernorm\.weight"],
+        "parameter_with_row_parallelism_patterns": [r"layers\.\d+\.attention\.dense\.weight",
+                                                    r"layers\.\d+\.mlp\.dense_4h_to_h\.weight"],
+        "vocabulary_parameter_patterns": [r"word_embeddings\.weight"],
+        "pipeline_replicated_parameter_patterns": [r"word_embeddings\.weight"],
+        "parameter_with_2_sub_params_cat_dim_0": [r"layers\.\d+\.mlp\.dense_h_to_4h\.weight"],
+        "parameter_with_sub_params": [{"patterns": list(widths), "shape": ((4, 2, 2), H), "partition_dim": 0}],
+        "sub_param_shard_widths": widths,
+        "original_vocab_size": 10,
+    }
+
+
+def legacy_params():
+    """uc version 0.3: sub-parameters given as a count (shape (3, -1)), even split only."""
+    return [
+        Param("qkv.weight", _t(12, H, seed=20), sub_params([4, 4, 4], [[2, 2]] * 3, 0)),
+        Param("out.weight", _t(H, 12, seed=21), split_dim(1)),
+        Param("head.weight", _t(12, H, seed=22), split_dim(0)),
+    ]
+
+
+LEGACY_INFO = {
+    "universal_checkpoint_version": 0.3,
+    "parameter_with_sub_params": [{"patterns": [r"qkv\.weight"], "shape": (3, -1), "partition_dim": 0}],
+    "parameter_with_row_parallelism_patterns": [r"out\.weight"],
+}
+
+
+@pytest.fixture(scope="session")
+def tp_cases(tmp_path_factory, ds_environ):
+    root = tmp_path_factory.mktemp("tp")
+    params, widths = megatron_params()
+    cases = {
+        "megatron_tp2_pp2_dp2_z1": (params, megatron_info(widths), 2, 2, 2, 1),
+        "megatron_tp2_pp2_dp3_z2": (params, megatron_info(widths), 2, 2, 3, 2),
+        "legacy_subparams_tp2_pp1_dp2": (legacy_params(), LEGACY_INFO, 2, 1, 2, 2),
+    }
+    made = {}
+    for name, (prm, info, tp, pp, dp, stage) in cases.items():
+        made[name] = (build(root / name, prm, info, tp, pp, dp, stage), prm, info)
+    jobs = [(folder, root / "ds" / name / "u") for name, (folder, _, _) in made.items()]
+    dsharness.run_ds_to_universal_many(jobs, env=ds_environ)
+    return {name: (folder, root / "ds" / name / "u", prm, info) for name, (folder, prm, info) in made.items()}
+
+
+@pytest.mark.parametrize("name", ["megatron_tp2_pp2_dp2_z1", "megatron_tp2_pp2_dp3_z2",
+                                  "legacy_subparams_tp2_pp1_dp2"])
+def test_tp_pp_merges_are_bit_equal_to_deepspeed(name, tp_cases, tmp_path):
+    folder, theirs, params, info = tp_cases[name]
+    ours = tmp_path / "u"
+    report = pyckpt.convert_to_universal(folder, ours)
+    assert report.tp == 2 and report.pp == (2 if "pp2" in name else 1)
+    assert diff_folders(str(theirs), str(ours)) == []
+    # The cases are meaningful: DeepSpeed's merge gives back each whole tensor.
+    for prm in params:
+        got = torch.load(theirs / "zero" / prm.name / "fp32.pt", weights_only=False)
+        expected = prm.full[:info["original_vocab_size"]] if "word_embeddings" in prm.name else prm.full
+        if "post_attention_layernorm" not in prm.name:  # averaged: the mean of perturbed slices
+            assert torch.equal(got["param"], expected), prm.name
+
+
+def test_merge_layout_keys(tp_cases):
+    _, theirs, _, _ = tp_cases["megatron_tp2_pp2_dp2_z1"]
+    load = lambda n: torch.load(theirs / "zero" / n / "fp32.pt", weights_only=False)  # noqa: E731
+    assert load("layers.0.attention.dense.weight")["cat_dim"] == 1
+    assert load("layers.0.mlp.dense_h_to_4h.weight")["param_n_sub_params"] == 2
+    assert load("word_embeddings.weight")["vocab_tensor"] is True
+    assert load("layers.0.attention.query_key_value.weight")["sub_param_shape"].partition_dim == 0
+    assert set(load("layers.0.input_layernorm.weight")) == {"param"}
+
+
+def _rebuild(tmp_path, params, info, tp=2, pp=2, dp=2):
+    return build(tmp_path / "ck", params, info, tp, pp, dp, 2)
+
+
+def test_unsupported_autotp_pattern_is_refused_first(tmp_path):
+    params, widths = megatron_params()
+    info = megatron_info(widths)
+    info["autotp_unsupported_parameter_patterns"] = {r"layers\.\d+\.moe": "fused MoE gate"}
+    folder = _rebuild(tmp_path, params, info)
+    with pytest.raises(ValueError, match=r"not supported for layers\\\.\\d\+\\\.moe: fused MoE gate"):
+        pyckpt.convert_to_universal(folder, tmp_path / "u")
+    assert not (tmp_path / "u").exists()
+
+
+def test_unequal_replicated_slices_are_refused(tmp_path):
+    params, widths = megatron_params()
+    params = [Param(p.name, p.full, perturb if p.name == "layers.0.input_layernorm.weight" else p.split, p.stages)
+              for p in params]
+    folder = _rebuild(tmp_path, params, megatron_info(widths))
+    with pytest.raises(AssertionError, match=r"tp-replicated parameter layers\.0\.input_layernorm\.weight differs"):
+        pyckpt.convert_to_universal(folder, tmp_path / "u")
+
+
+def test_disagreeing_pipeline_replicas_are_refused(tmp_path):
+    params, widths = megatron_params()
+    folder = _rebuild(tmp_path, params, megatron_info(widths))
+    # Stage 1's copy of the tied embedding claims another shape.
+    from edit import rewrite
+
+    def other_shape(state):
+        state["param_shapes"][0]["word_embeddings.weight"] = torch.Size([5, H])
+
+    rewrite(f"{folder}/mp_rank_02_model_states.pt", other_shape)
+    with pytest.raises(CheckpointFormatError, match=r"Pipeline replicas of word_embeddings\.weight on tp rank 0 "
+                       r"disagree on shape"):
+        pyckpt.convert_to_universal(folder, tmp_path / "u")
+
+
+def test_unused_pattern_fails_strict_and_warns_otherwise(tmp_path, ds_environ):
+    params, widths = megatron_params()
+    info = megatron_info(widths)
+    info["parameter_with_row_parallelism_patterns"].append(r"nothing\.matches\.this")
+    folder = _rebuild(tmp_path, params, info)
+    with pytest.raises(AssertionError, match=r"Unused patterns=\['nothing\\\\.matches\\\\.this'\]"):
+        pyckpt.convert_to_universal(folder, tmp_path / "u")
+    assert not (tmp_path / "u").exists()
+    with pytest.warns(UserWarning, match="Unused patterns"):
+        pyckpt.convert_to_universal(folder, tmp_path / "u", strict=False)
+    theirs = tmp_path / "ds" / "u"
+    dsharness.run_ds_to_universal(folder, theirs, "--no_strict", env=ds_environ)
+    assert diff_folders(str(theirs), str(tmp_path / "u")) == []
