@@ -78,9 +78,13 @@ class TpRules:
         if unsupported:
             details = ", ".join(f"{p}: {r}" for p, r in sorted(unsupported.items()))
             raise CheckpointFormatError(f"AutoTP universal checkpoint conversion is not supported for {details}.")
-        if self.info.get("affine_map"):
-            raise UnsupportedCheckpointError(f"{where}: universal_checkpoint_info['affine_map'] (DeepSpeed 0.19.8 "
-                                             "affine layouts) is not supported by this version of pyckpt")
+        affine = self.info.get("affine_map") or {}
+        version = affine.get("version", 1)
+        if version > 1:
+            raise UnsupportedCheckpointError(f"{where}: Checkpoint records affine map format version {version}, but "
+                                             "pyckpt understands up to 1. Reading it could misinterpret fields added "
+                                             "since.")
+        self.affine = dict(affine.get("params") or {})
         self.lists = {k: list(self.info.get(k) or []) for k in PATTERN_KEYS}
         self.sub_params = list(self.info.get("parameter_with_sub_params") or [])
         self.shard_widths = self.info.get("sub_param_shard_widths") or {}
@@ -89,6 +93,12 @@ class TpRules:
         for sub in self.sub_params:
             self.all_patterns.update(_field(sub, "patterns"))
         self.used = set()
+
+    def _match_affine(self, name: str):
+        found = [p for p in self.affine if re.match(p, name)]
+        if len(found) > 1:
+            raise TpMergeError(f"{self.where}: Got more than one matching affine map patterns={found} for {name}")
+        return self.affine[found[0]] if found else None
 
     def unused(self) -> List[str]:
         return sorted(self.all_patterns - self.used)
@@ -111,11 +121,19 @@ class TpRules:
         return None, None
 
     # -- the merge ---------------------------------------------------------------------------------
-    def merge(self, name: str, slices: List[Slice]) -> Optional[dict]:
+    def merge(self, name: str, slices: List[Slice], state: str = "fp32") -> Optional[dict]:
         """The universal dict of one state, or None when there is nothing to write (DeepSpeed's skip)."""
+        affine = self._match_affine(name)
+        if affine is not None:
+            # The map is preferred; the category patterns it supersedes count as used, not unused.
+            for key in PATTERN_KEYS:
+                self._match(key, name)
+            self._match_sub(name)
         sub, sub_pattern = self._match_sub(name)
         out: dict = {}
-        if self._match("tp_replicated_parameter_patterns", name):
+        if affine is not None:
+            tensor = _affine_rebuild(name, affine, slices, state, self.where)
+        elif self._match("tp_replicated_parameter_patterns", name):
             first = slices[0].seg.read() if len(slices) > 1 else None
             for t, s in enumerate(slices[1:], 1):
                 if s.shape != slices[0].shape or s.seg.read() != first:
@@ -332,3 +350,111 @@ def _keep_rows(t: NewTensor, rows: int, name: str) -> NewTensor:
             n = min(p.nbytes, limit - p.dst_off)
             kept.append(Piece(p.src, p.src_off, n, p.dst_off, p.kind))
     return NewTensor(t.dtype, shape, kept, t.requires_grad)
+
+
+# How a shard's scale applies per state (DeepSpeed's SCALE_POWER_BY_STATE): a parameter stored as
+# full*s has gradients, hence Adam moments, scaled by 1/s and 1/s^2.
+SCALE_POWER = {"fp32": 1, "exp_avg": -1, "exp_avg_sq": -2}
+
+
+def _affine_rebuild(name, amap, slices: List[Slice], state: str, where: str) -> NewTensor:
+    """DeepSpeed's ``ParamAffineMap.rebuild`` as copies: each piece is an as_strided block of the full
+    tensor (``source``) held at an as_strided block of a rank's shard (``dest``)."""
+    logical = tuple(int(d) for d in amap["logical_shape"])
+    ranks = {int(r): v for r, v in amap["ranks"].items()}
+    power = SCALE_POWER[state]
+    scaled = any(float(pc.get("scale", 1.0)) != 1.0 for v in ranks.values() for pc in v["pieces"])
+    if scaled and power != 1:
+        raise UnsupportedCheckpointError(f"{where}: Converting an optimizer state through a scaled affine piece is "
+                                         f"not supported ({name}/{state}), as in DeepSpeed.")
+    for r, v in ranks.items():
+        held = sum(_numel(pc["shape"]) for pc in v["pieces"])
+        if held != _numel(v["shard_shape"]):
+            raise TpMergeError(f"{where}: affine map of {name}: rank {r} holds a shard of {_numel(v['shard_shape'])} "
+                               f"elements but its pieces account for {held}.")
+        if v["pieces"] and (r >= len(slices) or _numel(slices[r].shape) != _numel(v["shard_shape"])):
+            got = _numel(slices[r].shape) if r < len(slices) else None
+            raise TpMergeError(f"{where}: Rank {r} supplied a shard of {got} elements for {name}, but the affine map "
+                               f"describes {_numel(v['shard_shape'])}.")
+    dtype = next(s.dtype for s in slices if s.seg.nbytes) if any(s.seg.nbytes for s in slices) else slices[0].dtype
+    isz = ITEMSIZE[dtype]
+    if scaled:
+        return _affine_computed(name, logical, ranks, slices, dtype, power)
+    pieces: List[Piece] = []
+    written = {}
+    for r, v in ranks.items():
+        for pc in v["pieces"]:
+            shape = [int(d) for d in pc["shape"]]
+            (s_off, s_str), (d_off, d_str) = pc["source"], pc["dest"]
+            runs = list(_runs(shape, int(s_off), [int(x) for x in s_str], int(d_off), [int(x) for x in d_str]))
+            if len(pc["locations"]) > 1 and int(s_off) in written:
+                first_r, first_runs = written[int(s_off)]
+                a = b"".join(slices[first_r].seg.slice(so * isz, n * isz).read() for _, so, n in first_runs)
+                b = b"".join(slices[r].seg.slice(so * isz, n * isz).read() for _, so, n in runs)
+                if a != b:
+                    raise TpMergeError(f"{where}: Ranks {sorted(pc['locations'])} hold different data for the same "
+                                       f"block of replicated parameter {name}, starting at offset {s_off}.")
+                continue
+            if len(pc["locations"]) > 1:
+                written[int(s_off)] = (r, runs)
+            for full_off, shard_off, n in runs:
+                pieces += slices[r].seg.slice(shard_off * isz, n * isz).pieces(full_off * isz)
+    return _tensor(dtype, logical, pieces, slices)
+
+
+def _runs(shape, full_off, full_strides, shard_off, shard_strides):
+    """(full offset, shard offset, length) of the element runs contiguous on both sides."""
+    dims = [(n, a, b) for n, a, b in zip(shape, full_strides, shard_strides) if n != 1]
+    if any(n == 0 for n, _, _ in dims):
+        return
+    merged: List[list] = []
+    for n, a, b in dims:
+        if merged and merged[-1][1] == n * a and merged[-1][2] == n * b:
+            merged[-1] = [merged[-1][0] * n, a, b]
+        else:
+            merged.append([n, a, b])
+    if merged and merged[-1][1] == 1 and merged[-1][2] == 1:
+        run = merged.pop()[0]
+    else:
+        run = 1
+    outer = merged
+    index = [0] * len(outer)
+    while True:
+        yield (full_off + sum(i * d[1] for i, d in zip(index, outer)),
+               shard_off + sum(i * d[2] for i, d in zip(index, outer)), run)
+        axis = len(outer) - 1
+        while axis >= 0:
+            index[axis] += 1
+            if index[axis] < outer[axis][0]:
+                break
+            index[axis] = 0
+            axis -= 1
+        if axis < 0:
+            return
+
+
+def _affine_computed(name, logical, ranks, slices, dtype, power) -> NewTensor:
+    np_dtype = NUMPY_DTYPE.get(dtype)
+    if np_dtype is None:
+        raise UnsupportedCheckpointError(f"scaled affine pieces of {name} in {dtype} are not supported")
+    full = np.empty(_numel(logical), dtype=np_dtype)
+    written = set()
+    for r, v in ranks.items():
+        shard = np.frombuffer(slices[r].seg.read(), dtype=np_dtype)
+        for pc in v["pieces"]:
+            shape = [int(d) for d in pc["shape"]]
+            (s_off, s_str), (d_off, d_str) = pc["source"], pc["dest"]
+            factor = float(pc.get("scale", 1.0)) ** power
+            for full_off, shard_off, n in _runs(shape, int(s_off), list(s_str), int(d_off), list(d_str)):
+                block = shard[shard_off:shard_off + n]
+                block = block if factor == 1 else block / np_dtype(factor)
+                if len(pc["locations"]) > 1 and (int(s_off), full_off) in written:
+                    if not np.array_equal(full[full_off:full_off + n], block):
+                        raise TpMergeError(f"Ranks {sorted(pc['locations'])} hold different data for replicated "
+                                           f"parameter {name}")
+                    continue
+                full[full_off:full_off + n] = block
+                written.add((int(s_off), full_off))
+    t = _tensor(dtype, logical, [], slices)
+    t.data = full.tobytes()
+    return t

@@ -198,7 +198,7 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
             for s in slices:  # empty placeholders take the dtype of the real slices
                 if not s.seg.nbytes:
                     s.dtype = next((x.dtype for x in slices if x.seg.nbytes), s.dtype)
-            merged = rules.merge(name, slices)
+            merged = rules.merge(name, slices, state_name)
             if merged is not None:
                 plan.add_archive(f"zero/{name}/{state_name}.pt", merged)
         steps = []

@@ -106,7 +106,7 @@ def plan_zero3(ck: ZeroCheckpoint, plan: Plan, strict: bool = True) -> Dict[str,
                 plan.add_archive(f"zero/{name}/{key}.pt", NewTensor(s0.dtype, (_numel(s0.shape), ), s0.seg.pieces(),
                                                                      s0.requires_grad))
             else:
-                merged = rules.merge(name, slices)
+                merged = rules.merge(name, slices, key)
                 if merged is not None:
                     plan.add_archive(f"zero/{name}/{key}.pt", merged)
     if rules is not None and rules.unused():

@@ -81,11 +81,51 @@ LEGACY_INFO = {
 }
 
 
+def affine_params():
+    """Layouts described only by 0.19.8 affine maps (no category pattern): a column split along dim 1
+    with uneven widths, a replicated tensor, and a map on a parameter that also matches a pattern."""
+    return [
+        Param("geo.weight", _t(4, 10, seed=30), split_dim(1, [7, 3])),
+        Param("norm.weight", _t(5, seed=31), replicate),
+        Param("proj.weight", _t(8, 6, seed=32), split_dim(0, [5, 3])),
+    ]
+
+
+def _column_map(rows, cols, widths):
+    ranks, off = {}, 0
+    for r, w in enumerate(widths):
+        ranks[r] = {"shard_shape": [rows, w], "pieces": [{"shape": [rows, w], "source": [off, [cols, 1]],
+                                                           "dest": [0, [w, 1]], "locations": [r]}]}
+        off += w
+    return {"logical_shape": [rows, cols], "ranks": ranks}
+
+
+def _replicated_map(n, tp):
+    return {"logical_shape": [n], "ranks": {r: {"shard_shape": [n], "pieces": [
+        {"shape": [n], "source": [0, [1]], "dest": [0, [1]], "locations": list(range(tp))}]} for r in range(tp)}}
+
+
+AFFINE_INFO = {
+    "universal_checkpoint_version": 0.4,
+    "parameter_with_row_parallelism_patterns": [r"proj\.weight"],  # superseded by the map below
+    "affine_map": {"version": 1, "params": {
+        r"geo\.weight": _column_map(4, 10, [7, 3]),
+        r"norm\.weight": _replicated_map(5, 2),
+        r"proj\.weight": {"logical_shape": [8, 6], "ranks": {
+            0: {"shard_shape": [5, 6], "pieces": [{"shape": [5, 6], "source": [0, [6, 1]], "dest": [0, [6, 1]],
+                                                   "locations": [0]}]},
+            1: {"shard_shape": [3, 6], "pieces": [{"shape": [3, 6], "source": [30, [6, 1]], "dest": [0, [6, 1]],
+                                                   "locations": [1]}]}}},
+    }},
+}
+
+
 @pytest.fixture(scope="session")
 def tp_cases(tmp_path_factory, ds_environ):
     root = tmp_path_factory.mktemp("tp")
     params, widths = megatron_params()
     cases = {
+        "affine_maps_tp2_pp1_dp2": (affine_params(), AFFINE_INFO, 2, 1, 2, 2),
         "megatron_tp2_pp2_dp2_z1": (params, megatron_info(widths), 2, 2, 2, 1),
         "megatron_tp2_pp2_dp3_z2": (params, megatron_info(widths), 2, 2, 3, 2),
         "legacy_subparams_tp2_pp1_dp2": (legacy_params(), LEGACY_INFO, 2, 1, 2, 2),
@@ -99,17 +139,19 @@ def tp_cases(tmp_path_factory, ds_environ):
 
 
 @pytest.mark.parametrize("name", ["megatron_tp2_pp2_dp2_z1", "megatron_tp2_pp2_dp3_z2",
-                                  "legacy_subparams_tp2_pp1_dp2"])
+                                  "legacy_subparams_tp2_pp1_dp2", "affine_maps_tp2_pp1_dp2"])
 def test_tp_pp_merges_are_bit_equal_to_deepspeed(name, tp_cases, tmp_path):
     folder, theirs, params, info = tp_cases[name]
     ours = tmp_path / "u"
     report = pyckpt.convert_to_universal(folder, ours)
     assert report.tp == 2 and report.pp == (2 if "pp2" in name else 1)
+    assert (ours / "zero").is_dir() and len(list((ours / "zero").iterdir())) >= len(params)
     assert diff_folders(str(theirs), str(ours)) == []
     # The cases are meaningful: DeepSpeed's merge gives back each whole tensor.
     for prm in params:
         got = torch.load(theirs / "zero" / prm.name / "fp32.pt", weights_only=False)
         expected = prm.full[:info["original_vocab_size"]] if "word_embeddings" in prm.name else prm.full
+        assert prm.full.numel() > 0
         if "post_attention_layernorm" not in prm.name:  # averaged: the mean of perturbed slices
             assert torch.equal(got["param"], expected), prm.name
 
