@@ -38,6 +38,11 @@ CONFIGS = {
     "ep_s2_fp32_data_before_expert": Config(2, "fp32", 4, model="moe", ep_size=2, use_data_before_expert_parallelism=True),
     "ep_s3_fp32": Config(3, "fp32", 4, model="moe", ep_size=2),
     "ep_s3_bf16": Config(3, "bf16", 4, model="moe", ep_size=2),
+    # AutoTP: a tiny Llama (q/k/v/o, gate/up/down, norms, embedding, lm_head) on 4 ranks = tp 2 x dp 2.
+    "tp_s1_fp32": Config(1, "fp32", 4, model="llama", tp_size=2),
+    "tp_s2_bf16": Config(2, "bf16", 4, model="llama", tp_size=2),
+    "tp_s3_fp32": Config(3, "fp32", 4, model="llama", tp_size=2),
+    "tp_s3_bf16_kv2": Config(3, "bf16", 4, model="llama_kv2", tp_size=2),
 }
 
 # (checkpoint, world size to load it at): 4 -> 2 and 2 -> 3 for every stage.
