@@ -397,9 +397,25 @@ def _affine_rebuild(name, amap, slices: List[Slice], state: str, where: str) -> 
                 continue
             if len(pc["locations"]) > 1:
                 written[int(s_off)] = (r, runs)
-            for full_off, shard_off, n in runs:
-                pieces += slices[r].seg.slice(shard_off * isz, n * isz).pieces(full_off * isz)
+            pieces += _runs_to_pieces(slices[r].seg, runs, isz)
     return _tensor(dtype, logical, pieces, slices)
+
+
+def _runs_to_pieces(seg: Segments, runs, isz: int) -> List[Piece]:
+    """Copies for a list of runs; a column block (equal runs, back to back in the shard, evenly
+    spaced in the full tensor) becomes strided copies instead of one op per row."""
+    if len(runs) > 2:
+        (f0, s0, n), (f1, s1, _) = runs[0], runs[1]
+        fstride = f1 - f0
+        regular = fstride > n and all(r[2] == n and r[1] == s0 + i * n and r[0] == f0 + i * fstride
+                                      for i, r in enumerate(runs))
+        if regular:
+            return _blocks(seg.slice(s0 * isz, len(runs) * n * isz), len(runs), n * isz, 0, fstride * isz,
+                           f0 * isz, n * isz)
+    out: List[Piece] = []
+    for full_off, shard_off, n in runs:
+        out += seg.slice(shard_off * isz, n * isz).pieces(full_off * isz)
+    return out
 
 
 def _runs(shape, full_off, full_strides, shard_off, shard_strides):
