@@ -217,3 +217,13 @@ def test_unused_pattern_fails_strict_and_warns_otherwise(tmp_path, ds_environ):
     theirs = tmp_path / "ds" / "u"
     dsharness.run_ds_to_universal(folder, theirs, "--no_strict", env=ds_environ)
     assert diff_folders(str(theirs), str(tmp_path / "u")) == []
+
+
+def test_legacy_topology_without_parallel_dimensions(tmp_path, ds_environ):
+    # No checkpoint_parallel_dimensions: DeepSpeed takes tp = number of mp_rank files (pp = 1).
+    folder = build(tmp_path / "ck", legacy_params(), LEGACY_INFO, 2, 1, 2, 1, parallel_dims=False)
+    theirs = tmp_path / "ds" / "u"
+    dsharness.run_ds_to_universal(folder, theirs, env=ds_environ)
+    report = pyckpt.convert_to_universal(folder, tmp_path / "u")
+    assert (report.tp, report.pp, report.dp) == (2, 1, 2)
+    assert diff_folders(str(theirs), str(tmp_path / "u")) == []

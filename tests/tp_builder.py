@@ -69,7 +69,7 @@ def _flat_layout(shapes: "OrderedDict[str, torch.Size]", dp: int):
 
 
 def build(root, params: List[Param], uc_info: dict, tp: int, pp: int, dp: int, stage: int = 2,
-          tag: str = "global_step3") -> str:
+          tag: str = "global_step3", parallel_dims: bool = True) -> str:
     """Writes root/latest and root/<tag>/...; returns the tag folder."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -106,6 +106,8 @@ def build(root, params: List[Param], uc_info: dict, tp: int, pp: int, dp: int, s
                 "universal_checkpoint_info": uc_info,
                 "iteration": 3,
             }
+            if not parallel_dims:  # checkpoints from before DeepSpeed recorded it: the legacy file-count rule
+                del model_state["checkpoint_parallel_dimensions"]
             torch.save(model_state, os.path.join(folder, f"mp_rank_{mp:02d}_model_states.pt"))
             n, n_pad, part = _flat_layout(shapes, dp)
             flat = torch.zeros(n_pad)
