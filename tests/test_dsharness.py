@@ -7,16 +7,22 @@ same comparison the pyckpt tests rely on.
 
 The AutoEP part (models.TinyMoE, ws 4 / ep 2, ZeRO-1 D+E, ZeRO-2 bf16, ZeRO-3) rides in the same
 launches, loads at (ws 4, ep 4) and (ws 2, ep 1), and pins the AutoEP file formats.
+So does the AutoTP part (models.TinyLlama, ws 4 = tp 2 x dp 2, ZeRO-1 bf16 and ZeRO-3 fp32, plus
+the 2-KV-head variant): loads at (ws 4, tp 4) and (ws 2, tp 1), DeepSpeed's universal_checkpoint_info,
+both converter layouts (0.19.8's affine maps, and the pattern categories an info without
+`affine_map` takes), and DeepSpeed's failure on zero-width TP shards.
 
-Cost: 2 save launches (ws2, ws4), 4 converter subprocesses (2 script runs, 2 batched),
+Cost: 2 save launches (ws2, ws4), 5 converter subprocesses (3 script runs, 2 batched),
 3 load launches (ws3, ws2, ws4) and 1 deliberately failing launch: about 41-45 s on 2 cores
-(35 s without the AutoEP part).
+without the AutoTP part (35 s without AutoEP either); with it 57-64 s while other jobs shared the
+machine (load average 3-5), up to 95 s under heavier sharing.
 The fixtures are prefixed dsh_ so that they never shadow the suite's conftest fixtures; these
 tests make their own checkpoints on purpose, independent of what the pyckpt tests choose.
 """
 
 import dataclasses
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -63,7 +69,71 @@ AUTOEP = {
 AUTOEP_LOADS = [(4, 4), (2, 1)]  # (world size, autoep size)
 # A universal copy with two experts (on different EP ranks) swapped in one fp32.pt, loaded at ws 4 / ep 4.
 AUTOEP_SWAP = {"moe_z3_fp32_ws4_ep2": ("model.layers.1.mlp.experts.w2", 1, 6)}
-ALL_CONFIGS = {**CONFIGS, **AUTOEP}
+
+# AutoTP (tensor parallel, models.TinyLlama / "llama" preset): saved at 4 ranks = tp 2 x dp 2.
+AUTOTP = {
+    "tp_z1_bf16_ws4_tp2": Config(1, "bf16", 4, model="llama", tp_size=2),
+    "tp_z3_fp32_ws4_tp2": Config(3, "fp32", 4, model="llama", tp_size=2),
+    # 2 KV heads: the tp-4 load gives TP ranks 2 and 3 zero-width attention shards.
+    "tpkv2_z2_fp32_ws4_tp2": Config(2, "fp32", 4, model="llama_kv2", tp_size=2),
+}
+AUTOTP_LOADS = {  # (world size, tp size)
+    "tp_z1_bf16_ws4_tp2": [(4, 4), (2, 1)],
+    "tp_z3_fp32_ws4_tp2": [(4, 4), (2, 1)],
+    "tpkv2_z2_fp32_ws4_tp2": [(4, 4)],
+}
+# Saved at tp 4 with 2 KV heads (zero-width shards on TP ranks 2, 3): ds_to_universal fails on it.
+AUTOTP_UNCONVERTIBLE = {"tpkv2_z1_fp32_ws4_tp4": Config(1, "fp32", 4, model="llama_kv2", tp_size=4)}
+# Converted a second time with `affine_map` removed from universal_checkpoint_info (the layout
+# DeepSpeed wrote before affine maps): the converter then takes the pattern categories. Not
+# loaded: under AutoTP the loader reads only `param` (NOTES.md; loads of these were exact).
+AUTOTP_NOAFF = ["tp_z1_bf16_ws4_tp2", "tp_z3_fp32_ws4_tp2"]
+LLAMA_PARAM_NAMES = ["model.embed_tokens.weight"] + [
+    f"model.layers.0.{n}" for n in (
+        "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+        "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight",
+        "self_attn.o_proj.bias", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight")
+] + [
+    f"model.layers.1.{n}" for n in ("input_layernorm.weight", "self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias",
+                                    "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                                    "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+] + ["model.norm.weight", "model.norm.bias", "lm_head.weight"]
+ROW_PARALLEL = [f"model.layers.{i}.{n}" for i in (0, 1) for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight")]
+TP_REPLICATED = ["model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.bias", "model.norm.weight",
+                 "model.norm.bias"] + [f"model.layers.{i}.{n}" for i in (0, 1)
+                                       for n in ("input_layernorm.weight", "post_attention_layernorm.weight")]
+SUB_PARAMS = {  # name -> (published shape, per-sub-parameter per-TP-rank widths at tp 2)
+    "model.layers.1.self_attn.qkv_proj.weight": ([(16, 8, 8), -1], [[8, 8], [4, 4], [4, 4]]),
+    "model.layers.1.self_attn.qkv_proj.bias": ([(16, 8, 8)], [[8, 8], [4, 4], [4, 4]]),
+    "model.layers.1.mlp.gate_up_proj.weight": ([(24, 24), -1], [[12, 12], [12, 12]]),
+}
+COLUMN_PARALLEL = [n for n in LLAMA_PARAM_NAMES if n not in ROW_PARALLEL + TP_REPLICATED and n not in SUB_PARAMS]
+
+
+def pat(name: str) -> str:
+    """AutoTP's pattern for one parameter (layers.py collect_autotp_universal_checkpoint_info)."""
+    return f"^{re.escape(name)}$"
+
+
+# What AutoTP writes at tp 2 (both llama variants), `affine_map` aside.
+EXPECTED_UC_INFO = {
+    "universal_checkpoint_version": 0.4,
+    "parameter_with_row_parallelism_patterns": sorted(pat(n) for n in ROW_PARALLEL),
+    "tp_replicated_parameter_patterns": sorted(pat(n) for n in TP_REPLICATED),
+    "vocabulary_parameter_patterns": [pat("lm_head.weight")],
+    "parameter_with_sub_params": [{
+        "patterns": [pat(n)],
+        "shape": shape,
+        "partition_dim": 0
+    } for n, (shape, _) in SUB_PARAMS.items()],
+    "autotp_unsupported_parameter_patterns": {},
+    "sub_param_shard_widths": {pat(n): widths
+                               for n, (_, widths) in SUB_PARAMS.items()},
+    "original_vocab_size": 37,
+}
+
+ALL_CONFIGS = {**CONFIGS, **AUTOEP, **AUTOTP, **AUTOTP_UNCONVERTIBLE}
 MOE_LAYERS = ["model.layers.0.mlp", "model.layers.1.mlp"]
 EXPERT_PARAMS = [f"{layer}.experts.{w}" for layer in MOE_LAYERS for w in ("w1", "w2", "w3")]
 # H=10, F=6, 8 experts (models.MoEConfig).
@@ -84,6 +154,19 @@ def load_key(name: str, ws: int, ep: int) -> str:
     return f"{name}@ws{ws}ep{ep}"
 
 
+def tp_load_key(name: str, ws: int, tp: int) -> str:
+    return f"{name}@ws{ws}tp{tp}"
+
+
+def strip_affine_map(src_tag_dir: Path, dst_tag_dir: Path) -> None:
+    """Copy a checkpoint tag dir with `affine_map` taken out of every universal_checkpoint_info."""
+    shutil.copytree(src_tag_dir, dst_tag_dir)
+    for f in dst_tag_dir.glob("*model_states.pt"):
+        sd = ds_load(f)
+        del sd["universal_checkpoint_info"]["affine_map"]
+        torch.save(sd, f)
+
+
 def ds_load(path: Path):
     # DeepSpeed's files hold its own classes (ZeroStageEnum, fragment_address, LossScaler),
     # which weights_only=True refuses.
@@ -100,16 +183,25 @@ def dsh_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def dsh_universal(dsh_checkpoints, tmp_path_factory):
     """name -> (universal_root, tag) to load from; corrupted copies under "<name>:corrupt",
-    AutoEP copies with two experts swapped under "<name>:swap"."""
+    AutoEP copies with two experts swapped under "<name>:swap", AutoTP conversions without
+    affine maps under "<name>:noaff"."""
     # One conversion through the stand-alone script path (default workers), the rest batched.
     first = "z1_fp32_ws2"
     h.run_ds_to_universal(dsh_checkpoints[first].tag_dir, dsh_checkpoints[first].root / UNIVERSAL)
-    plain = [n for n in ALL_CONFIGS if n != first and ALL_CONFIGS[n].uc_info]
-    h.run_ds_to_universal_many([(dsh_checkpoints[n].tag_dir, dsh_checkpoints[n].root / UNIVERSAL) for n in plain])
+    plain = [n for n in ALL_CONFIGS if n != first and ALL_CONFIGS[n].uc_info and n not in AUTOTP_UNCONVERTIBLE]
+    noaff_base = tmp_path_factory.mktemp("dsh_noaff")
+    noaff = {}
+    for name in AUTOTP_NOAFF:
+        ckpt = dsh_checkpoints[name]
+        strip_affine_map(ckpt.tag_dir, noaff_base / name / ckpt.tag)
+        noaff[name] = noaff_base / name
+    h.run_ds_to_universal_many([(dsh_checkpoints[n].tag_dir, dsh_checkpoints[n].root / UNIVERSAL) for n in plain] +
+                               [(root / dsh_checkpoints[n].tag, root / UNIVERSAL) for n, root in noaff.items()])
     nouc = [n for n in CONFIGS if not CONFIGS[n].uc_info]
     h.run_ds_to_universal_many([(dsh_checkpoints[n].tag_dir, dsh_checkpoints[n].root / UNIVERSAL) for n in nouc],
                                "--inject_missing_state")
-    out = {name: (dsh_checkpoints[name].root, UNIVERSAL) for name in ALL_CONFIGS}
+    out = {name: (dsh_checkpoints[name].root, UNIVERSAL) for name in ALL_CONFIGS if name not in AUTOTP_UNCONVERTIBLE}
+    out.update({f"{name}:noaff": (root, UNIVERSAL) for name, root in noaff.items()})
 
     base = tmp_path_factory.mktemp("dsh_corrupt")
     for name, param in CORRUPT.items():
@@ -141,13 +233,19 @@ def dsh_universal(dsh_checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def dsh_loaded(dsh_universal):
-    """name (AutoEP: load_key(name, ws, ep)) -> state restored by DeepSpeed's load_universal;
-    all loads in three launches (ws 3, 2, 4). Corrupted copies load at LOAD_WS, swapped AutoEP
-    copies at (4, 4)."""
+    """name (AutoEP: load_key(name, ws, ep); AutoTP: tp_load_key(name, ws, tp)) -> state restored
+    by DeepSpeed's load_universal; all loads in three launches (ws 3, 2, 4). Corrupted copies
+    load at LOAD_WS, swapped AutoEP copies at (4, 4)."""
     keys, requests = [], []
     for key, (root, tag) in dsh_universal.items():
         name = key.split(":")[0]
-        if name in AUTOEP:
+        if key.endswith(":noaff"):
+            continue
+        if name in AUTOTP:
+            for ws, tp in AUTOTP_LOADS[name]:
+                keys.append(tp_load_key(key, ws, tp))
+                requests.append((dataclasses.replace(AUTOTP[name], world_size=ws, tp_size=tp), root, tag, ws))
+        elif name in AUTOEP:
             for ws, ep in (AUTOEP_LOADS if key == name else [(4, 4)]):
                 keys.append(load_key(key, ws, ep))
                 requests.append((dataclasses.replace(AUTOEP[name], world_size=ws, ep_size=ep), root, tag, ws))
@@ -438,3 +536,179 @@ def test_autoep_swapped_experts_are_detected(dsh_checkpoints, dsh_loaded, name):
     param = AUTOEP_SWAP[name][0]
     problems = h.compare_states(dsh_checkpoints[name].reference, dsh_loaded[load_key(f"{name}:swap", 4, 4)])
     assert len(problems) == 1 and problems[0].startswith(f"fp32/{param}: values differ"), problems
+
+
+# ----------------------------------------------------------------------------------------------
+# AutoTP
+
+
+def tp_shard(full: torch.Tensor, layout: dict | None, tp_rank: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s shard of a full tensor, from the layout AutoTP recorded (the reverse
+    of the worker's gather, written out again here so that the two do not share a mistake)."""
+    if layout is None or layout["replicated"] or layout["partition_dim"] is None:
+        return full
+    pd = layout["partition_dim"]
+    view = full.reshape(layout["logical_shape"])
+    widths = layout["sub_param_shard_widths"] or [layout["partition_sizes"]]
+    pieces, start = [], 0
+    for w in widths:
+        pieces.append(view.narrow(pd, start + sum(w[:tp_rank]), w[tp_rank]))
+        start += sum(w)
+    return torch.cat(pieces, dim=pd)
+
+
+@pytest.mark.parametrize("name", [*AUTOTP, *AUTOTP_UNCONVERTIBLE])
+def test_autotp_checkpoint_layout(dsh_checkpoints, name):
+    ckpt = dsh_checkpoints[name]
+    cfg = ckpt.config
+    tp, dp = cfg.tp_size, cfg.world_size // cfg.tp_size
+    prefix = "bf16_" if cfg.dtype == "bf16" else ""
+    grid = [(d, t) for d in range(dp) for t in range(tp)]
+    expected = {f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt" for d, t in grid}
+    if cfg.stage == 3:
+        model_files = {(d, t): f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for d, t in grid}
+    else:
+        model_files = {(0, t): f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)}
+    assert {p.name for p in ckpt.tag_dir.iterdir()} == expected | set(model_files.values())
+
+    for (d, t), file in model_files.items():
+        model = ds_load(ckpt.tag_dir / file)
+        assert model["checkpoint_parallel_dimensions"] == {"pp_degree": 1, "tp_degree": tp}
+        assert (model["mp_world_size"], model["dp_world_size"]) == (tp, dp)
+        uc = dict(model["universal_checkpoint_info"])
+        affine = uc.pop("affine_map")
+        if tp == 2:
+            assert uc == EXPECTED_UC_INFO
+        # One map per trainable parameter, replicated ones included.
+        assert affine["version"] == 1 and set(affine["params"]) == {pat(n) for n in LLAMA_PARAM_NAMES}
+        shapes = {n: tuple(s) for group in model["param_shapes"] for n, s in group.items()}
+        layouts = ckpt.reference["meta"]["autotp_layouts"]
+        # Each TP rank's file lists its own shard shapes; a zero-width shard is left out altogether
+        # (runtime/utils.py is_optimized_parameter keeps it out of the optimizer groups).
+        want = {n: tuple(tp_shard(ckpt.reference["fp32"][n], layouts[n], t).shape) for n in LLAMA_PARAM_NAMES}
+        assert shapes == {n: s for n, s in want.items() if math.prod(s)}
+        if tp == 2:
+            assert shapes["lm_head.weight"] == ((19, 16) if t == 0 else (18, 16))
+
+    if cfg.stage < 3:
+        # The ZeRO-1/2 fp32 partitions of the dp ranks of TP rank t, concatenated, are TP shard t
+        # of every parameter in param_shapes order: ties the file index mp_rank_t to the
+        # reference's TP gather without going through the converter.
+        layouts = ckpt.reference["meta"]["autotp_layouts"]
+        for t in range(tp):
+            shapes = ds_load(ckpt.tag_dir / f"mp_rank_{t:02d}_model_states.pt")["param_shapes"]
+            flat = torch.cat([
+                ds_load(ckpt.tag_dir / f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")
+                ["optimizer_state_dict"]["single_partition_of_fp32_groups"][0] for d in range(dp)
+            ])
+            offset = 0
+            for n, shape in shapes[0].items():
+                numel = math.prod(shape)
+                want = tp_shard(ckpt.reference["fp32"][n], layouts[n], t)
+                assert torch.equal(flat[offset:offset + numel].view(shape), want), (n, t)
+                offset += numel
+            assert offset == flat.numel()
+
+
+@pytest.mark.parametrize("name", list(AUTOTP))
+def test_autotp_reference_state(dsh_checkpoints, name):
+    cfg = dsh_checkpoints[name].config
+    ref = dsh_checkpoints[name].reference
+    assert ref["param_names"] == LLAMA_PARAM_NAMES
+    assert ref["meta"]["tp_size"] == 2 and ref["meta"]["world_size"] == 4
+    assert ref["step"] == cfg.steps
+    layouts = ref["meta"]["autotp_layouts"]
+    assert tuple(ref["fp32"]["lm_head.weight"].shape) == (37, 16)
+    assert layouts["lm_head.weight"]["partition_sizes"] == [19, 18]
+    assert layouts["model.layers.0.self_attn.q_proj.weight"]["partition_sizes"] == [8, 8]
+    assert layouts["model.layers.0.self_attn.o_proj.weight"]["partition_dim"] == 1
+    assert layouts["model.layers.0.self_attn.o_proj.bias"]["replicated"] is True
+    assert layouts["model.norm.weight"] is None
+    for n, (_, widths) in SUB_PARAMS.items():
+        assert layouts[n]["sub_param_shard_widths"] == widths
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        assert list(ref[key]) == LLAMA_PARAM_NAMES
+        for n, t in ref[key].items():
+            assert t.dtype == torch.float32
+            if key != "fp32":
+                # Every token id occurs in the training batches. bf16 gradients of the embedding can
+                # still cancel to an exact 0 here and there (seen: 1 element of 592).
+                zeros = (t == 0).sum().item()
+                assert zeros == 0 if cfg.dtype == "fp32" else zeros <= t.numel() // 100, f"{key}/{n}: {zeros} zeros"
+
+
+@pytest.mark.parametrize("name", list(AUTOTP))
+def test_autotp_universal_files(dsh_checkpoints, dsh_universal, name):
+    """DeepSpeed 0.19.8 rebuilds every AutoTP parameter from its affine map and then writes only
+    `param` (plus `vocab_tensor` for the vocabulary pattern): no cat_dim, no sub_param_shape."""
+    ckpt = dsh_checkpoints[name]
+    root, tag = dsh_universal[name]
+    zero = root / tag / "zero"
+    for n in LLAMA_PARAM_NAMES:
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            obj = torch.load(zero / n / f"{key}.pt", weights_only=True)
+            assert set(obj) == ({"param", "vocab_tensor"} if n == "lm_head.weight" else {"param"}), (n, key)
+            assert torch.equal(obj["param"], ckpt.reference[key][n]), f"{key}/{n}"
+        # ZeRO-3 keeps the step only in optimizer_state.pt, at tp 2 as at tp 1.
+        assert (zero / n / "step.pt").exists() == (ckpt.config.stage < 3)
+    assert torch.load(zero / "lm_head.weight" / "fp32.pt", weights_only=True)["vocab_tensor"] is True
+    # The model-states files are copied as they are, uc info (affine maps included) untouched.
+    copied = sorted(p.name for p in (root / tag).glob("*model_states.pt"))
+    assert copied == sorted(p.name for p in ckpt.tag_dir.glob("*model_states.pt"))
+
+
+@pytest.mark.parametrize("name", AUTOTP_NOAFF)
+def test_autotp_universal_files_without_affine_map(dsh_checkpoints, dsh_universal, name):
+    """Without `affine_map` the converter takes the pattern categories and writes their layout
+    keys; the tensors are the same."""
+    ref = dsh_checkpoints[name].reference
+    root, tag = dsh_universal[f"{name}:noaff"]
+    zero = root / tag / "zero"
+    for n in LLAMA_PARAM_NAMES:
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            # sub_param_shape is a SubparamShape dataclass, which weights_only refuses.
+            obj = ds_load(zero / n / f"{key}.pt")
+            param = obj.pop("param")
+            assert torch.equal(param, ref[key][n]), f"{key}/{n}"
+            if n in ROW_PARALLEL:
+                assert obj == {"cat_dim": 1}
+            elif n in TP_REPLICATED:
+                assert obj == {}
+            elif n in SUB_PARAMS:
+                sps = obj.pop("sub_param_shape")
+                assert obj == {} and type(sps).__name__ == "SubparamShape"
+                assert (sps.patterns, sps.shape, sps.partition_dim) == ([pat(n)], SUB_PARAMS[n][0], 0)
+            elif n == "lm_head.weight":
+                assert obj == {"cat_dim": 0, "vocab_tensor": True}
+            else:
+                assert n in COLUMN_PARALLEL and obj == {"cat_dim": 0}, n
+
+
+@pytest.mark.parametrize("name", list(AUTOTP))
+def test_autotp_universal_roundtrip_exact(dsh_checkpoints, dsh_loaded, name):
+    ref = dsh_checkpoints[name].reference
+    for ws, tp in AUTOTP_LOADS[name]:
+        got = dsh_loaded[tp_load_key(name, ws, tp)]
+        assert got["meta"]["world_size"] == ws and got["meta"]["tp_size"] == tp
+        assert h.compare_states(ref, got) == [], (ws, tp)
+        assert math.isfinite(got["meta"]["loss_after_load"])
+
+
+def test_autotp_load_into_zero_width_shards(dsh_loaded):
+    # 2 KV heads over 4 TP ranks: the attention weights of TP ranks 2 and 3 are empty, and the
+    # restore (and the step after it) still come out right under ZeRO-2.
+    layouts = dsh_loaded[tp_load_key("tpkv2_z2_fp32_ws4_tp2", 4, 4)]["meta"]["autotp_layouts"]
+    assert layouts["model.layers.0.self_attn.q_proj.weight"]["partition_sizes"] == [8, 8, 0, 0]
+    assert layouts["model.layers.0.self_attn.o_proj.weight"]["partition_sizes"] == [8, 8, 0, 0]
+    assert layouts["model.layers.1.self_attn.qkv_proj.weight"]["sub_param_shard_widths"] == [[8, 8, 0, 0],
+                                                                                            [4, 4, 0, 0],
+                                                                                            [4, 4, 0, 0]]
+    assert layouts["lm_head.weight"]["partition_sizes"] == [10, 9, 9, 9]
+
+
+def test_autotp_ds_to_universal_fails_on_zero_width_shards(dsh_checkpoints, tmp_path):
+    # Saved at tp 4 with 2 KV heads. mp_rank_02/03 list no shape for the empty shards, so the
+    # merge asks math.prod(None) for a shape to fill the gap (ds_to_universal.py _merge_zero_shards).
+    ckpt = dsh_checkpoints["tpkv2_z1_fp32_ws4_tp4"]
+    with pytest.raises(RuntimeError, match="'NoneType' object is not iterable"):
+        h.run_ds_to_universal(ckpt.tag_dir, tmp_path / "out", "--num_extract_workers", "1", "--num_merge_workers", "1")

@@ -15,6 +15,11 @@ State dicts (`Checkpoint.reference` and what `load_universal` returns) look like
 AutoEP (model="moe"): each expert tensor `<layer>.experts.w1/w2/w3` is in fp32/exp_avg/exp_avg_sq
 with all experts, [num_experts, ...] in global expert order (gathered across the EP ranks), and
 meta adds ep_size, ep_rank_of_rank, num_experts, autoep_layers, expert_params.
+AutoTP (model="llama"/"llama_kv2", tp_size > 1): every tensor is the full logical one, gathered
+across the TP group from the layout AutoTP recorded on each parameter; meta["tp_size"] is the TP
+degree (1 without AutoTP) and meta adds autotp_layouts (per parameter: partition_dim,
+partition_sizes, sub_param_shard_widths, ... as rank 0 sees them; None = left whole) and
+local_shapes (rank 0's shard shapes).
 DeepSpeed's universal loader restores neither frozen parameters nor buffers (it never loads
 `module`); see NOTES.md. `compare_states` therefore compares only what the loader restores.
 """
@@ -57,8 +62,10 @@ _HERE = Path(__file__).resolve().parent
 _WORKER = _HERE / "worker.py"
 # Generous: a launch normally takes seconds; this only bounds a hung gloo collective.
 DEFAULT_TIMEOUT_S = 300
-# models.TinyMoE's expert count (kept here so that this module never imports the worker side).
+# models.TinyMoE's expert count and models.LLAMA_MODELS (kept here so that this module never
+# imports the worker side).
 MOE_NUM_EXPERTS = 8
+LLAMA_MODELS = ("llama", "llama_kv2")
 
 # (description, world_size, seconds, detail) per worker launch / converter run, for timing
 # reports; detail is the worker's phase split ("startup=.. warm_up=.. ranks=..") or "".
@@ -69,8 +76,10 @@ LAUNCH_LOG: list[tuple[str, int, float, str]] = []
 class Config:
     stage: int  # 1, 2, 3
     dtype: str  # "fp32" or "bf16"
-    world_size: int  # dp degree; tp = pp = 1
-    model: str = "tiny"  # "tiny" | "frozen_tied" | "moe" (AutoEP, Mixtral layout; needs ep_size)
+    world_size: int  # ranks: dp degree * tp_size (pp = 1)
+    # "tiny" | "frozen_tied" | "moe" (AutoEP, Mixtral layout; needs ep_size) | "llama" (AutoTP) |
+    # "llama_kv2" (AutoTP, 2 KV heads: tp 4 leaves ranks without attention shards)
+    model: str = "tiny"
     sub_group_size: int | None = None  # ZeRO-3 only
     steps: int = 3
     uc_info: bool = True  # client_state={"universal_checkpoint_info": {}} at save
@@ -81,13 +90,16 @@ class Config:
     # use_data_before_expert_parallelism (D+E: EP rank = rank // (world/ep) instead of rank % ep).
     ep_size: int | None = None
     use_data_before_expert_parallelism: bool = False
+    # AutoTP (model in LLAMA_MODELS only): tensor_parallel.autotp_size. None or 1 = no AutoTP (DeepSpeed
+    # applies it only above 1); the data-parallel degree is world_size // tp_size.
+    tp_size: int | None = None
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, not {self.stage}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be 'fp32' or 'bf16', not {self.dtype!r}")
-        if self.model not in ("tiny", "frozen_tied", "moe"):
+        if self.model not in ("tiny", "frozen_tied", "moe", *LLAMA_MODELS):
             raise ValueError(f"unknown model {self.model!r}")
         if self.model == "moe":
             if self.ep_size is None or self.ep_size < 1 or MOE_NUM_EXPERTS % self.ep_size:
@@ -99,6 +111,14 @@ class Config:
                 raise ValueError("uc_info=False is meaningless for model='moe'")
         elif self.ep_size is not None or self.use_data_before_expert_parallelism:
             raise ValueError("ep_size and use_data_before_expert_parallelism need model='moe'")
+        if self.tp_size is not None:
+            if self.model not in LLAMA_MODELS:
+                raise ValueError(f"tp_size needs model in {LLAMA_MODELS}")
+            if self.tp_size < 1 or self.world_size % self.tp_size:
+                raise ValueError(f"tp_size {self.tp_size} does not divide world_size {self.world_size}")
+            if self.tp_size > 1 and not self.uc_info:
+                # AutoTP publishes universal_checkpoint_info itself.
+                raise ValueError("uc_info=False is meaningless for an AutoTP config")
         if self.grad_accum_dtype not in (None, "fp32", "bf16"):
             raise ValueError(f"grad_accum_dtype must be None, 'fp32' or 'bf16', not {self.grad_accum_dtype!r}")
         if self.world_size < 1 or self.steps < 1:
@@ -120,6 +140,8 @@ class Config:
             parts.append(f"ep{self.ep_size}")
         if self.use_data_before_expert_parallelism:
             parts.append("dbe")
+        if self.tp_size is not None:
+            parts.append(f"tp{self.tp_size}")
         return "-".join(parts)
 
 
@@ -327,12 +349,16 @@ def load_universal_many(requests: Sequence[tuple[Config, Path, str, int]],
     For AutoEP, `cfg.ep_size` is the autoep_size of the loading engine: pass
     `dataclasses.replace(ckpt.config, world_size=ws, ep_size=n)` to load at another EP size
     (Config checks ep_size against its own world_size, which the load otherwise ignores).
+    Likewise `cfg.tp_size` is the loading engine's autotp_size (AutoTP, model="llama"; 1 or None
+    loads into the plain, unsharded model).
     """
     by_ws: dict[int, list[int]] = {}
     for i, req in enumerate(requests):
         cfg, ws = req[0], req[3]
         if cfg.ep_size is not None and ws % cfg.ep_size:
             raise ValueError(f"{cfg.id}: ep_size {cfg.ep_size} does not divide the load world size {ws}")
+        if cfg.tp_size is not None and ws % cfg.tp_size:
+            raise ValueError(f"{cfg.id}: tp_size {cfg.tp_size} does not divide the load world size {ws}")
         by_ws.setdefault(ws, []).append(i)
     results: list[dict | None] = [None] * len(requests)
     for ws, idxs in by_ws.items():
@@ -356,19 +382,23 @@ def load_universal(cfg: Config,
                    tag: str,
                    world_size: int,
                    env: dict | None = None,
-                   ep_size: int | None = None) -> dict:
+                   ep_size: int | None = None,
+                   tp_size: int | None = None) -> dict:
     """DeepSpeed `load_universal` at `world_size` ranks; returns the restored state.
 
     The engine is built from `cfg`'s model, stage, dtype, sub_group_size, grad_accum_dtype,
     ep_size and use_data_before_expert_parallelism (its world_size, steps and uc_info play no
     part), with "checkpoint": {"load_universal": true}, then
     `engine.load_checkpoint(universal_root, tag=tag)`. `ep_size` overrides `cfg.ep_size` (AutoEP:
-    load at another autoep_size). `universal_root` holds the `tag` folder written by
-    ds_to_universal. The worker then runs one more training step and fails unless its loss is
-    finite.
+    load at another autoep_size), `tp_size` overrides `cfg.tp_size` (AutoTP: load at another
+    autotp_size; the state comes back TP-gathered, as in the reference). `universal_root` holds
+    the `tag` folder written by ds_to_universal. The worker then runs one more training step and
+    fails unless its loss is finite.
     """
     if ep_size is not None:
         cfg = dataclasses.replace(cfg, ep_size=ep_size, world_size=world_size)
+    if tp_size is not None:
+        cfg = dataclasses.replace(cfg, tp_size=tp_size, world_size=world_size)
     return load_universal_many([(cfg, Path(universal_root), tag, world_size)], env)[0]
 
 

@@ -17,6 +17,7 @@ import time
 START = time.perf_counter()
 
 import datetime  # noqa: E402
+import faulthandler  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -35,6 +36,35 @@ from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_opti
 import models  # noqa: E402
 
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq")
+# DeepSpeed's name for the per-parameter AutoTP layout dict (checkpoint/constants.py DS_AUTOTP_UC_META).
+AUTOTP_META = "ds_autotp_universal_checkpoint_meta"
+
+# Merged in front of the "llama" preset's specs (use_default_specs): the fused projections of
+# models.TinyLlama's layer 1 as sub-parameters, and the lm_head as a column-parallel layer whose
+# output is gathered (the preset alone leaves lm_head and the embedding replicated). The lm_head
+# spec is what produces vocabulary_parameter_patterns / original_vocab_size. Q and K/V rows are
+# 16 / 8 / 8 in both llama variants.
+_Q_ROWS = models.LlamaConfig.num_attention_heads * models.LlamaConfig.head_dim
+_KV_ROWS = models.LlamaConfig.num_key_value_heads * models.LlamaConfig.head_dim
+AUTOTP_EXTRA_SPECS = [
+    {
+        "patterns": [r".*\.self_attn\.qkv_proj\.weight$"],
+        "partition_type": "column",
+        "shape": [[_Q_ROWS, _KV_ROWS, _KV_ROWS], -1],
+        "partition_dim": 0,
+    },
+    {
+        "patterns": [r".*\.mlp\.gate_up_proj\.weight$"],
+        "partition_type": "column",
+        "shape": [2, -1],
+        "partition_dim": 0,
+    },
+    {
+        "patterns": [r"^lm_head\.weight$"],
+        "partition_type": "column",
+        "gather_output": True,
+    },
+]
 
 
 def skip_shm_comm_op() -> None:
@@ -71,7 +101,14 @@ def warm_up() -> None:
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
     import deepspeed.module_inject.auto_ep  # noqa: F401
     import deepspeed.module_inject.auto_ep_layer  # noqa: F401
+    import deepspeed.module_inject.auto_tp  # noqa: F401
+    import deepspeed.module_inject.layers  # noqa: F401
     import torch._dynamo  # noqa: F401
+
+
+def tp_of(cfg: dict) -> int:
+    """The AutoTP degree; 1 (None, or 1) means no AutoTP at all (DeepSpeed skips it below 2)."""
+    return cfg.get("tp_size") or 1
 
 
 def ds_config(cfg: dict, world_size: int, load_universal: bool = False) -> dict:
@@ -112,6 +149,20 @@ def ds_config(cfg: dict, world_size: int, load_universal: bool = False) -> dict:
             "disable_triton_grouped_mm": True,
         }
         config["use_data_before_expert_parallelism"] = bool(cfg["use_data_before_expert_parallelism"])
+    if tp_of(cfg) > 1:
+        # No train_batch_size under AutoTP: DeepSpeedConfig checks it against micro *
+        # accumulation * "world size", which is dist.get_world_size() (4) when initialize()
+        # parses the config but the data-parallel size (2) when ZeRO-3's zero.Init re-parses it
+        # with the TP mpu. No value satisfies both; left out, each derives its own.
+        del config["train_batch_size"]
+        config["tensor_parallel"] = {
+            "autotp_size": tp_of(cfg),
+            "preset_model": "llama",
+            "partition_config": {
+                "use_default_specs": True,
+                "layer_specs": AUTOTP_EXTRA_SPECS
+            },
+        }
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     return config
@@ -132,6 +183,124 @@ def reset_expert_groups() -> None:
     for cache in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
                   groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
         cache.clear()
+
+
+def reset_tp_groups() -> None:
+    """Forget the TP/DP groups a previous task of this launch created.
+
+    groups._init_tp_mesh_device returns early once _TENSOR_MODEL_PARALLEL_GROUP is set, so a
+    tp-4 engine after a tp-2 one in the same process would silently run on the tp-2 groups; and
+    the engine publishes itself through groups.mpu, which later non-TP engines would read as
+    their data-parallel topology. engine.destroy() clears neither.
+    """
+    groups._TENSOR_MODEL_PARALLEL_GROUP = None
+    groups._MODEL_PARALLEL_GROUP = None
+    groups._DATA_PARALLEL_GROUP = None
+    groups._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = None
+    groups._MPU_TENSOR_MODEL_PARALLEL_RANK = None
+    groups.mpu = None
+
+
+def data_rank(cfg: dict, rank: int) -> int:
+    """Data-parallel rank: AutoTP lays ranks out as a (dp, tp) mesh, TP groups being blocks of
+    tp consecutive ranks (checked against DeepSpeed's groups in check_autotp_start)."""
+    return rank // tp_of(cfg)
+
+
+def autotp_layout(param) -> dict | None:
+    """The layout AutoTP recorded on a parameter, or None where it left the parameter alone."""
+    meta = getattr(param, AUTOTP_META, None)
+    if not meta:
+        return None
+    keys = ("partition_type", "partition_dim", "logical_shape", "original_shape", "partition_sizes",
+            "sub_param_sizes", "sub_param_shard_widths", "replicated", "is_bias")
+    out = {k: meta.get(k) for k in keys}
+    for k in ("logical_shape", "original_shape", "partition_sizes", "sub_param_sizes"):
+        if out[k] is not None:
+            out[k] = [int(v) for v in out[k]]
+    if out["sub_param_shard_widths"] is not None:
+        out["sub_param_shard_widths"] = [[int(v) for v in w] for w in out["sub_param_shard_widths"]]
+    return out
+
+
+def gather_tp(local: torch.Tensor, layout: dict | None, what: str) -> torch.Tensor:
+    """The whole (logical-shape) tensor from each TP rank's shard, using the layer's own record
+    of how it cut the parameter.
+
+    A shard holds, along partition_dim, this rank's piece of every sub-parameter in turn
+    (one sub-parameter = the whole dimension for a plain split); widths[s][r] is rank r's piece
+    of sub-parameter s. Shards travel through all_gather_object because their shapes differ
+    (uneven and even zero-width shards). Parameters AutoTP left whole, or marked replicated,
+    must be bit-identical on every TP rank: DeepSpeed's converter asserts the same.
+    """
+    group = groups.get_tensor_model_parallel_group()
+    tp = tdist.get_world_size(group)
+    items = [None] * tp
+    tdist.all_gather_object(items, local, group=group)
+    if layout is None or layout["replicated"] or layout["partition_dim"] is None:
+        for r, t in enumerate(items[1:], 1):
+            if not torch.equal(items[0], t):
+                raise RuntimeError(f"{what}: replicated on the TP group but TP rank {r} differs from rank 0")
+        return items[0]
+    pd = layout["partition_dim"]
+    widths = layout["sub_param_shard_widths"] or [layout["partition_sizes"]]
+    views = []
+    for r, t in enumerate(items):
+        shape = list(layout["logical_shape"])
+        shape[pd] = sum(w[r] for w in widths)
+        views.append(t.reshape(shape))
+    pieces, offsets = [], [0] * tp
+    for w in widths:
+        for r in range(tp):
+            pieces.append(views[r].narrow(pd, offsets[r], w[r]))
+            offsets[r] += w[r]
+    return torch.cat(pieces, dim=pd).reshape(layout["original_shape"])
+
+
+def empty_tp_shard(p) -> torch.Tensor | None:
+    """An fp32 stand-in for a zero-numel TP shard (tp > KV heads: ranks holding no head).
+
+    ZeRO tracks no state for such a parameter: ZeRO-1/2 give it no fragment mapping, so
+    safe_get_full_* return None; ZeRO-3 leaves it out of grad_position, so they raise KeyError.
+    Both DP peers of a TP rank hold the same (empty) shape, so skipping the DP collective is
+    consistent across the DP group.
+    """
+    shape = tuple(getattr(p, "ds_shape", p.shape))
+    return torch.empty(shape, dtype=torch.float32) if math.prod(shape) == 0 else None
+
+
+def local_fp32(p) -> torch.Tensor:
+    empty = empty_tp_shard(p)
+    return empty if empty is not None else safe_get_full_fp32_param(p)
+
+
+def local_moment(p, key: str) -> torch.Tensor:
+    empty = empty_tp_shard(p)
+    return empty if empty is not None else safe_get_full_optimizer_state(p, key)
+
+
+def check_autotp_start(engine, cfg: dict, sources: dict, rank: int, world_size: int) -> None:
+    """Before any step: DeepSpeed's TP/DP groups are the (dp, tp) mesh data_rank assumes, and
+    gathering every parameter's TP shards (gather_tp) gives back exactly the unsharded source
+    weights (in the model dtype). That makes the reference's gather independent evidence, not
+    a restatement of DeepSpeed's own layout code. Collective.
+    """
+    tp = tp_of(cfg)
+    tp_group, dp_group = groups.get_tensor_model_parallel_group(), groups.get_data_parallel_group()
+    if (tdist.get_world_size(tp_group), tdist.get_rank(tp_group)) != (tp, rank % tp):
+        raise RuntimeError(f"rank {rank}: TP group rank/size {tdist.get_rank(tp_group)}/"
+                           f"{tdist.get_world_size(tp_group)}, expected {rank % tp}/{tp}")
+    if (tdist.get_world_size(dp_group), tdist.get_rank(dp_group)) != (world_size // tp, data_rank(cfg, rank)):
+        raise RuntimeError(f"rank {rank}: DP group rank/size {tdist.get_rank(dp_group)}/"
+                           f"{tdist.get_world_size(dp_group)}, expected {data_rank(cfg, rank)}/{world_size // tp}")
+    dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
+    names = [n for n, _ in engine.module.named_parameters()]
+    if names != list(sources):
+        raise RuntimeError(f"AutoTP changed the parameter names: {names} != {list(sources)}")
+    for name, p in engine.module.named_parameters():
+        got = gather_tp(local_fp32(p).detach().cpu(), autotp_layout(p), f"fp32/{name}")
+        if not torch.equal(got, sources[name].to(dtype).float()):
+            raise RuntimeError(f"rank {rank}: TP-gathered {name} {tuple(got.shape)} is not the source weight")
 
 
 def autoep_layers(module):
@@ -180,8 +349,15 @@ def check_autoep_start(engine, cfg: dict, sources: dict, world_size: int) -> Non
 
 def make_engine(cfg: dict, world_size: int, load_universal: bool = False):
     reset_expert_groups()
+    reset_tp_groups()
     model = models.build_model(cfg["model"])
-    if cfg["model"] == "moe":
+    tp_sources = None
+    if tp_of(cfg) > 1:
+        tp_sources = {n: p.detach().clone() for n, p in model.named_parameters()}
+        # Lazy, for the same reason as under AutoEP: parameters AutoTP replaces (rather than
+        # re-slicing in place) must be taken after the replacement.
+        trainable = (p for p in model.parameters() if p.requires_grad)
+    elif cfg["model"] == "moe":
         sources = {
             f"model.layers.{i}.mlp": (layer.mlp.experts.gate_up_proj.detach().clone(),
                                       layer.mlp.experts.down_proj.detach().clone())
@@ -198,12 +374,14 @@ def make_engine(cfg: dict, world_size: int, load_universal: bool = False):
                                            config=ds_config(cfg, world_size, load_universal))
     if cfg["model"] == "moe":
         check_autoep_start(engine, cfg, sources, world_size)
+    if tp_sources is not None:
+        check_autotp_start(engine, cfg, tp_sources, tdist.get_rank(), world_size)
     return engine
 
 
 def train_step(engine, cfg: dict, rank: int, step: int) -> float:
     dtype = torch.bfloat16 if cfg["dtype"] == "bf16" else torch.float32
-    loss = engine(*models.batch(cfg["model"], rank, step, dtype))
+    loss = engine(*models.batch(cfg["model"], data_rank(cfg, rank), step, dtype))
     engine.backward(loss)
     engine.step()
     value = loss.item()
@@ -278,13 +456,21 @@ def gather_state(engine) -> dict:
     names, frozen = [], []
     layers = autoep_layers(module)
     expert_of = {id(getattr(layer.experts, w)): layer for _, layer in layers for w in ("w1", "w2", "w3")}
+    tp = groups.get_tensor_model_parallel_world_size() if groups._TENSOR_MODEL_PARALLEL_GROUP is not None else 1
+    layouts = {}
     # named_parameters() yields a tied tensor once, under the name it was first registered as.
     for name, p in module.named_parameters():
         names.append(name)
         if p.requires_grad:
-            fp32[name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            fp32[name] = local_fp32(p).detach().cpu().clone()
             for k in OPTIM_KEYS:
-                moments[k][name] = safe_get_full_optimizer_state(p, k).detach().cpu().clone()
+                moments[k][name] = local_moment(p, k).detach().cpu().clone()
+            if tp > 1:
+                # safe_get_full_* assemble the data-parallel partitions of this rank's TP shard.
+                layouts[name] = autotp_layout(p)
+                fp32[name] = gather_tp(fp32[name], layouts[name], f"fp32/{name}")
+                for k in OPTIM_KEYS:
+                    moments[k][name] = gather_tp(moments[k][name], layouts[name], f"{k}/{name}")
             layer = expert_of.get(id(p))
             if layer is not None:
                 fp32[name] = gather_experts(fp32[name], layer, f"fp32/{name}")
@@ -300,17 +486,22 @@ def gather_state(engine) -> dict:
             else:
                 fp32[name] = p.detach().float().cpu().clone()
     buffers = {name: b.detach().cpu().clone() for name, b in module.named_buffers()}
-    meta_ep = {}
+    meta_extra = {}
     if layers:
         ep_ranks = [None] * tdist.get_world_size()
         tdist.all_gather_object(ep_ranks, layers[0][1].ep_rank)
-        meta_ep = {
+        meta_extra = {
             "ep_size": layers[0][1].ep_size,
             "ep_rank_of_rank": ep_ranks,
             "num_experts": layers[0][1].num_experts,
             "autoep_layers": [name for name, _ in layers],
             "expert_params": [f"{name}.experts.{w}" for name, _ in layers for w in ("w1", "w2", "w3")],
         }
+    if tp > 1:
+        # Rank 0's record per parameter (partition_sizes and shard widths list every TP rank) and
+        # rank 0's shard shapes.
+        meta_extra["autotp_layouts"] = layouts
+        meta_extra["local_shapes"] = {n: list(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}
     return {
         "fp32": fp32,
         "exp_avg": moments["exp_avg"],
@@ -327,7 +518,8 @@ def gather_state(engine) -> dict:
             # The universal loader overwrites the live param-group keys (names included) with the
             # saved ones, so these show what it did; see NOTES.md "AutoEP".
             "param_group_names": [g.get("name") for g in engine.optimizer.optimizer.param_groups],
-            **meta_ep,
+            "tp_size": tp,
+            **meta_extra,
         },
     }
 
@@ -338,8 +530,11 @@ def run_save(task: dict, rank: int, world_size: int) -> dict:
     engine.train()
     losses = [train_step(engine, cfg, rank, step) for step in range(cfg["steps"])]
     # MoE/AutoEP saves write universal_checkpoint_info themselves and reject it in client_state
-    # (KeyError: reserved checkpoint keys).
-    client_state = {"universal_checkpoint_info": {}} if cfg["uc_info"] and cfg["model"] != "moe" else {}
+    # (KeyError: reserved checkpoint keys). AutoTP writes it too (module.universal_checkpoint_info),
+    # and there client_state would silently win: engine._save_checkpoint applies it last
+    # (state.update(client_state)), so an empty dict would replace AutoTP's pattern lists.
+    own_uc_info = cfg["model"] == "moe" or tp_of(cfg) > 1
+    client_state = {"universal_checkpoint_info": {}} if cfg["uc_info"] and not own_uc_info else {}
     engine.save_checkpoint(task["root"], client_state=client_state)
     state = gather_state(engine)
     state["tag"] = f"global_step{engine.global_steps}"
@@ -403,6 +598,9 @@ def child(job: dict, rank: int) -> None:
     log = os.open(os.path.join(job["log_dir"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    # A gloo size mismatch aborts the process from C++ (SIGABRT); without this the rank log
+    # would not say which Python line issued the collective.
+    faulthandler.enable()
     code = 0
     try:
         run_rank(job, rank)
