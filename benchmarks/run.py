@@ -1,13 +1,24 @@
-"""pyckpt vs DeepSpeed's ds_to_universal.py vs `cp -r`, alternating, on one checkpoint.
+"""pyckpt vs DeepSpeed's ds_to_universal.py vs zero_to_fp32 vs `cp -r`, alternating, on one checkpoint.
 
-    python benchmarks/run.py --make --params 200M --dp 4 --runs 3     # make a real DeepSpeed checkpoint first
-    python benchmarks/run.py --ckpt path/to/global_step1 --runs 3     # or use an existing one
+    python benchmarks/run.py --quick                                        # smoke run, seconds (CI)
+    python benchmarks/run.py --make-synthetic --params 250M --dp 64 --runs 3 # synthetic, format-exact
+    python benchmarks/run.py --make --params 200M --dp 4 --runs 3           # a real DeepSpeed save first
+    python benchmarks/run.py --ckpt path/to/global_step1 --runs 3           # or an existing checkpoint
 
 Each round runs every tool once, in a rotating order, so drift on a noisy machine hits all tools
 alike; the report gives medians and the per-round ratios (pyckpt vs each other tool in the same
-round), peak RSS of each tool's whole process tree, and the peak disk usage of its output folder
-(ds_to_universal's temp files show there). The first pyckpt output is checked against DeepSpeed's,
-tensor by tensor, before any number is reported.
+round), GB/s of input, peak RSS of each tool's whole process tree, and the peak disk usage of its
+output folder against what it finally leaves there (the difference is temp files: ds_to_universal
+keeps its slice files under OUTPUT/tmp until the merge ends). pyckpt's first output is checked
+against DeepSpeed's, tensor by tensor; a mismatch aborts the run before any number is reported.
+Before every timed run the input is read through and dirty pages are flushed (both untimed), so
+each tool starts from a warm input and pays for its own writes only as far as the kernel makes it
+wait, not for the previous tool's (--cold, --no-sync to skip).
+
+zero_to_fp32 is a different job (one consolidated fp32 weights file, no optimizer state), so it is
+reported for scale but its ratio is labelled as such. It is DeepSpeed's
+``convert_zero_checkpoint_to_fp32_state_dict`` called without ``max_shard_size``: the script's CLI
+always passes its 5GB default, which imports huggingface_hub, not a dependency here.
 """
 
 from __future__ import annotations
@@ -29,6 +40,14 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from measure import folder_bytes, run_measured  # noqa: E402
 
+ALL_TOOLS = ("pyckpt", "ds_to_universal", "zero_to_fp32", "cp -r")
+# Ratios of tools that produce a different thing than a universal checkpoint.
+DIFFERENT_JOB = {"zero_to_fp32": "fp32 weights only", "cp -r": "copy"}
+
+ZERO_TO_FP32 = ("import sys\n"
+                "from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as c\n"
+                "c(sys.argv[1], sys.argv[2], max_shard_size=None, tag=sys.argv[3])\n")
+
 
 def ds_converter() -> str:
     import deepspeed
@@ -41,8 +60,14 @@ def tools(tag_dir: Path, out: Path):
         "pyckpt": ([py, "-m", "pyckpt.convert", str(tag_dir), str(out / "u"), "--quiet"], out),
         "ds_to_universal": ([py, ds_converter(), "--input_folder", str(tag_dir), "--output_folder", str(out / "u")],
                             out),
+        "zero_to_fp32": ([py, "-c", ZERO_TO_FP32, str(tag_dir.parent), str(out / "fp32"), tag_dir.name], out),
         "cp -r": (["cp", "-r", str(tag_dir), str(out / "copy")], out),
     }
+
+
+def is_autoep(tag_dir: Path) -> bool:
+    # zero_to_fp32 knows nothing of AutoEP's expert group; the per-expert files give such a save away.
+    return any(tag_dir.glob("*_expert_*"))
 
 
 def make_checkpoint(root: Path, params: str, dp: int, stage: int, dtype: str) -> Path:
@@ -57,104 +82,234 @@ def make_checkpoint(root: Path, params: str, dp: int, stage: int, dtype: str) ->
     return root / tag
 
 
+def make_synthetic(root: Path, args) -> Path:
+    from make_checkpoint import make_checkpoint as synth
+    if (root / "latest").exists():
+        return root / (root / "latest").read_text().strip()
+    info: dict = {}
+    tag_dir = synth(root, params=args.params, dp=args.dp, stage=args.stage, dtype=args.dtype, experts=args.experts,
+                    ep=args.ep, moe_layers=args.moe_layers, report=info)
+    print(f"made synthetic checkpoint: {info['numel']:,} params, {info['files']} files, "
+          f"{info['bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", file=sys.stderr)
+    return tag_dir
+
+
+def warm(tag_dir: Path) -> None:
+    # Every tool starts from the same page-cache state: the whole input cached. Without this the
+    # first tool of round 0 reads what the generator's writes left behind, the others what it read.
+    buf = bytearray(8 << 20)
+    for f in sorted(tag_dir.iterdir()):
+        if f.is_file():
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(buf):
+                    pass
+
+
+def evict(folder: Path) -> None:
+    # The outputs kept for the check would otherwise fill the page cache for the rest of round 0,
+    # and whoever writes next pays for reclaiming it (cp -r ran 3x slower there).
+    os.sync()
+    for f in folder.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def main(argv=None):
+def parse_max_runs(text: str) -> dict:
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, n = item.rpartition("=")
+        out[name.strip()] = int(n)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", type=Path, help="tag folder of an existing ZeRO checkpoint")
-    p.add_argument("--make", action="store_true", help="make a real DeepSpeed checkpoint first")
+    src = p.add_argument_group("input (one of)")
+    src.add_argument("--ckpt", type=Path, help="tag folder of an existing ZeRO checkpoint")
+    src.add_argument("--make", action="store_true", help="make a real DeepSpeed checkpoint first (torchrun, slow)")
+    src.add_argument("--make-synthetic", action="store_true",
+                     help="make a synthetic one with make_checkpoint.py (format-exact, seconds)")
+    src.add_argument("--quick", action="store_true",
+                     help="smoke run: tiny synthetic checkpoint, 1 round, every tool (CI)")
     p.add_argument("--params", default="200M")
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--dtype", default="fp32")
+    p.add_argument("--experts", type=int, default=0, help="synthetic AutoEP experts per MoE layer (0: dense)")
+    p.add_argument("--ep", type=int, default=1, help="synthetic AutoEP size")
+    p.add_argument("--moe-layers", type=int, default=0, help="synthetic MoE layers (default 2 with --experts)")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-runs", default="", metavar="TOOL=N,...",
+                   help="fewer rounds for slow tools, e.g. ds_to_universal=1; ratios use the shared rounds")
     p.add_argument("--work", type=Path, default=Path("bench-out"), help="scratch folder (big)")
-    p.add_argument("--tools", default="pyckpt,ds_to_universal,cp -r")
+    p.add_argument("--tools", default=",".join(ALL_TOOLS),
+                   help="comma list; zero_to_fp32 is dropped for AutoEP checkpoints")
     p.add_argument("--json", type=Path, default=None, help="result file (default: <work>/result.json)")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     p.add_argument("--no-check", action="store_true", help="skip the tensor-by-tensor check")
+    p.add_argument("--cold", action="store_true", help="do not read the input through before each timed run")
+    p.add_argument("--no-sync", action="store_true", help="do not flush dirty pages before each timed run")
+    p.add_argument("--delete-input", action="store_true", help="delete a made checkpoint at the end")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.quick:
+        # Small enough for seconds, but still dp 4 with padding, so every code path runs.
+        args.make_synthetic, args.params, args.runs, args.delete_input = True, "2M", 1, True
 
     args.work.mkdir(parents=True, exist_ok=True)
+    made = None
     if args.make:
-        root = args.work / f"ckpt_{args.params}_dp{args.dp}_z{args.stage}_{args.dtype}"
-        tag_dir = make_checkpoint(root, args.params, args.dp, args.stage, args.dtype) if not (
-            root / "latest").exists() else root / (root / "latest").read_text().strip()
+        made = args.work / f"ckpt_{args.params}_dp{args.dp}_z{args.stage}_{args.dtype}"
+        tag_dir = make_checkpoint(made, args.params, args.dp, args.stage, args.dtype) if not (
+            made / "latest").exists() else made / (made / "latest").read_text().strip()
+    elif args.make_synthetic:
+        moe = f"_e{args.experts}ep{args.ep}" if args.experts else ""
+        made = args.work / f"syn_{args.params}_dp{args.dp}_z{args.stage}_{args.dtype}{moe}"
+        tag_dir = make_synthetic(made, args)
     elif args.ckpt:
         tag_dir = args.ckpt
     else:
-        p.error("--ckpt or --make is required")
+        p.error("--ckpt, --make, --make-synthetic or --quick is required")
+    try:
+        return run(args, tag_dir)
+    finally:
+        if made is not None and args.delete_input:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def run(args, tag_dir: Path):
     in_bytes = folder_bytes(str(tag_dir))
-    names = [t.strip() for t in args.tools.split(",")]
+    names = [t.strip() for t in args.tools.split(",") if t.strip()]
+    skipped = {}
+    if "zero_to_fp32" in names and is_autoep(tag_dir):
+        names.remove("zero_to_fp32")
+        skipped["zero_to_fp32"] = "AutoEP checkpoint"
+    max_runs = parse_max_runs(args.max_runs)
+    check = not args.no_check and {"pyckpt", "ds_to_universal"} <= set(names)
+    keep = args.work / "check"
+    shutil.rmtree(keep, ignore_errors=True)
 
-    if not args.no_check and {"pyckpt", "ds_to_universal"} <= set(names):
-        from compare import diff_folders
-        chk = args.work / "check"
-        shutil.rmtree(chk, ignore_errors=True)
-        for name in ("pyckpt", "ds_to_universal"):
-            cmd, _ = tools(tag_dir, chk / name)[name]
-            (chk / name).mkdir(parents=True)
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        diffs = diff_folders(str(chk / "ds_to_universal" / "u"), str(chk / "pyckpt" / "u"))
-        if diffs:
-            raise SystemExit("pyckpt output differs from DeepSpeed's:\n" + "\n".join(diffs[:20]))
-        print("check: pyckpt output is bit-equal to ds_to_universal's", file=sys.stderr)
-        shutil.rmtree(chk)
-
+    largest = 0
     results = {n: [] for n in names}
+    finals = {n: [] for n in names}
     for r in range(args.runs):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
+            if r >= max_runs.get(name, args.runs):
+                continue
             out = args.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
             cmd, watch = tools(tag_dir, out)[name]
+            if not args.cold:
+                warm(tag_dir)
+            if not args.no_sync:
+                # Untimed: otherwise the previous tool's GBs of dirty pages are written back while
+                # the next one runs, and whoever follows the biggest writer looks slow.
+                os.sync()
             m = run_measured(cmd, watch_dir=str(watch))
             results[name].append(m)
+            finals[name].append(folder_bytes(str(out)))
             print(f"round {r}: {name:16s} {m.seconds:8.2f} s  peak RSS {m.peak_rss / 2**20:8.0f} MiB  "
                   f"peak disk {m.peak_disk / 2**30:6.2f} GiB", file=sys.stderr)
+            if check and r == 0 and name in ("pyckpt", "ds_to_universal"):
+                # The check reuses the first round's outputs instead of converting twice more:
+                # an extra ds_to_universal run would be the slowest step of every sweep point.
+                (keep / name).mkdir(parents=True, exist_ok=True)
+                os.rename(out / "u", keep / name / "u")
+                evict(keep / name / "u")
             shutil.rmtree(out, ignore_errors=True)
+        if check and r == 0:
+            from compare import diff_folders
+            largest = max((f.stat().st_size for f in (keep / "pyckpt" / "u").rglob("fp32.pt")), default=0)
+            diffs = diff_folders(str(keep / "ds_to_universal" / "u"), str(keep / "pyckpt" / "u"))
+            shutil.rmtree(keep)
+            if diffs:
+                raise SystemExit("pyckpt output differs from DeepSpeed's:\n" + "\n".join(diffs[:20]))
+            print("check: pyckpt output is bit-equal to ds_to_universal's", file=sys.stderr)
 
     summary = {
         "checkpoint": str(tag_dir),
+        # One universal fp32.pt holds one parameter, so the biggest is the largest single tensor
+        # (plus about a KiB of pickle): the yardstick of the RSS target.
+        "largest_tensor_mib": largest / 2**20 if check else None,
         "input_bytes": in_bytes,
+        "input_files": sum(1 for f in tag_dir.iterdir() if f.is_file()),
+        "params": args.params if (args.make or args.make_synthetic) else None,
+        "dp": args.dp if (args.make or args.make_synthetic) else None,
         "runs": args.runs,
+        "checked_bit_equal": check,
+        "sync_between_runs": not args.no_sync,
+        "warm_input": not args.cold,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "tools": {},
         "ratios": {},
+        "skipped": skipped,
     }
     for name, ms in results.items():
+        med = median([m.seconds for m in ms])
+        peak_disk = max(m.peak_disk for m in ms)
+        final = max(finals[name])
         summary["tools"][name] = {
             "seconds": [m.seconds for m in ms],
-            "median_s": median([m.seconds for m in ms]),
-            "gbps": in_bytes / median([m.seconds for m in ms]) / 1e9,
+            "median_s": med,
+            "gbps": in_bytes / med / 1e9,
             "peak_rss_mib": max(m.peak_rss for m in ms) / 2**20,
-            "peak_disk_gib": max(m.peak_disk for m in ms) / 2**30,
+            "peak_disk_gib": peak_disk / 2**30,
+            "output_gib": final / 2**30,
+            # Sampled every 0.25 s, so a temp file shorter-lived than that can slip through.
+            "temp_gib": max(0, peak_disk - final) / 2**30,
         }
     if "pyckpt" in results:
+        py = results["pyckpt"]
         for other in names:
             if other == "pyckpt":
                 continue
-            per_round = [o.seconds / p_.seconds for o, p_ in zip(results[other], results["pyckpt"])]
-            summary["ratios"][f"{other} / pyckpt"] = {"per_round": per_round, "median": median(per_round)}
+            if other == "cp -r":
+                # The target is stated as pyckpt's time over the copy's, so keep that orientation.
+                key, per_round = "pyckpt / cp -r", [p_.seconds / o.seconds for o, p_ in zip(results[other], py)]
+            else:
+                key, per_round = f"{other} / pyckpt", [o.seconds / p_.seconds for o, p_ in zip(results[other], py)]
+            summary["ratios"][key] = {"per_round": per_round, "median": median(per_round),
+                                      "note": DIFFERENT_JOB.get(other, "same output")}
     out_json = args.json or (args.work / "result.json")
+    out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(summary, indent=2))
-    print(markdown(summary))
+    table = markdown(summary)
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    print(table)
     return summary
 
 
 def markdown(s) -> str:
-    lines = [f"Input: `{s['checkpoint']}` ({s['input_bytes'] / 2**30:.2f} GiB), {s['runs']} alternating rounds, "
-             f"{s['machine']['cpus']} CPUs.", "",
-             "| tool | median s | GB/s (input) | peak RSS MiB | peak disk GiB |", "|---|---:|---:|---:|---:|"]
+    lines = [f"Input: `{s['checkpoint']}` ({s['input_bytes'] / 2**30:.2f} GiB, {s.get('input_files', '?')} files), "
+             f"{s['runs']} alternating rounds, {s['machine']['cpus']} CPUs.", "",
+             "| tool | median s | GB/s (input) | peak RSS MiB | peak disk GiB | output GiB | temp GiB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, t in s["tools"].items():
         lines.append(f"| {name} | {t['median_s']:.2f} | {t['gbps']:.2f} | {t['peak_rss_mib']:.0f} | "
-                     f"{t['peak_disk_gib']:.2f} |")
+                     f"{t['peak_disk_gib']:.2f} | {t.get('output_gib', float('nan')):.2f} | "
+                     f"{t.get('temp_gib', float('nan')):.2f} |")
     if s["ratios"]:
-        lines += ["", "| ratio (same round) | per round | median |", "|---|---|---:|"]
+        lines += ["", "| ratio (same round) | per round | median | |", "|---|---|---:|---|"]
         for k, v in s["ratios"].items():
-            lines.append(f"| {k} | {', '.join(f'{x:.2f}' for x in v['per_round'])} | {v['median']:.2f} |")
+            lines.append(f"| {k} | {', '.join(f'{x:.2f}' for x in v['per_round'])} | {v['median']:.2f} | "
+                         f"{v.get('note', '')} |")
+    for k, why in s.get("skipped", {}).items():
+        lines.append(f"\n{k}: not run ({why}).")
     return "\n".join(lines)
 
 
