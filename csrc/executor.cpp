@@ -300,12 +300,27 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
     };
     std::vector<Task> tasks;
     tasks.reserve(job.plan.windows.size() + outputs.size());
-    for (std::size_t o = 0; o < outputs.size(); ++o) {
-        uint64_t w0 = job.plan.target_first[job.output_first_target[o]];
-        uint64_t w1 = job.plan.target_first[job.output_first_target[o + 1]];
-        job.state[o].windows_left.store(w1 - w0);
-        if (w0 == w1) tasks.push_back({static_cast<uint32_t>(o), kHeadersOnly});
-        for (uint64_t w = w0; w < w1; ++w) tasks.push_back({static_cast<uint32_t>(o), w});
+    // Windows of a group of outputs are dealt round-robin, so workers running side by side write
+    // different files: two writers on one ext4 file serialize on its inode lock (and spin on the
+    // other core). Groups bound how many output files are open at once.
+    constexpr std::size_t kInterleave = 32;
+    for (std::size_t g0 = 0; g0 < outputs.size(); g0 += kInterleave) {
+        const std::size_t g1 = std::min(outputs.size(), g0 + kInterleave);
+        uint64_t longest = 0;
+        for (std::size_t o = g0; o < g1; ++o) {
+            uint64_t w0 = job.plan.target_first[job.output_first_target[o]];
+            uint64_t w1 = job.plan.target_first[job.output_first_target[o + 1]];
+            job.state[o].windows_left.store(w1 - w0);
+            if (w0 == w1) tasks.push_back({static_cast<uint32_t>(o), kHeadersOnly});
+            longest = std::max(longest, w1 - w0);
+        }
+        for (uint64_t k = 0; k < longest; ++k) {
+            for (std::size_t o = g0; o < g1; ++o) {
+                uint64_t w0 = job.plan.target_first[job.output_first_target[o]];
+                uint64_t w1 = job.plan.target_first[job.output_first_target[o + 1]];
+                if (w0 + k < w1) tasks.push_back({static_cast<uint32_t>(o), w0 + k});
+            }
+        }
     }
 
     std::vector<std::unique_ptr<uint8_t[]>> staging(workers);
