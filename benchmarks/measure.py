@@ -33,11 +33,14 @@ class Measurement:
 
 
 def run_measured(cmd, watch_dir: Optional[str] = None, env=None, interval: float = 0.02,
-                 disk_interval: float = 0.25) -> Measurement:
+                 disk_interval: float = 0.25, cwd: Optional[str] = None) -> Measurement:
+    # Give a cwd outside the source tree: `python -m pyckpt.convert` puts the cwd first on sys.path,
+    # and from the repository root that would import the source folder (no native module) instead
+    # of the installed package.
     peak = {"rss": 0, "disk": 0}
     stop = threading.Event()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def sample():
         try:

@@ -168,6 +168,10 @@ def main(argv=None):
         # Small enough for seconds, but still dp 4 with padding, so every code path runs.
         args.make_synthetic, args.params, args.runs, args.delete_input = True, "2M", 1, True
 
+    # Absolute, because the tools run with the work folder as their cwd (see run_measured).
+    args.work = args.work.resolve()
+    if args.ckpt:
+        args.ckpt = args.ckpt.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     made = None
     if args.make:
@@ -219,7 +223,7 @@ def run(args, tag_dir: Path):
                 # Untimed: otherwise the previous tool's GBs of dirty pages are written back while
                 # the next one runs, and whoever follows the biggest writer looks slow.
                 os.sync()
-            m = run_measured(cmd, watch_dir=str(watch))
+            m = run_measured(cmd, watch_dir=str(watch), cwd=str(args.work))
             results[name].append(m)
             finals[name].append(folder_bytes(str(out)))
             print(f"round {r}: {name:16s} {m.seconds:8.2f} s  peak RSS {m.peak_rss / 2**20:8.0f} MiB  "
