@@ -12,11 +12,14 @@ except ImportError as exc:  # most often: running from the source folder, which 
                       "(`pip install .`, or scripts/setup.sh) and run from outside the source folder, or use an "
                       "editable install (`pip install --no-build-isolation -e .`).") from exc
 
-from .errors import CheckpointFormatError, OutputExistsError, PyckptError, UnsafePickleError
+from .autoep import check_load_topology, read_expert_slice
+from .errors import (AutoEPError, CheckpointFormatError, MissingExpertFileError, OutputExistsError, PyckptError,
+                     UnsafePickleError, UnsupportedCheckpointError)
 from .universal import ConversionReport, convert_to_universal
 
 __all__ = [
-    "convert_to_universal", "ConversionReport", "PyckptError", "CheckpointFormatError", "UnsafePickleError",
-    "OutputExistsError"
+    "convert_to_universal", "ConversionReport", "read_expert_slice", "check_load_topology", "PyckptError",
+    "CheckpointFormatError", "UnsafePickleError", "OutputExistsError", "UnsupportedCheckpointError", "AutoEPError",
+    "MissingExpertFileError"
 ]
 __version__ = "0.1.0"

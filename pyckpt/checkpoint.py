@@ -45,8 +45,27 @@ def resolve_tag_folder(path) -> str:
         if not os.path.isdir(tag_dir):
             raise CheckpointFormatError(f"{latest} names tag {tag!r}, but {tag_dir} does not exist")
         return tag_dir
+    _refuse_megatron_lm(path, names)
     raise CheckpointFormatError(f"{path}: no *_optim_states.pt files and no 'latest' file: not a DeepSpeed ZeRO "
                                 "checkpoint folder (pass the tag folder, e.g. .../global_step100, or its parent)")
+
+
+_MEGATRON_RANK_DIR_RE = re.compile(r"^mp_rank_\d+(_\d+)?$")
+_MEGATRON_ITER_DIR_RE = re.compile(r"^iter_\d+$")
+_TP_PP_MODEL_RE = re.compile(r"^mp_rank_(\d+)_(\d+)_model_states\.pt$")
+
+
+def _refuse_megatron_lm(path: str, names) -> None:
+    """Megatron-LM's own layout (``iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt``) is not a DeepSpeed engine
+    checkpoint; ds_to_universal cannot read it either, so say so instead of 'no optimizer files'."""
+    rank_dirs = [n for n in names if _MEGATRON_RANK_DIR_RE.match(n) and os.path.isdir(os.path.join(path, n))]
+    iter_dirs = [n for n in names if _MEGATRON_ITER_DIR_RE.match(n) and os.path.isdir(os.path.join(path, n))]
+    if rank_dirs or iter_dirs or "latest_checkpointed_iteration.txt" in names:
+        found = (rank_dirs or iter_dirs or ["latest_checkpointed_iteration.txt"])[0]
+        raise UnsupportedCheckpointError(
+            f"{path}: this is a Megatron-LM checkpoint ({found}; model_optim_rng.pt per tp/pp rank), not a "
+            "DeepSpeed engine checkpoint. DeepSpeed's ds_to_universal does not read it either: save with "
+            "DeepSpeed (Megatron-DeepSpeed) to get zero_pp_rank_*_optim_states.pt shards.")
 
 
 def zero_stage_of(value) -> int:
@@ -134,6 +153,16 @@ def _check_complete(folder: str, grid: Dict[int, Dict[int, str]], what: str) -> 
 
 def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
     mp_names = sorted(n for n in names if n.startswith("mp_rank_"))
+    tp_pp_named = [n for n in mp_names if _TP_PP_MODEL_RE.match(n)]
+    if tp_pp_named:
+        # DeepSpeed numbers model states by the model-parallel rank alone (mp_rank_{pp*tp_degree+tp:02d});
+        # a two-index name has no defined order for the shards beside it, and DeepSpeed's converter
+        # would silently pair the wrong files.
+        raise UnsupportedCheckpointError(
+            f"{os.path.join(folder, tp_pp_named[0])}: model states named mp_rank_<tp>_<pp> (Megatron-LM style) "
+            "are not a DeepSpeed layout; DeepSpeed writes one mp_rank_<NN>_model_states.pt per model-parallel "
+            "rank, NN = pp_rank * tp_degree + tp_rank. Rename them that way if the ZeRO shards follow the same "
+            "numbering.")
     if not mp_names:
         raise CheckpointFormatError(f"{folder} seems a bogus DeepSpeed checkpoint folder: no mp_rank_* model-state "
                                     "files")

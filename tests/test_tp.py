@@ -8,6 +8,7 @@ really exercise each rule).
 import copy
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +228,31 @@ def test_legacy_topology_without_parallel_dimensions(tmp_path, ds_environ):
     report = pyckpt.convert_to_universal(folder, tmp_path / "u")
     assert (report.tp, report.pp, report.dp) == (2, 1, 2)
     assert diff_folders(str(theirs), str(tmp_path / "u")) == []
+
+
+def test_two_index_model_state_names_are_refused(tmp_path):
+    # DeepSpeed names PP model states by one model-parallel rank (pp * tp_degree + tp); a Megatron-LM
+    # style mp_rank_<tp>_<pp> name must not be silently ordered beside those.
+    params, widths = megatron_params()
+    folder = Path(_rebuild(tmp_path, params, megatron_info(widths)))
+    (folder / "mp_rank_02_model_states.pt").rename(folder / "mp_rank_00_001_model_states.pt")
+    with pytest.raises(pyckpt.UnsupportedCheckpointError,
+                       match=r"mp_rank_00_001_model_states\.pt: model states named mp_rank_<tp>_<pp>.*"
+                             r"NN = pp_rank \* tp_degree \+ tp_rank"):
+        pyckpt.convert_to_universal(folder, tmp_path / "u")
+    assert not (tmp_path / "u").exists()
+
+
+@pytest.mark.parametrize("level", ["root", "iteration"])
+def test_megatron_lm_checkpoint_is_named_as_such(tmp_path, level):
+    root = tmp_path / "megatron"
+    for tp in range(2):
+        for pp in range(2):
+            rank_dir = root / "iter_0000100" / f"mp_rank_{tp:02d}_{pp:03d}"
+            rank_dir.mkdir(parents=True)
+            torch.save({"model": {}}, rank_dir / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("100")
+    path = root if level == "root" else root / "iter_0000100"
+    with pytest.raises(pyckpt.UnsupportedCheckpointError, match=r"is a Megatron-LM checkpoint .*not a DeepSpeed engine"):
+        pyckpt.convert_to_universal(path, tmp_path / "u")
+    assert not (tmp_path / "u").exists()
