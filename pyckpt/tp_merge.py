@@ -100,6 +100,23 @@ class TpRules:
             raise TpMergeError(f"{self.where}: Got more than one matching affine map patterns={found} for {name}")
         return self.affine[found[0]] if found else None
 
+    def empty_shard_shape(self, name: str, rank: int) -> Optional[tuple]:
+        """The shape of ``rank``'s shard of ``name`` when the affine map records it as empty, else None.
+
+        AutoTP with more TP ranks than KV heads leaves some ranks no heads: no rows of q/k/v, no
+        columns of o_proj. ZeRO keeps no state for a zero-element parameter, so those ranks list no
+        shape for it in param_shapes; the affine map is the only record that the shard is empty
+        rather than lost."""
+        amap = self._match_affine(name)
+        if amap is None:
+            return None
+        ranks = {int(r): v for r, v in amap["ranks"].items()}
+        entry = ranks.get(rank)
+        if entry is None or any(_numel(pc["shape"]) for pc in entry["pieces"]):
+            return None
+        shape = tuple(int(d) for d in entry["shard_shape"])
+        return shape if _numel(shape) == 0 else None
+
     def unused(self) -> List[str]:
         return sorted(self.all_patterns - self.used)
 

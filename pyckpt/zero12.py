@@ -177,6 +177,8 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
             slices = []
             for t, holders in enumerate(sources):
                 shape = shapes[t]
+                if shape is None and not holders:
+                    shape = rules.empty_shard_shape(name, t)
                 if not holders:
                     if shape is None or _shape_numel(shape) != 0:
                         raise CheckpointFormatError(f"{ck.folder}: No fragments for tp rank {t} of {name}, whose "

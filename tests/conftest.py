@@ -45,6 +45,15 @@ CONFIGS = {
     "tp_s3_bf16_kv2": Config(3, "bf16", 4, model="llama_kv2", tp_size=2),
 }
 
+# Beyond DeepSpeed: AutoTP at tp 4 with 2 KV heads leaves TP ranks 2 and 3 with empty k/v shards.
+# DeepSpeed 0.19.8's ds_to_universal crashes on these (pinned in test_dsharness.py); pyckpt converts
+# them, so they have no DeepSpeed reference output and are checked against the training run instead.
+ZERO_WIDTH = {
+    "tp4_s1_fp32_kv2": Config(1, "fp32", 4, model="llama_kv2", tp_size=4),
+    "tp4_s2_bf16_kv2": Config(2, "bf16", 4, model="llama_kv2", tp_size=4),
+}
+ALL_CONFIGS = {**CONFIGS, **ZERO_WIDTH}
+
 # (checkpoint, world size to load it at): 4 -> 2 and 2 -> 3 for every stage.
 LOADS = [
     ("s1_fp32_dp4", 2),
@@ -59,7 +68,7 @@ LOADS = [
 
 
 def converter_args(name: str):
-    return ("--inject_missing_state", ) if not CONFIGS[name].uc_info else ()
+    return ("--inject_missing_state", ) if not ALL_CONFIGS[name].uc_info else ()
 
 
 @pytest.fixture(scope="session")
@@ -75,17 +84,19 @@ def ds_environ(ds_root) -> dict:
 
 @pytest.fixture(scope="session")
 def checkpoints(ds_root, ds_environ) -> dict:
-    items = [(cfg, ds_root / "ckpt" / name) for name, cfg in CONFIGS.items()]
+    items = [(cfg, ds_root / "ckpt" / name) for name, cfg in ALL_CONFIGS.items()]
     made = dsharness.make_checkpoints(items, env=ds_environ)
-    return dict(zip(CONFIGS, made))
+    return dict(zip(ALL_CONFIGS, made))
 
 
 @pytest.fixture(scope="session")
 def deepspeed_universal(checkpoints, ds_root, ds_environ) -> dict:
-    """DeepSpeed's ds_to_universal output for every checkpoint (the reference)."""
+    """DeepSpeed's ds_to_universal output for every checkpoint it can convert (the reference)."""
     out = {}
     batches = {}
     for name, ck in checkpoints.items():
+        if name in ZERO_WIDTH:
+            continue
         dest = ds_root / "ds_universal" / name / f"{ck.tag}_universal"
         batches.setdefault(converter_args(name), []).append((ck.tag_dir, dest))
         out[name] = dest
@@ -101,6 +112,6 @@ def pyckpt_universal(checkpoints, ds_root) -> dict:
     out = {}
     for name, ck in checkpoints.items():
         dest = ds_root / "pyckpt_universal" / name / f"{ck.tag}_universal"
-        pyckpt.convert_to_universal(ck.root, dest, inject_missing_state=not CONFIGS[name].uc_info)
+        pyckpt.convert_to_universal(ck.root, dest, inject_missing_state=not ALL_CONFIGS[name].uc_info)
         out[name] = dest
     return out

@@ -1,6 +1,9 @@
 """Real DeepSpeed AutoTP checkpoints (tp 2 x dp 2): DeepSpeed resumes pyckpt's output at tp 4 and tp 1.
 
-Bit-equality with ds_to_universal for these configurations is in test_convert.py (CONFIGS).
+Bit-equality with ds_to_universal for these configurations is in test_convert.py (CONFIGS). The
+ZERO_WIDTH checkpoints (tp 4, 2 KV heads: ranks holding empty k/v shards) are ones DeepSpeed's own
+converter crashes on; for them the proof is the training run's TP-gathered state and DeepSpeed
+resuming pyckpt's output at tp 2 and tp 1.
 """
 
 import dataclasses
@@ -17,6 +20,9 @@ TP_LOADS = [
     ("tp_s2_bf16", 4, 4),
     ("tp_s3_fp32", 4, 4),
     ("tp_s3_fp32", 2, 1),
+    ("tp4_s1_fp32_kv2", 4, 2),
+    ("tp4_s1_fp32_kv2", 2, 1),
+    ("tp4_s2_bf16_kv2", 4, 2),
 ]
 
 
@@ -39,7 +45,7 @@ def test_deepspeed_resumes_pyckpt_autotp_output_at_another_tp_size(load, checkpo
     assert dsharness.compare_states(reference, loaded) == []
 
 
-@pytest.mark.parametrize("name", ["tp_s1_fp32", "tp_s2_bf16", "tp_s3_fp32"])
+@pytest.mark.parametrize("name", ["tp_s1_fp32", "tp_s2_bf16", "tp_s3_fp32", "tp4_s1_fp32_kv2", "tp4_s2_bf16_kv2"])
 def test_universal_fp32_is_the_tp_gathered_master(name, checkpoints, pyckpt_universal):
     # AutoTP 0.19.8 describes every parameter by an affine map (row-parallel o_proj/down_proj split
     # on dim 1, fused qkv/gate_up sub-parameters, replicated norms); the merged file must equal the
@@ -53,3 +59,23 @@ def test_universal_fp32_is_the_tp_gathered_master(name, checkpoints, pyckpt_univ
         assert torch.equal(got.reshape(expected.shape), expected), pname
         checked += 1
     assert checked >= 20
+
+
+@pytest.mark.parametrize("name", ["tp4_s1_fp32_kv2", "tp4_s2_bf16_kv2"])
+def test_zero_width_shards_are_recorded_only_by_the_affine_map(name, checkpoints):
+    # What makes these checkpoints special (and DeepSpeed's converter crash): TP ranks 2 and 3 hold
+    # no attention heads, list no shape for their empty q/k/v/o_proj shards, and only the affine map
+    # says those shards are empty.
+    from pyckpt.archive import SourceFile
+    tag = checkpoints[name].tag_dir
+    shapes = {}
+    for m in range(4):
+        groups = SourceFile(str(tag / f"mp_rank_{m:02d}_model_states.pt")).load()["param_shapes"]
+        shapes[m] = {k for g in groups for k in g}
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    assert k_proj in shapes[0] and k_proj in shapes[1]
+    assert k_proj not in shapes[2] and k_proj not in shapes[3]
+    info = SourceFile(str(tag / "mp_rank_00_model_states.pt")).load()["universal_checkpoint_info"]
+    amap = next(v for p, v in info["affine_map"]["params"].items() if __import__("re").match(p, k_proj))
+    ranks = {int(r): v for r, v in amap["ranks"].items()}
+    assert [list(ranks[r]["shard_shape"]) for r in range(4)] == [[4, 16], [4, 16], [0, 16], [0, 16]]
