@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "metadata): convert the dense parameters and leave the experts out, as ds_to_universal.py does "
                    "(without this flag such checkpoints are refused: their experts need a model-specific migration)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (swapped in when complete)")
+    p.add_argument("--fsync", action="store_true",
+                   help="flush every output file and folder to disk before publishing (survives power loss; "
+                        "slower). Without it the output is still complete or absent if the process dies.")
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="print what would be written, write nothing")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
     try:
         report = convert_to_universal(src, dst, workers, inject_missing_state=args.inject_missing_state,
                                       overwrite=args.overwrite, progress=not args.quiet, dry_run=args.dry_run,
-                                      strict=args.strict, dense_only=args.dense_only)
+                                      strict=args.strict, dense_only=args.dense_only, fsync=args.fsync)
     except KeyboardInterrupt:
         print("pyckpt: interrupted; no output was published", file=sys.stderr)
         return 130

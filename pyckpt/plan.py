@@ -114,6 +114,15 @@ class FileCopy:
     relpath: str
 
 
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder (a folder's fsync makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class Plan:
     archives: List[ArchiveOut] = field(default_factory=list)
@@ -173,8 +182,12 @@ class Plan:
         table = np.array(ops, dtype=np.int64).reshape(-1, 9)
         return sources, outputs, table, tensor_bytes
 
-    def execute(self, root: str, workers: Optional[int] = None, progress: bool = False) -> Dict[str, int]:
-        """Writes every output under ``root`` (which must exist). Returns byte counts."""
+    def execute(self, root: str, workers: Optional[int] = None, progress: bool = False,
+                fsync: bool = False) -> Dict[str, int]:
+        """Writes every output under ``root`` (which must exist). Returns byte counts.
+
+        ``fsync`` makes every file and folder durable before returning (for power loss; the rename
+        that publishes the output already makes it complete-or-absent for a killed process)."""
         dirs = {os.path.dirname(os.path.join(root, a.relpath)) for a in self.archives}
         dirs |= {os.path.dirname(os.path.join(root, c.relpath)) for c in self.copies}
         for d in sorted(dirs):
@@ -186,7 +199,10 @@ class Plan:
         def copy_all():
             try:
                 for c in self.copies:
-                    shutil.copy2(c.src, os.path.join(root, c.relpath))
+                    dst = os.path.join(root, c.relpath)
+                    shutil.copy2(c.src, dst)
+                    if fsync:
+                        fsync_path(dst)
             except BaseException as exc:  # reported on the calling thread
                 copy_error.append(exc)
 
@@ -195,13 +211,16 @@ class Plan:
         copier.start()
         bar = _ProgressBar(tensor_bytes) if progress else None
         try:
-            result = _core.write_archives(sources, outputs, ops, workers or 0, False, bar.update if bar else None)
+            result = _core.write_archives(sources, outputs, ops, workers or 0, fsync, bar.update if bar else None)
         finally:
             copier.join()
             if bar:
                 bar.close()
         if copy_error:
             raise copy_error[0]
+        if fsync:
+            for d in sorted(dirs | {root}, key=len, reverse=True):  # entries before their parents
+                fsync_path(d)
         copied = sum(os.path.getsize(c.src) for c in self.copies)
         return {"bytes_written": int(result["bytes_written"]) + copied, "tensor_bytes": tensor_bytes,
                 "files": len(outputs) + len(self.copies), "copied_bytes": copied}

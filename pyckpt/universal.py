@@ -15,7 +15,7 @@ from typing import Optional
 
 from .checkpoint import ZeroCheckpoint, discover
 from .errors import OutputExistsError
-from .plan import Plan
+from .plan import Plan, fsync_path
 from .zero12 import plan_zero12
 from .zero3 import plan_zero3
 
@@ -63,7 +63,7 @@ def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False, dense_onl
 
 def convert_to_universal(input, output, workers: Optional[int] = None, *, inject_missing_state: bool = False,
                          overwrite: bool = False, progress: bool = False, dry_run: bool = False,
-                         strict: bool = True, dense_only: bool = False) -> ConversionReport:
+                         strict: bool = True, dense_only: bool = False, fsync: bool = False) -> ConversionReport:
     """Convert a DeepSpeed ZeRO checkpoint (tag folder or its parent with ``latest``) to Universal format.
 
     ``output`` is the universal tag folder to create (e.g. ``ckpt/global_step100_universal``);
@@ -71,6 +71,12 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     ``dense_only`` converts a checkpoint with native DeepSpeed-MoE expert files (no AutoEP metadata)
     without its experts, as ds_to_universal.py does; without it such input is refused.
     ``strict=False`` (``--no_strict``) only warns about tensor-parallel merge patterns that match no parameter.
+
+    The output is complete or absent whatever happens to this process: it is written into a hidden
+    sibling folder, renamed into place when complete, and ``latest_universal`` is replaced after that.
+    ``fsync=True`` (``--fsync``) also makes it survive a power loss: every file and folder is flushed
+    before the rename and ``latest_universal`` after it. Off by default, as for ``cp`` and DeepSpeed:
+    flushing waits for the disk, which otherwise writes back while the next job runs.
     """
     t0 = time.perf_counter()
     ck = discover(input)
@@ -89,12 +95,14 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     try:
-        stats = plan.execute(staging, workers, progress)
+        stats = plan.execute(staging, workers, progress, fsync=fsync)
         _publish(staging, output)
+        if fsync:
+            fsync_path(parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _write_atomic(os.path.join(parent, "latest_universal"), base)
+    _write_atomic(os.path.join(parent, "latest_universal"), base, fsync)
     report.tensor_bytes = stats["tensor_bytes"]
     report.bytes_written = stats["bytes_written"]
     report.files = stats["files"]
@@ -112,10 +120,13 @@ def _publish(staging: str, output: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_atomic(path: str, text: str) -> None:
+def _write_atomic(path: str, text: str, fsync: bool) -> None:
     tmp = f"{path}.pyckpt-tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+    if fsync:
+        fsync_path(os.path.dirname(path))

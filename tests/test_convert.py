@@ -54,3 +54,33 @@ def test_deepspeed_resumes_pyckpt_output_at_another_world_size(name, world, chec
     loaded = loaded_states[(name, world)]
     assert reference["param_names"], "reference state is empty"
     assert dsharness.compare_states(reference, loaded) == []
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_fsync_flushes_every_file_and_folder_only_when_asked(durable, checkpoints, deepspeed_universal, tmp_path,
+                                                             monkeypatch):
+    # The native executor fsyncs the archives itself (test_core); the Python side owns the copied
+    # model-state files, the folders (so the names are durable) and latest_universal.
+    import pyckpt
+    synced = []
+    real_fsync = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    name = "s1_fp32_dp2"
+    out = tmp_path / "u"
+    pyckpt.convert_to_universal(checkpoints[name].root, out, fsync=durable)
+    assert diff_folders(str(deepspeed_universal[name]), str(out)) == []
+    if not durable:
+        assert synced == []
+        return
+    staging = [p for p in synced if ".u.pyckpt-tmp-" in p]
+    folders = {p for p in staging if not p.endswith(".pt")}
+    assert len(folders) == len([p for p in (out / "zero").iterdir() if p.is_dir()]) + 2  # + zero/, staging root
+    assert {os.path.basename(p) for p in staging if p.endswith("_model_states.pt")} == {
+        p.name for p in out.glob("*_model_states.pt")}
+    assert str(tmp_path) in synced  # the rename of the output, then latest_universal's
+    assert any(os.path.basename(p).startswith("latest_universal") for p in synced)
