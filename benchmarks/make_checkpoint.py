@@ -37,6 +37,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -57,6 +58,7 @@ MICRO_BATCH = 1
 LR = 1e-2
 HEAD_ROWS = 7  # the dense model's output head: an odd row count keeps the flat groups unaligned
 VOCAB = 11  # the AutoEP model's embedding / lm_head rows (as the harness's TinyMoE)
+VOCAB_TP = 37  # the TP model's vocabulary before padding to a multiple of tp (3 padded rows are stripped)
 WEIGHTS = ("w1", "w2", "w3")
 
 # ----------------------------------------------------------------------------------------------
@@ -260,18 +262,44 @@ class Model:
     expert_layer: Dict[str, MoELayer] = field(default_factory=dict)  # expert param -> its layer
     aliases: Dict[str, str] = field(default_factory=dict)  # module-only key -> the param it repeats
     layers: List[MoELayer] = field(default_factory=list)
+    # Tensor parallel (Megatron-style): params holds one tp rank's (equal) slice shapes, and tp_kind
+    # says how each slice relates to the whole: "column" (dim 0), "row" (dim 1), "two_sub" (two
+    # fused halves, each split on dim 0), "vocab" (dim 0, padded rows stripped), "replicated",
+    # "averaged" (differs per rank; the universal value is the mean).
+    tp: int = 1
+    tp_kind: Dict[str, str] = field(default_factory=dict)
+    vocab_rows: int = 0  # the unpadded vocabulary (original_vocab_size)
 
     @property
     def autoep(self) -> bool:
         return bool(self.layers)
 
     def numel(self) -> int:
-        """Parameters of the whole model (experts counted over all EP ranks)."""
+        """Parameters of the whole model (experts counted over all EP ranks, tp slices over all TP ranks)."""
         total = 0
         for name, shape in self.params:
             layer = self.expert_layer.get(name)
-            total += math.prod(shape) * (layer.ep_size if layer else 1)
+            split = self.tp_kind.get(name) not in (None, "replicated", "averaged")
+            total += math.prod(shape) * (layer.ep_size if layer else 1) * (self.tp if split else 1)
         return total
+
+    def uc_info(self) -> dict:
+        """The universal_checkpoint_info a Megatron-DeepSpeed model passes for this layout."""
+        if self.tp == 1:
+            return {}  # the client_state every UCP user passes
+
+        def pats(kind):
+            return sorted({re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(n)) for n, k in self.tp_kind.items() if k == kind})
+
+        return {
+            "universal_checkpoint_version": 0.4,
+            "tp_replicated_parameter_patterns": pats("replicated"),
+            "parameter_to_average_patterns": pats("averaged"),
+            "parameter_with_row_parallelism_patterns": pats("row"),
+            "parameter_with_2_sub_params_cat_dim_0": pats("two_sub"),
+            "vocabulary_parameter_patterns": pats("vocab"),
+            "original_vocab_size": self.vocab_rows,
+        }
 
 
 def dense_model(layers: int, hidden: int) -> Model:
@@ -280,6 +308,33 @@ def dense_model(layers: int, hidden: int) -> Model:
         params += [(f"layers.{i}.weight", (hidden, hidden)), (f"layers.{i}.bias", (hidden, ))]
     params.append(("head.weight", (HEAD_ROWS, hidden)))
     return Model(params)
+
+
+def tp_model(layers: int, hidden: int, tp: int) -> Model:
+    """A Megatron-style stack cut into ``tp`` equal slices: a vocabulary-padded embedding, per layer
+    a replicated norm, column-parallel QKV (+ bias), row-parallel attention output with a replicated
+    bias, an averaged norm, a fused two-half gate/up (column) and a row-parallel down projection;
+    a replicated final norm. ``hidden`` must be a multiple of ``tp``."""
+    if hidden % tp:
+        raise ValueError(f"hidden {hidden} is not divisible by --tp {tp}")
+    h, k = hidden, hidden // tp
+    vocab_pad = _ceil_to(VOCAB_TP, tp)
+    params = [("embed.weight", (vocab_pad // tp, h))]
+    kind = {"embed.weight": "vocab"}
+    for i in range(layers):
+        for name, shape, how in ((f"layers.{i}.input_norm.weight", (h, ), "replicated"),
+                                 (f"layers.{i}.qkv.weight", (3 * k, h), "column"),
+                                 (f"layers.{i}.qkv.bias", (3 * k, ), "column"),
+                                 (f"layers.{i}.attn_out.weight", (h, k), "row"),
+                                 (f"layers.{i}.attn_out.bias", (h, ), "replicated"),
+                                 (f"layers.{i}.post_norm.weight", (h, ), "averaged"),
+                                 (f"layers.{i}.gate_up.weight", (4 * k, h), "two_sub"),
+                                 (f"layers.{i}.down.weight", (h, 2 * k), "row")):
+            params.append((name, shape))
+            kind[name] = how
+    params.append(("final_norm.weight", (h, )))
+    kind["final_norm.weight"] = "replicated"
+    return Model(params, tp=tp, tp_kind=kind, vocab_rows=VOCAB_TP - 3)
 
 
 def autoep_model(layers: int, hidden: int, experts: int, ep: int, moe_layers: int, ffn: Optional[int] = None,
@@ -328,13 +383,22 @@ def _default_ffn(hidden: int) -> int:
 
 
 def size_model(params: int, layers: Optional[int], hidden: Optional[int], experts: int = 0, ep: int = 1,
-               moe_layers: int = 0) -> Model:
-    """The model closest to ``params`` parameters for the given (or default) depth or width."""
+               moe_layers: int = 0, tp: int = 1) -> Model:
+    """The model closest to ``params`` parameters for the given (or default) depth or width.
+
+    With ``tp > 1`` the width searched is hidden / tp (so hidden stays a multiple of tp)."""
 
     def build(n_layers, h):
         if experts:
             return autoep_model(n_layers, h, experts, ep, moe_layers)
+        if tp > 1:
+            return tp_model(n_layers, h * tp, tp)
         return dense_model(n_layers, h)
+
+    if tp > 1 and hidden is not None:
+        if hidden % tp:
+            raise ValueError(f"--hidden {hidden} is not divisible by --tp {tp}")
+        hidden //= tp
 
     if layers is not None and hidden is not None:
         return build(layers, hidden)
@@ -438,13 +502,33 @@ class _Writer:
         rank's fragment of it, the module weights and the per-expert files all agree with the
         full parameters a correct converter rebuilds.
         """
-        base = self._start("group", self.stage, group.index, content, state)
-        return flat.add(self._region(state), base + start, count)
+        if self.m.tp == 1:
+            base = self._start("group", self.stage, group.index, content, state)
+            return flat.add(self._region(state), base + start, count)
+        return self._per_param(self._region(state), state, group, content, start, count, flat)
+
+    def _per_param(self, region: Region, key: str, group: Group, content: int, start: int, count: int,
+                   flat: Flat) -> Flat:
+        # With tp, content is the tp rank and each parameter is its own window, so replicated
+        # parameters (weights and moments) are equal on every tp rank, as training keeps them.
+        o, end = 0, start + count
+        for name, shape in group.params:
+            n = math.prod(shape)
+            a, b = max(o, start), min(o + n, end)
+            if a < b:
+                who = "all" if self.m.tp_kind[name] == "replicated" else content
+                flat.add(region, self._start("param", name, who, key) + (a - o), b - a)
+            o += n
+            if o >= end:
+                break
+        return flat
 
     def lp(self, group: Group, content: int, start: int, count: int, flat: Flat) -> Flat:
         """Module (model dtype) values: the fp32 masters themselves in fp32, random bf16 otherwise."""
         if self.lp_dtype == "float32":
             return self.logical("fp32", group, content, start, count, flat)
+        if self.m.tp > 1:
+            return self._per_param(self.noise.bf16, "lp", group, content, start, count, flat)
         return flat.add(self.noise.bf16, self._start("lp", self.stage, group.index, content) + start, count)
 
     def step(self) -> NewTensor:
@@ -561,8 +645,8 @@ class _Writer:
             "global_steps": GLOBAL_STEPS,
             "global_samples": GLOBAL_STEPS * MICRO_BATCH * self.topo.dp,
             "dp_world_size": self.topo.dp,
-            "mp_world_size": 1,
-            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+            "mp_world_size": self.m.tp,
+            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": self.m.tp},
             "ds_config": self.ds_config(),
             "ds_version": DS_VERSION,
         }
@@ -574,12 +658,12 @@ class _Writer:
                                                   "expert_parameter_patterns": [".*\\.experts\\.w[123]$"],
                                                   "ds_autoep_layers": entries}
         else:
-            state["universal_checkpoint_info"] = {}  # the client_state every UCP user passes
+            state["universal_checkpoint_info"] = self.m.uc_info()
         return state
 
-    def shard_name(self, d: int) -> str:
+    def shard_name(self, d: int, t: int = 0) -> str:
         prefix = "bf16_" if self.dtype == "bf16" else ""
-        return f"{self.tag}/{prefix}zero_pp_rank_{d}_mp_rank_00_optim_states.pt"
+        return f"{self.tag}/{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"
 
     def param_groups(self, ids_per_group: List[List[int]]) -> list:
         if not self.m.autoep:
@@ -590,14 +674,15 @@ class _Writer:
     # -- ZeRO-1/2 ----------------------------------------------------------------------------
     def write_zero12(self) -> None:
         groups = self.zero12_groups()
-        self.plan.add_archive(f"{self.tag}/mp_rank_00_model_states.pt",
-                              self.model_state(self.zero12_module(groups), groups, 0))
-        for d in range(self.topo.dp):
-            self.plan.add_archive(self.shard_name(d), self.zero12_shard(groups, d))
+        for t in range(self.m.tp):
+            self.plan.add_archive(f"{self.tag}/mp_rank_{t:02d}_model_states.pt",
+                                  self.model_state(self.zero12_module(groups, t), groups, 0))
+            for d in range(self.topo.dp):
+                self.plan.add_archive(self.shard_name(d, t), self.zero12_shard(groups, d, t))
         if self.m.autoep:
             self.write_expert_files(groups[1])
 
-    def zero12_module(self, groups: List[Group]) -> "OrderedDict":
+    def zero12_module(self, groups: List[Group], t: int = 0) -> "OrderedDict":
         dense = groups[0]
         offsets, o = {}, 0
         for name, shape in dense.params:
@@ -611,7 +696,7 @@ class _Writer:
             # torch.save writes that whole buffer once.
             n = dense.numel()
             n_pad = _ceil_to(n, 2 * dense.world)
-            storage = FlatStorage(self.lp_dtype, n_pad, self.pad(self.lp(dense, 0, 0, n, Flat()), n_pad - n,
+            storage = FlatStorage(self.lp_dtype, n_pad, self.pad(self.lp(dense, t, 0, n, Flat()), n_pad - n,
                                                                  itemsize).pieces)
             for name, shape in dense.params:
                 module[name] = view(storage, offsets[name], shape)
@@ -628,10 +713,12 @@ class _Writer:
                 module[key] = tensor(self.lp_dtype, shapes[name], flat)
         return module
 
-    def zero12_shard(self, groups: List[Group], d: int) -> dict:
+    def zero12_shard(self, groups: List[Group], d: int, t: int = 0) -> dict:
         state, fp32_parts, paddings, mappings = {}, [], [], []
         for g in groups:
             content, r = g.content(self.topo, d)
+            if not g.expert:
+                content = t  # AutoEP and TP never meet (DeepSpeed refuses the pair), so 0 without tp
             n = g.numel()
             part = _ceil_to(n, 2 * g.world) // g.world
             lo = r * part
@@ -695,7 +782,7 @@ class _Writer:
     # -- ZeRO-3 ------------------------------------------------------------------------------
     def write_zero3(self) -> None:
         groups = self.zero3_groups()
-        for d in range(self.topo.dp):
+        for t, d in ((t, d) for t in range(self.m.tp) for d in range(self.topo.dp)):
             module = OrderedDict()
             aliases_of: Dict[str, List[str]] = {}
             for alias, target in self.m.aliases.items():
@@ -705,14 +792,16 @@ class _Writer:
                     continue
                 for key in [name] + aliases_of.get(name, []):
                     module[key] = NewTensor(self.lp_dtype, (0, ))  # ZeRO-3 keeps only placeholders
-            self.plan.add_archive(f"{self.tag}/zero_pp_rank_{d}_mp_rank_00_model_states.pt",
+            self.plan.add_archive(f"{self.tag}/zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt",
                                   self.model_state(module, groups, d))
-            self.plan.add_archive(self.shard_name(d), self.zero3_shard(groups, d))
+            self.plan.add_archive(self.shard_name(d, t), self.zero3_shard(groups, d, t))
 
-    def zero3_shard(self, groups: List[Group], d: int) -> dict:
+    def zero3_shard(self, groups: List[Group], d: int, t: int = 0) -> dict:
         state, flats, partition_groups = {}, [], []
         for g in groups:
             content, r = g.content(self.topo, d)
+            if not g.expert:
+                content = t
             bufs = {key: Flat() for key in ("fp32", "exp_avg", "exp_avg_sq")}
             o = 0
             for name, shape in g.params:
@@ -787,6 +876,8 @@ def check_topology(model: Model, *, dp: int, stage: int, dtype: str, ep: int, su
         raise ValueError("every AutoEP layer must use the run's ep size")
     if sub_group_size is not None and (stage != 3 or sub_group_size < 1):
         raise ValueError("--sub-group-size is a ZeRO-3 setting (a positive element count)")
+    if model.tp > 1 and model.autoep:
+        raise ValueError("--tp with --experts: DeepSpeed refuses AutoEP combined with tensor parallelism")
 
 
 def build_plan(model: Model, *, dp: int, stage: int, dtype: str = "fp32", ep: int = 1,
@@ -807,12 +898,13 @@ def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", la
                     hidden: Optional[int] = None, experts: int = 0, ep: int = 1, moe_layers: int = 0,
                     sub_group_size: Optional[int] = None, data_before_expert: bool = False, seed: int = 0,
                     workers: Optional[int] = None, model: Optional[Model] = None, overwrite: bool = False,
-                    report: Optional[dict] = None) -> Path:
+                    report: Optional[dict] = None, tp: int = 1) -> Path:
     """Write a DeepSpeed 0.19.8 ZeRO checkpoint under ``out``; returns the tag folder.
 
     ``params`` is the target parameter count (an int or '1B'); ``layers``/``hidden`` pin the depth
     or width, the other is solved for. ``experts > 0`` makes an AutoEP model with ``moe_layers``
-    MoE layers of ``experts`` experts over ``ep`` EP ranks (``moe_layers`` defaults to 2). ``model``
+    MoE layers of ``experts`` experts over ``ep`` EP ranks (``moe_layers`` defaults to 2). ``tp > 1``
+    makes a Megatron-style tensor-parallel model (:func:`tp_model`), one set of files per tp rank. ``model``
     overrides the sizing with an explicit :class:`Model`. ``report``, if given, receives the
     model's numel, bytes written, file count and seconds.
     """
@@ -823,7 +915,11 @@ def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", la
             moe_layers = moe_layers or 2
         elif moe_layers or ep != 1:
             raise ValueError("--ep and --moe-layers need --experts")
-        model = size_model(parse_count(params), layers, hidden, experts, ep, moe_layers)
+        if tp < 1:
+            raise ValueError(f"--tp must be positive, not {tp}")
+        if tp > 1 and experts:
+            raise ValueError("--tp with --experts: DeepSpeed refuses AutoEP combined with tensor parallelism")
+        model = size_model(parse_count(params), layers, hidden, experts, ep, moe_layers, tp)
     check_topology(model, dp=dp, stage=stage, dtype=dtype, ep=ep, sub_group_size=sub_group_size)
     tag = f"global_step{GLOBAL_STEPS}"
     tag_dir = out / tag
@@ -853,7 +949,7 @@ def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", la
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/make_checkpoint.py",
-                                description="Write a synthetic DeepSpeed 0.19.8 ZeRO checkpoint (tp = pp = 1) of any size "
+                                description="Write a synthetic DeepSpeed 0.19.8 ZeRO checkpoint (pp = 1) of any size "
                                 "in seconds, through pyckpt's writer. OUT gets `latest` and global_step1/.")
     p.add_argument("out", help="the save dir: gets `latest` and global_step1/")
     p.add_argument("--params", default="1B", help="target parameter count: 1B, 350M, 50k, ... (default 1B)")
@@ -862,6 +958,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model dtype (masters stay fp32)")
     p.add_argument("--layers", type=int, help="number of layers (default: from --params)")
     p.add_argument("--hidden", type=int, help="hidden size (default: solved from --params and --layers)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: a Megatron-style model cut into tp slices (column, row, fused, "
+                        "vocabulary, replicated and averaged parameters), files per tp rank")
     p.add_argument("--experts", type=int, default=0, help="AutoEP experts per MoE layer (0: dense model)")
     p.add_argument("--ep", type=int, default=1, help="AutoEP size (EP ranks); must divide --dp and --experts")
     p.add_argument("--moe-layers", type=int, default=0, help="number of MoE layers (default 2 with --experts)")
@@ -878,12 +977,14 @@ def main(argv=None) -> int:
                                   layers=args.layers, hidden=args.hidden, experts=args.experts, ep=args.ep,
                                   moe_layers=args.moe_layers, sub_group_size=args.sub_group_size,
                                   data_before_expert=args.data_before_expert, seed=args.seed, workers=args.workers,
-                                  overwrite=args.overwrite, report=info)
+                                  overwrite=args.overwrite, report=info, tp=args.tp)
     except (ValueError, FileExistsError) as exc:  # bad arguments: one line, no traceback
         print(f"make_checkpoint: error: {exc}", file=sys.stderr)
         return 2
     m = info["model"]
     kind = f"AutoEP ({len(m.layers)} MoE layers x {m.layers[0].num_experts} experts, ep {args.ep})" if m.autoep else "dense"
+    if m.tp > 1:
+        kind += f", tp {m.tp}"
     print(f"{tag_dir}: {info['numel']:,} params, {kind}, ZeRO-{args.stage} {args.dtype} dp {args.dp}; "
           f"{info['files']} files, {info['bytes'] / 1e9:.2f} GB in {info['seconds']:.2f} s "
           f"(plan {info['plan_seconds']:.2f} s; {info['bytes'] / 1e9 / info['seconds']:.2f} GB/s)")

@@ -70,6 +70,11 @@ def is_autoep(tag_dir: Path) -> bool:
     return any(tag_dir.glob("*_expert_*"))
 
 
+def is_tensor_parallel(tag_dir: Path) -> bool:
+    # zero_to_fp32 merges no tp slices; a second model-parallel rank's files give tp/pp away.
+    return any(tag_dir.glob("*mp_rank_01*"))
+
+
 def make_checkpoint(root: Path, params: str, dp: int, stage: int, dtype: str) -> Path:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={dp}",
@@ -88,7 +93,7 @@ def make_synthetic(root: Path, args) -> Path:
         return root / (root / "latest").read_text().strip()
     info: dict = {}
     tag_dir = synth(root, params=args.params, dp=args.dp, stage=args.stage, dtype=args.dtype, experts=args.experts,
-                    ep=args.ep, moe_layers=args.moe_layers, report=info)
+                    ep=args.ep, moe_layers=args.moe_layers, tp=args.tp, report=info)
     print(f"made synthetic checkpoint: {info['numel']:,} params, {info['files']} files, "
           f"{info['bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", file=sys.stderr)
     return tag_dir
@@ -143,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--dtype", default="fp32")
+    p.add_argument("--tp", type=int, default=1, help="synthetic tensor-parallel degree (Megatron-style layout)")
     p.add_argument("--experts", type=int, default=0, help="synthetic AutoEP experts per MoE layer (0: dense)")
     p.add_argument("--ep", type=int, default=1, help="synthetic AutoEP size")
     p.add_argument("--moe-layers", type=int, default=0, help="synthetic MoE layers (default 2 with --experts)")
@@ -151,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fewer rounds for slow tools, e.g. ds_to_universal=1; ratios use the shared rounds")
     p.add_argument("--work", type=Path, default=Path("bench-out"), help="scratch folder (big)")
     p.add_argument("--tools", default=",".join(ALL_TOOLS),
-                   help="comma list; zero_to_fp32 is dropped for AutoEP checkpoints")
+                   help="comma list; zero_to_fp32 is dropped for AutoEP and tensor-parallel checkpoints")
     p.add_argument("--json", type=Path, default=None, help="result file (default: <work>/result.json)")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     p.add_argument("--no-check", action="store_true", help="skip the tensor-by-tensor check")
@@ -181,7 +187,7 @@ def main(argv=None):
         tag_dir = make_checkpoint(made, args.params, args.dp, args.stage, args.dtype) if not (
             made / "latest").exists() else made / (made / "latest").read_text().strip()
     elif args.make_synthetic:
-        moe = f"_e{args.experts}ep{args.ep}" if args.experts else ""
+        moe = (f"_e{args.experts}ep{args.ep}" if args.experts else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
         made = args.work / f"syn_{args.params}_dp{args.dp}_z{args.stage}_{args.dtype}{moe}"
         tag_dir = make_synthetic(made, args)
     elif args.ckpt:
@@ -202,6 +208,9 @@ def run(args, tag_dir: Path):
     if "zero_to_fp32" in names and is_autoep(tag_dir):
         names.remove("zero_to_fp32")
         skipped["zero_to_fp32"] = "AutoEP checkpoint"
+    elif "zero_to_fp32" in names and is_tensor_parallel(tag_dir):
+        names.remove("zero_to_fp32")
+        skipped["zero_to_fp32"] = "tensor-parallel checkpoint"
     max_runs = parse_max_runs(args.max_runs)
     check = not args.no_check and {"pyckpt", "ds_to_universal"} <= set(names)
     keep = args.work / "check"

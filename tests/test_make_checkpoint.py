@@ -65,6 +65,11 @@ CASES = {
                                  sub_group_size=2000),
     "ep_z3_fp32_data_before_expert": dict(dp=4, stage=3, experts=4, ep=2, moe_layers=1, layers=2,
                                           data_before_expert=True),
+    # Megatron-style tensor parallel: column, row, fused two-half, vocabulary, replicated, averaged
+    "tp2_z1_fp32_dp2": dict(dp=2, stage=1, tp=2),
+    "tp4_z2_bf16_dp3": dict(dp=3, stage=2, dtype="bf16", tp=4),
+    "tp8_z2_fp32_dp2": dict(dp=2, stage=2, tp=8),
+    "tp2_z3_fp32_dp3": dict(dp=3, stage=3, tp=2),
 }
 
 
@@ -99,7 +104,7 @@ def test_inspect_sees_stage_dp_and_numel(generated, name):
     kw, item = CASES[name], generated[name]
     model = item["info"]["model"]
     info = describe(item["tag_dir"].parent)  # the save dir: found through `latest`
-    assert (info["zero_stage"], info["dp"], info["tp"], info["pp"]) == (kw["stage"], kw["dp"], 1, 1)
+    assert (info["zero_stage"], info["dp"], info["tp"], info["pp"]) == (kw["stage"], kw["dp"], kw.get("tp", 1), 1)
     # param_shapes hold each EP rank's local experts, so AutoEP counts them once, not ep times
     assert info["trainable_numel"] == sum(math.prod(s) for _, s in model.params)
     assert info["trainable_params"] == len(model.params)
@@ -296,13 +301,19 @@ def test_structure_matches_real_deepspeed_saves(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(layers=24), dict(hidden=4095), dict(experts=64, ep=8, moe_layers=2)])
+@pytest.mark.parametrize("kw", [dict(), dict(layers=24), dict(hidden=4095), dict(experts=64, ep=8, moe_layers=2),
+                                dict(tp=8)])
 def test_models_are_sized_to_the_target_with_odd_shapes(kw):
     target = 10**9
     model = mc.size_model(target, kw.get("layers"), kw.get("hidden"), kw.get("experts", 0), kw.get("ep", 1),
-                          kw.get("moe_layers", 0))
+                          kw.get("moe_layers", 0), kw.get("tp", 1))
     assert abs(model.numel() - target) / target < 0.01
     hidden = model.params[0][1][-1]
+    if kw.get("tp"):
+        # Hidden is an odd multiple of tp; each rank holds 1/tp of the split parameters.
+        assert hidden % 8 == 0 and (hidden // 8) % 2 == 1
+        assert model.params[[n for n, _ in model.params].index("layers.0.qkv.weight")][1] == (3 * hidden // 8, hidden)
+        return
     assert hidden % 2 == 1 or kw.get("hidden")
     if kw.get("layers"):
         assert sum(name.endswith(".bias") and "norm" not in name for name, _ in model.params) == kw["layers"]
@@ -334,6 +345,37 @@ def test_command_line(tmp_path):
     assert again.returncode != 0 and "exists" in again.stderr
 
 
+@pytest.mark.parametrize("name", ["tp4_z2_bf16_dp3", "tp2_z3_fp32_dp3"])
+def test_tp_cases_exercise_every_merge_rule(generated, name):
+    # The universal tensors are the whole logical ones: tp slices put back on the right dim, the
+    # fused halves interleaved back, the padded vocabulary rows stripped, replicated ones taken once.
+    item, tp = generated[name], CASES[name]["tp"]
+    model = item["info"]["model"]
+    shapes = dict(model.params)
+    k = shapes["layers.0.qkv.weight"][0] // 3
+    h = k * tp
+    expect = {
+        "embed.weight": ((mc.VOCAB_TP - 3, h), {"cat_dim": 0, "vocab_tensor": True}),
+        "layers.0.qkv.weight": ((3 * h, h), {"cat_dim": 0}),
+        "layers.0.attn_out.weight": ((h, h), {"cat_dim": 1}),
+        "layers.0.gate_up.weight": ((4 * h, h), {"cat_dim": 0, "param_n_sub_params": 2}),
+        "layers.0.down.weight": ((h, 2 * h), {"cat_dim": 1}),
+        "layers.0.input_norm.weight": ((h, ), {}),
+        "layers.0.post_norm.weight": ((h, ), {}),
+    }
+    for pname, (shape, extra) in expect.items():
+        obj = torch.load(item["pyckpt"] / "zero" / pname / "fp32.pt", weights_only=False)
+        assert tuple(obj["param"].shape) == shape, pname
+        assert {key: v for key, v in obj.items() if key != "param"} == extra, pname
+    # Averaged slices differ per tp rank (so the mean is a real computation), replicated ones do not.
+    if CASES[name]["stage"] < 3:
+        mods = [torch.load(item["tag_dir"] / f"mp_rank_{t:02d}_model_states.pt", weights_only=False)["module"]
+                for t in range(tp)]
+        averaged = [m["layers.0.post_norm.weight"] for m in mods]
+        assert not any(torch.equal(averaged[0], a) for a in averaged[1:])
+        assert all(torch.equal(mods[0]["layers.0.input_norm.weight"], m["layers.0.input_norm.weight"]) for m in mods)
+
+
 def test_bad_topologies_are_refused(tmp_path):
     with pytest.raises(ValueError, match="must divide --dp"):
         mc.make_checkpoint(tmp_path / "a", params=10_000, dp=6, stage=2, experts=8, ep=4)
@@ -341,3 +383,7 @@ def test_bad_topologies_are_refused(tmp_path):
         mc.make_checkpoint(tmp_path / "b", params=10_000, dp=6, stage=2, experts=8, ep=3)
     with pytest.raises(ValueError, match="ZeRO-3 setting"):
         mc.make_checkpoint(tmp_path / "c", params=10_000, dp=2, stage=2, sub_group_size=100)
+    with pytest.raises(ValueError, match="DeepSpeed refuses AutoEP combined with tensor parallelism"):
+        mc.make_checkpoint(tmp_path / "d", params=10_000, dp=2, stage=2, experts=4, ep=2, tp=2)
+    with pytest.raises(ValueError, match="not divisible by --tp 4"):
+        mc.make_checkpoint(tmp_path / "e", params=10_000, dp=2, stage=2, hidden=30, tp=4)
