@@ -702,16 +702,20 @@ class _Writer:
                 module[name] = view(storage, offsets[name], shape)
             return module
         # AutoEP's non-expert state dict holds each tensor in its own storage; experts are left out.
+        for key, name in self.module_keys():
+            flat = self.lp(dense, 0, offsets[name], math.prod(shapes[name]), Flat())
+            module[key] = tensor(self.lp_dtype, shapes[name], flat)
+        return module
+
+    def module_keys(self):
+        """(module key, parameter) for the non-expert state dict: each parameter, then its aliases."""
         aliases_of: Dict[str, List[str]] = {}
         for alias, target in self.m.aliases.items():
             aliases_of.setdefault(target, []).append(alias)
         for name, _ in self.m.params:
-            if name in self.m.expert_layer:
-                continue
-            for key in [name] + aliases_of.get(name, []):
-                flat = self.lp(dense, 0, offsets[name], math.prod(shapes[name]), Flat())
-                module[key] = tensor(self.lp_dtype, shapes[name], flat)
-        return module
+            if name not in self.m.expert_layer:
+                for key in [name] + aliases_of.get(name, []):
+                    yield key, name
 
     def zero12_shard(self, groups: List[Group], d: int, t: int = 0) -> dict:
         state, fp32_parts, paddings, mappings = {}, [], [], []
@@ -783,15 +787,8 @@ class _Writer:
     def write_zero3(self) -> None:
         groups = self.zero3_groups()
         for t, d in ((t, d) for t in range(self.m.tp) for d in range(self.topo.dp)):
-            module = OrderedDict()
-            aliases_of: Dict[str, List[str]] = {}
-            for alias, target in self.m.aliases.items():
-                aliases_of.setdefault(target, []).append(alias)
-            for name, _ in self.m.params:
-                if name in self.m.expert_layer:
-                    continue
-                for key in [name] + aliases_of.get(name, []):
-                    module[key] = NewTensor(self.lp_dtype, (0, ))  # ZeRO-3 keeps only placeholders
+            # ZeRO-3 keeps only placeholders
+            module = OrderedDict((key, NewTensor(self.lp_dtype, (0, ))) for key, _ in self.module_keys())
             self.plan.add_archive(f"{self.tag}/zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt",
                                   self.model_state(module, groups, d))
             self.plan.add_archive(self.shard_name(d, t), self.zero3_shard(groups, d, t))

@@ -33,6 +33,33 @@ void Archive::fail(std::string_view member, std::string_view what) const {
     throw archive_error(path_, member, what);
 }
 
+// The ZIP64 extra field holds 8-byte values only for the header fields saturated at 0xFFFFFFFF,
+// in the fixed order size, compressed size, local header offset; `slots` lists the fields this
+// header has, in that order. Returns whether the field was present.
+bool Archive::read_zip64_extra(const uint8_t* x, uint64_t len, std::initializer_list<uint64_t*> slots,
+                               std::string_view member, const char* where) const {
+    const uint8_t* x_end = x + len;
+    bool found = false;
+    while (x_end - x >= 4) {
+        uint16_t id = rd16(x), field_len = rd16(x + 2);
+        if (x_end - x - 4 < field_len) fail(member, std::string("truncated extra field in ") + where);
+        if (id == kZip64ExtraId) {
+            const uint8_t* v = x + 4;
+            uint64_t avail = field_len;
+            for (uint64_t* slot : slots) {
+                if (*slot != kMax32) continue;
+                if (avail < 8) fail(member, std::string("truncated ZIP64 extra field in ") + where);
+                *slot = rd64(v);
+                v += 8;
+                avail -= 8;
+            }
+            found = true;
+        }
+        x += 4 + field_len;
+    }
+    return found;
+}
+
 void Archive::parse() {
     const uint8_t* f = map_->data();
     const uint64_t n = size_;
@@ -114,30 +141,9 @@ void Archive::parse() {
         std::string name(reinterpret_cast<const char*>(c + kCentralHeaderSize), name_len);
 
         // ZIP64 extra: only the saturated slots are present, in the order usize, csize, offset.
-        const uint8_t* x = c + kCentralHeaderSize + name_len;
-        const uint8_t* x_end = x + extra_len;
         bool need64 = usize == kMax32 || csize == kMax32 || lho == kMax32;
-        bool got64 = false;
-        while (x_end - x >= 4) {
-            uint16_t id = rd16(x), len = rd16(x + 2);
-            if (x_end - x - 4 < len) fail(name, "truncated extra field in central directory");
-            if (id == kZip64ExtraId) {
-                const uint8_t* v = x + 4;
-                uint64_t avail = len;
-                auto take = [&](uint64_t& slot) {
-                    if (slot != kMax32) return;
-                    if (avail < 8) fail(name, "truncated ZIP64 extra field in central directory");
-                    slot = rd64(v);
-                    v += 8;
-                    avail -= 8;
-                };
-                take(usize);
-                take(csize);
-                take(lho);
-                got64 = true;
-            }
-            x += 4 + len;
-        }
+        bool got64 = read_zip64_extra(c + kCentralHeaderSize + name_len, extra_len, {&usize, &csize, &lho}, name,
+                                      "central directory");
         if (need64 && !got64) fail(name, "missing ZIP64 extra field in central directory");
 
         if (flags & (kFlagEncrypted | kFlagStrongEncryption)) fail(name, "member is encrypted");
@@ -160,25 +166,8 @@ void Archive::parse() {
         if (l_flags & (kFlagEncrypted | kFlagStrongEncryption)) fail(name, "member is encrypted");
         if (!(l_flags & kFlagDataDescriptor)) {
             uint64_t l_csize = rd32(l + 18), l_usize = rd32(l + 22);
-            const uint8_t* lx = l + kLocalHeaderSize + l_name_len;
-            const uint8_t* lx_end = lx + l_extra_len;
-            while (lx_end - lx >= 4) {
-                uint16_t id = rd16(lx), len = rd16(lx + 2);
-                if (lx_end - lx - 4 < len) fail(name, "truncated extra field in local header");
-                if (id == kZip64ExtraId) {
-                    const uint8_t* v = lx + 4;
-                    uint64_t avail = len;
-                    if (l_usize == kMax32) {
-                        if (avail < 8) fail(name, "truncated ZIP64 extra field in local header");
-                        l_usize = rd64(v), v += 8, avail -= 8;
-                    }
-                    if (l_csize == kMax32) {
-                        if (avail < 8) fail(name, "truncated ZIP64 extra field in local header");
-                        l_csize = rd64(v);
-                    }
-                }
-                lx += 4 + len;
-            }
+            read_zip64_extra(l + kLocalHeaderSize + l_name_len, l_extra_len, {&l_usize, &l_csize}, name,
+                             "local header");
             if (l_usize != usize || l_csize != csize)
                 fail(name, "local header size " + num(l_usize) + " disagrees with central directory size " + num(usize));
         }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -48,6 +49,8 @@ public:
 
 private:
     void parse();
+    bool read_zip64_extra(const uint8_t* x, uint64_t len, std::initializer_list<uint64_t*> slots,
+                          std::string_view member, const char* where) const;
     [[noreturn]] void fail(std::string_view what) const;
     [[noreturn]] void fail(std::string_view member, std::string_view what) const;
 

@@ -16,17 +16,17 @@ the dense part.
 from __future__ import annotations
 
 import glob
-import math
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import AutoEPError, CheckpointFormatError, MissingExpertFileError, UnsupportedCheckpointError
-from .plan import CONVERT_TO_F32, Piece, Plan, Segments
-from .safe_pickle import ITEMSIZE, TensorRef
+from .plan import CONVERT_TO_F32, Plan, Segments
+from .safe_pickle import ITEMSIZE, TensorRef, numel
 from .torch_pickle import NewTensor
+from .zero3_partition import rank_pieces
 
 WEIGHTS = ("w1", "w2", "w3")
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -57,9 +57,6 @@ def expert_files_in(folder: str) -> List[str]:
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
-
-def _numel(shape) -> int:
-    return math.prod(int(d) for d in shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,8 +197,8 @@ def plan_zero12_experts(ck, plan: Plan, shards, fragments, shapes, layers, data_
             raise AutoEPError(f"AutoEP local shape mismatch for {name}: shape={local_shape}, "
                               f"num_local_experts={meta['num_local_experts']}.")
         ep, n_exp = meta["ep_size"], meta["num_experts"]
-        local_numel = _numel(local_shape)
-        by_rank = {rank: (g, start, numel) for rank, g, start, numel in fragments.get(name, [])}
+        local_numel = numel(local_shape)
+        by_rank = {rank: (g, start, count) for rank, g, start, count in fragments.get(name, [])}
         full_shape = (n_exp, ) + local_shape[1:]
         for state in STATES:
             ep_parts = []  # per EP rank: (Segments, dtype, requires_grad)
@@ -215,7 +212,7 @@ def plan_zero12_experts(ck, plan: Plan, shards, fragments, shapes, layers, data_
                 for r in zero12_dp_ranks(e, dp, ep, data_before_expert):
                     if r not in by_rank:
                         continue
-                    g, start, numel = by_rank[r]
+                    g, start, count = by_rank[r]
                     sf, osd = shards[r]
                     src = (osd["single_partition_of_fp32_groups"][g]
                            if state == "fp32" else osd["base_optimizer_state"]["state"][g].get(state))
@@ -225,7 +222,7 @@ def plan_zero12_experts(ck, plan: Plan, shards, fragments, shapes, layers, data_
                         raise AutoEPError(f"AutoEP {state} fragment must be FP32, got {src.dtype} for {name} in "
                                           f"{sf.path}.")
                     requires_grad |= src.requires_grad
-                    seg.append(sf, *sf.tensor_byte_range(src, start, numel))
+                    seg.append(sf, *sf.tensor_byte_range(src, start, count))
                 got = seg.nbytes // 4
                 if got == local_numel:
                     ep_parts.append((seg, "float32", requires_grad))
@@ -293,7 +290,7 @@ def _expert_dict(ep_parts, full_shape, num_experts):
             p.kind = kind
             pieces.append(p)
         dst += seg.nbytes // ITEMSIZE[dtype] * ITEMSIZE[out_dtype]
-    if dst != _numel(full_shape) * ITEMSIZE[out_dtype]:
+    if dst != numel(full_shape) * ITEMSIZE[out_dtype]:
         raise AutoEPError(f"AutoEP consolidated expert count mismatch: got {dst // ITEMSIZE[out_dtype]} elements for "
                           f"shape {full_shape}")
     tensor = NewTensor(out_dtype, full_shape, pieces, any(rg for _, _, rg in ep_parts))
@@ -477,11 +474,7 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
             part = groups[gi] if gi < len(groups) else {}
             count = int(part.get("partition_count", len(ck.model)))
             prank = int(part.get("partition_rank", r))
-            offset = 0
-            for name, shape in sub.items():
-                n = _numel(shape)
-                q = math.ceil(n / count)
-                real = max(0, min(q, n - prank * q))
+            for name, shape, _, offset, real in rank_pieces(sub, count, prank):
                 e = info.get(name)
                 if e is not None:
                     ep_rank = e["ep_rank"]
@@ -505,7 +498,6 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
                         seg = Segments([(sf, *sf.tensor_byte_range(t, offset, real))])
                         frags.setdefault((name, state), {}).setdefault(ep_rank, []).append(
                             (prank, seg, t.requires_grad, e["expert_data_parallel_world_size"], t.dtype))
-                offset += q
 
     for (name, state), path in sorted(skipped.items()):
         warnings.warn(f"AutoEP: skipped {state} of {name}: no {state} in {path}", stacklevel=3)
@@ -534,7 +526,7 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
                 seg.extend(it[1])
             dtype = items[0][4]
             shape = local_shape_of[(name, ep_rank)]
-            locals_[ep_rank] = (seg.slice(0, _numel(shape) * ITEMSIZE[dtype]), dtype, any(it[2] for it in items))
+            locals_[ep_rank] = (seg.slice(0, numel(shape) * ITEMSIZE[dtype]), dtype, any(it[2] for it in items))
         plan.add_archive(f"zero/{name}/{state}.pt",
                          _placed_expert_dict(name, state, placement, locals_, local_shape_of, e0["num_experts"]))
 
@@ -560,7 +552,7 @@ def _placed_expert_dict(name, state, placement, locals_, local_shape_of, num_exp
     any_rank = next(iter(locals_))
     dtype = locals_[any_rank][1]
     row_shape = local_shape_of[(name, any_rank)][1:]
-    row_bytes = _numel(row_shape) * ITEMSIZE[dtype]
+    row_bytes = numel(row_shape) * ITEMSIZE[dtype]
     owner: Dict[int, Tuple[int, int]] = {}  # expert id -> (ep rank, local row)
     for entry in sorted(placement["ranks"], key=lambda x: x["rank"]):
         r = entry["rank"]
@@ -661,7 +653,7 @@ def read_expert_slice(path, ep_rank: int, ep_size: int, key: str = "param", out=
     if t.shape[0] != num_experts:
         raise CheckpointFormatError(f"{sf.path}: tensor has {t.shape[0]} rows but ep_num_experts={num_experts}")
     start, rows = expert_rows(num_experts, ep_rank, ep_size)
-    row_numel = _numel(t.shape[1:])
+    row_numel = numel(t.shape[1:])
     off, nbytes = sf.tensor_byte_range(t, start * row_numel, rows * row_numel)
     shape = (rows, ) + tuple(t.shape[1:])
     dtype = getattr(torch, t.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from .archive import SourceFile
 from .errors import CheckpointFormatError, UnsupportedCheckpointError

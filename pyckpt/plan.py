@@ -11,7 +11,6 @@ import os
 import shutil
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import io
 import pickle
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 from .errors import CheckpointFormatError, UnsafePickleError
 
@@ -40,6 +40,14 @@ STORAGE_DTYPES: Dict[str, Tuple[str, int]] = {
 DTYPE_STORAGE = {dtype: name for name, (dtype, _) in STORAGE_DTYPES.items()}
 ITEMSIZE = {dtype: size for dtype, size in STORAGE_DTYPES.values()}
 
+
+
+def numel(shape) -> int:
+    """Element count of a shape (a tuple, list, TorchSize or torch.Size)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 @dataclass(eq=False)
 class StorageRef:
@@ -83,10 +91,7 @@ class TensorRef:
         return self.storage.itemsize
 
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
     def is_contiguous(self) -> bool:
         expected = 1
@@ -176,10 +181,7 @@ class TorchSize(tuple):
         return super().__new__(cls, (int(d) for d in dims))
 
     def numel(self) -> int:
-        n = 1
-        for d in self:
-            n *= d
-        return n
+        return numel(self)
 
     def __repr__(self):
         return f"torch.Size({list(self)})"

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .safe_pickle import DTYPE_STORAGE, GlobalName, Opaque, StorageRef, TensorRef, TorchSize
+from .safe_pickle import DTYPE_STORAGE, GlobalName, Opaque, TensorRef, TorchSize, numel
 
 
 @dataclass(eq=False)
@@ -29,10 +29,7 @@ class NewTensor:
     data: Optional[bytes] = None
 
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return numel(self.shape)
 
 
 @dataclass

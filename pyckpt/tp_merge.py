@@ -18,13 +18,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from .errors import CheckpointFormatError, UnsupportedCheckpointError
 from .plan import Piece, Segments
-from .safe_pickle import ITEMSIZE, Opaque
+from .safe_pickle import ITEMSIZE, Opaque, numel
 from .torch_pickle import NewTensor
 
 PATTERN_KEYS = ("tp_replicated_parameter_patterns", "parameter_to_average_patterns",
@@ -46,9 +46,6 @@ class Slice:
 class TpMergeError(CheckpointFormatError, AssertionError):
     """A merge rule's precondition failed (DeepSpeed asserts the same)."""
 
-
-def _numel(shape) -> int:
-    return math.prod(int(d) for d in shape)
 
 
 def _subparam_shape(patterns, shape, partition_dim) -> Opaque:
@@ -112,10 +109,10 @@ class TpRules:
             return None
         ranks = {int(r): v for r, v in amap["ranks"].items()}
         entry = ranks.get(rank)
-        if entry is None or any(_numel(pc["shape"]) for pc in entry["pieces"]):
+        if entry is None or any(numel(pc["shape"]) for pc in entry["pieces"]):
             return None
         shape = tuple(int(d) for d in entry["shard_shape"])
-        return shape if _numel(shape) == 0 else None
+        return shape if numel(shape) == 0 else None
 
     def unused(self) -> List[str]:
         return sorted(self.all_patterns - self.used)
@@ -222,7 +219,7 @@ class TpRules:
                                    f"{size} over {self.tp} tp ranks.")
         logical = [sum(d) if isinstance(d, tuple) else d for d in spec_shape]
         logical[pd] = sum(sizes)
-        total = sum(_numel(s.shape) for s in slices)
+        total = sum(numel(s.shape) for s in slices)
         holes = [i for i, d in enumerate(logical) if d is not None and d < 0]
         if holes:
             known = math.prod(d for i, d in enumerate(logical) if i not in holes)
@@ -232,15 +229,15 @@ class TpRules:
             logical[holes[0]] = total // known
         dtype = slices[0].dtype
         isz = ITEMSIZE[dtype]
-        outer = _numel(logical[:pd])
-        inner = _numel(logical[pd + 1:])
+        outer = numel(logical[:pd])
+        inner = numel(logical[pd + 1:])
         full_row = logical[pd] * inner * isz
         pieces = []
         dst_col = 0
         rank_cols = [sum(w[t] for w in widths) for t in range(self.tp)]
         for t, s in enumerate(slices):
-            if _numel(s.shape) != outer * rank_cols[t] * inner:
-                raise TpMergeError(f"{self.where}: tp rank {t} of {name} holds {_numel(s.shape)} elements, but its "
+            if numel(s.shape) != outer * rank_cols[t] * inner:
+                raise TpMergeError(f"{self.where}: tp rank {t} of {name} holds {numel(s.shape)} elements, but its "
                                    f"recorded shard widths describe {outer * rank_cols[t] * inner}.")
         src_col = [0] * self.tp
         for w in widths:
@@ -302,8 +299,8 @@ def _concat(name, slices: List[Slice], cat_dim: int) -> NewTensor:
     full = list(base)
     full[cat_dim] = sum(sh[cat_dim] for sh in shapes)
     isz = ITEMSIZE[slices[0].dtype]
-    outer = _numel(full[:cat_dim])
-    inner = _numel(full[cat_dim + 1:]) * isz
+    outer = numel(full[:cat_dim])
+    inner = numel(full[cat_dim + 1:]) * isz
     pieces, col = [], 0
     for s in slices:
         width = s.shape[cat_dim] * inner
@@ -319,7 +316,7 @@ def _two_sub_params(name, slices: List[Slice]) -> NewTensor:
     rows_total = 0
     for s in slices:
         rows = s.shape[0]
-        row_bytes = _numel(s.shape[1:]) * isz
+        row_bytes = numel(s.shape[1:]) * isz
         half = -(-rows // 2)
         firsts.append(s.seg.slice(0, half * row_bytes))
         seconds.append(s.seg.slice(half * row_bytes, (rows - half) * row_bytes))
@@ -337,7 +334,7 @@ def _average(name, slices: List[Slice]) -> NewTensor:
     if np_dtype is None:
         raise UnsupportedCheckpointError(f"averaging tp slices of {name} in {dtype} is not supported")
     # Python's sum() starts from int 0, so -0.0 becomes +0.0 exactly as in DeepSpeed's sum(slices).
-    acc = np.zeros(_numel(slices[0].shape), dtype=np_dtype)
+    acc = np.zeros(numel(slices[0].shape), dtype=np_dtype)
     for s in slices:
         acc = acc + np.frombuffer(s.seg.read(), dtype=np_dtype)
     result = (acc / np_dtype(len(slices))).astype(np_dtype)
@@ -349,7 +346,7 @@ def _average(name, slices: List[Slice]) -> NewTensor:
 def _keep_rows(t: NewTensor, rows: int, name: str) -> NewTensor:
     if not t.shape or rows > t.shape[0]:
         raise TpMergeError(f"original_vocab_size {rows} exceeds the {t.shape[0] if t.shape else 0} rows of {name}")
-    row_bytes = _numel(t.shape[1:]) * ITEMSIZE[t.dtype]
+    row_bytes = numel(t.shape[1:]) * ITEMSIZE[t.dtype]
     limit = rows * row_bytes
     shape = (rows, ) + tuple(t.shape[1:])
     if t.data is not None:
@@ -385,14 +382,14 @@ def _affine_rebuild(name, amap, slices: List[Slice], state: str, where: str) -> 
         raise UnsupportedCheckpointError(f"{where}: Converting an optimizer state through a scaled affine piece is "
                                          f"not supported ({name}/{state}), as in DeepSpeed.")
     for r, v in ranks.items():
-        held = sum(_numel(pc["shape"]) for pc in v["pieces"])
-        if held != _numel(v["shard_shape"]):
-            raise TpMergeError(f"{where}: affine map of {name}: rank {r} holds a shard of {_numel(v['shard_shape'])} "
+        held = sum(numel(pc["shape"]) for pc in v["pieces"])
+        if held != numel(v["shard_shape"]):
+            raise TpMergeError(f"{where}: affine map of {name}: rank {r} holds a shard of {numel(v['shard_shape'])} "
                                f"elements but its pieces account for {held}.")
-        if v["pieces"] and (r >= len(slices) or _numel(slices[r].shape) != _numel(v["shard_shape"])):
-            got = _numel(slices[r].shape) if r < len(slices) else None
+        if v["pieces"] and (r >= len(slices) or numel(slices[r].shape) != numel(v["shard_shape"])):
+            got = numel(slices[r].shape) if r < len(slices) else None
             raise TpMergeError(f"{where}: Rank {r} supplied a shard of {got} elements for {name}, but the affine map "
-                               f"describes {_numel(v['shard_shape'])}.")
+                               f"describes {numel(v['shard_shape'])}.")
     dtype = next(s.dtype for s in slices if s.seg.nbytes) if any(s.seg.nbytes for s in slices) else slices[0].dtype
     isz = ITEMSIZE[dtype]
     if scaled:
@@ -422,7 +419,7 @@ def _runs_to_pieces(seg: Segments, runs, isz: int) -> List[Piece]:
     """Copies for a list of runs; a column block (equal runs, back to back in the shard, evenly
     spaced in the full tensor) becomes strided copies instead of one op per row."""
     if len(runs) > 2:
-        (f0, s0, n), (f1, s1, _) = runs[0], runs[1]
+        (f0, s0, n), (f1, _, _) = runs[0], runs[1]
         fstride = f1 - f0
         regular = fstride > n and all(r[2] == n and r[1] == s0 + i * n and r[0] == f0 + i * fstride
                                       for i, r in enumerate(runs))
@@ -470,7 +467,7 @@ def _affine_computed(name, logical, ranks, slices, dtype, power) -> NewTensor:
     np_dtype = NUMPY_DTYPE.get(dtype)
     if np_dtype is None:
         raise UnsupportedCheckpointError(f"scaled affine pieces of {name} in {dtype} are not supported")
-    full = np.empty(_numel(logical), dtype=np_dtype)
+    full = np.empty(numel(logical), dtype=np_dtype)
     written = set()
     for r, v in ranks.items():
         shard = np.frombuffer(slices[r].seg.read(), dtype=np_dtype)

@@ -9,7 +9,6 @@ contiguous byte range, so the whole conversion is a list of byte copies.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import warnings
@@ -20,7 +19,7 @@ from .checkpoint import ZeroCheckpoint
 from . import autoep
 from .errors import AutoEPError, CheckpointFormatError, UnsupportedCheckpointError
 from .plan import CONVERT_TO_F32, Piece, Plan, Segments
-from .safe_pickle import ITEMSIZE, TensorRef
+from .safe_pickle import ITEMSIZE, TensorRef, numel
 from .torch_pickle import NewTensor
 from .tp_merge import Slice, TpMergeError, TpRules
 
@@ -29,9 +28,6 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 # they are per-rank and are rebuilt by the loader from the per-parameter files.
 SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 
-
-def _shape_numel(shape) -> int:
-    return math.prod(int(d) for d in shape)
 
 
 def flatten_param_shapes(model_file) -> "OrderedDict[str, tuple]":
@@ -94,7 +90,7 @@ def _fragments(shards) -> Dict[str, List[Tuple[int, int, int, int]]]:
 
 def _state_segments(name, state_name, frags, shards) -> Tuple[Segments, str, bool]:
     seg, dtype, requires_grad = Segments(), None, False
-    for rank, g, start, numel in frags:
+    for rank, g, start, count in frags:
         sf, osd = shards[rank]
         src = (osd["single_partition_of_fp32_groups"][g]
                if state_name == "fp32" else osd["base_optimizer_state"]["state"][g].get(state_name))
@@ -106,7 +102,7 @@ def _state_segments(name, state_name, frags, shards) -> Tuple[Segments, str, boo
             raise CheckpointFormatError(f"{sf.path}: {state_name} of {name} is {src.dtype} here but {dtype} on a "
                                         "lower dp rank")
         requires_grad |= src.requires_grad
-        seg.append(sf, *sf.tensor_byte_range(src, start, numel))
+        seg.append(sf, *sf.tensor_byte_range(src, start, count))
     return seg, dtype, requires_grad
 
 
@@ -180,7 +176,7 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
                 if shape is None and not holders:
                     shape = rules.empty_shard_shape(name, t)
                 if not holders:
-                    if shape is None or _shape_numel(shape) != 0:
+                    if shape is None or numel(shape) != 0:
                         raise CheckpointFormatError(f"{ck.folder}: No fragments for tp rank {t} of {name}, whose "
                                                     f"recorded shape {shape} is not empty.")
                     slices.append(Slice(Segments(), shape, "float32"))
@@ -192,7 +188,7 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
                         raise CheckpointFormatError(f"{ck.folder}: {name} is held by pipeline stages "
                                                     f"{[m // ck.tp for _, m in segs]} of tp rank {t} with different "
                                                     "values and no pipeline_replicated_parameter_patterns entry")
-                if seg.nbytes != _shape_numel(shape) * ITEMSIZE[dtype]:
+                if seg.nbytes != numel(shape) * ITEMSIZE[dtype]:
                     raise CheckpointFormatError(f"{ck.folder}: the fragments of {name} on tp rank {t} hold "
                                                 f"{seg.nbytes // ITEMSIZE[dtype]} elements, but param_shapes says "
                                                 f"{shape}")

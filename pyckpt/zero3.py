@@ -1,32 +1,27 @@
 """ZeRO stage 3 → Universal: the copy plan, following DeepSpeed 0.19.8's ds_to_universal.
 
-Under ZeRO-3 every parameter is split on its own: with W ranks in its partition group, each rank
-holds ``q = ceil(numel / W)`` elements (the last rank's tail is padding), and a sub-group's flat
-fp32 buffer is those per-parameter pieces back to back. Rank r's real elements of a parameter are
-``max(0, min(q, numel - r*q))`` starting at the running offset. The universal file of a dense
-parameter is the raw 1-D concatenation over ranks (DeepSpeed writes no dict and no step here).
+Each rank's pieces of every parameter are found by the partition arithmetic of
+``zero3_partition``. The universal file of a dense parameter is the raw 1-D concatenation over
+ranks (DeepSpeed writes no dict and no step here).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
-from typing import Dict, List
+from typing import Dict
 
 from . import autoep
 from .checkpoint import ZeroCheckpoint
 from .errors import CheckpointFormatError, UnsupportedCheckpointError
-from .plan import Piece, Plan, Segments
+from .plan import Plan, Segments
 from .tp_merge import Slice, TpMergeError, TpRules
-from .safe_pickle import ITEMSIZE, TensorRef
+from .safe_pickle import ITEMSIZE, TensorRef, numel
 from .torch_pickle import NewTensor
+from .zero3_partition import rank_pieces
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
-
-def _numel(shape) -> int:
-    return math.prod(int(d) for d in shape)
 
 
 def _sub_group_shapes(mf):
@@ -61,11 +56,7 @@ def _extract(ck, t, param_shapes, experts):
             part = partition_groups[idx] if idx < len(partition_groups) else {}
             count = int(part.get("partition_count", ck.dp))
             prank = int(part.get("partition_rank", rank))
-            offset = 0
-            for name, shape in sub_shapes.items():
-                n = _numel(shape)
-                q = math.ceil(n / count)
-                real = max(0, min(q, n - prank * q))
+            for name, shape, n, offset, real in rank_pieces(sub_shapes, count, prank):
                 if name not in experts:
                     for key, tensor in flats.items():
                         entry = out.setdefault((name, key), [Segments(), tensor.dtype, False, n])
@@ -74,7 +65,6 @@ def _extract(ck, t, param_shapes, experts):
                                                         f"{entry[1]} on a lower dp rank")
                         entry[0].append(sf, *sf.tensor_byte_range(tensor, offset, real))
                         entry[2] |= tensor.requires_grad
-                offset += q
     return out
 
 
@@ -103,7 +93,7 @@ def plan_zero3(ck: ZeroCheckpoint, plan: Plan, strict: bool = True) -> Dict[str,
                 slices.append(Slice(seg, flat_shapes[t][name], dtype, requires_grad))
             if rules is None:  # DeepSpeed writes dense ZeRO-3 parameters as raw flat tensors
                 s0 = slices[0]
-                plan.add_archive(f"zero/{name}/{key}.pt", NewTensor(s0.dtype, (_numel(s0.shape), ), s0.seg.pieces(),
+                plan.add_archive(f"zero/{name}/{key}.pt", NewTensor(s0.dtype, (numel(s0.shape), ), s0.seg.pieces(),
                                                                      s0.requires_grad))
             else:
                 merged = rules.merge(name, slices, key)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import filecmp
 import os
-from collections import OrderedDict
 from typing import List
 
 import torch

@@ -7,7 +7,6 @@ a copy.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

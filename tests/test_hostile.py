@@ -1,7 +1,6 @@
 """Broken and hostile input: one clear error naming the file, nothing run, no complete-looking output."""
 
 import os
-import pickle
 import shutil
 
 import pytest

@@ -5,9 +5,6 @@ bit, and DeepSpeed's merged fp32 must be the whole tensor the checkpoint was cut
 really exercise each rule).
 """
 
-import copy
-import re
-import warnings
 from pathlib import Path
 
 import pytest

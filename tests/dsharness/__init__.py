@@ -298,17 +298,23 @@ def run_ds_to_universal(input_folder: Path,
         str(input_folder), "--output_folder",
         str(output_folder), *extra_args
     ]
+    label = f"ds_to_universal {Path(input_folder).name} {' '.join(extra_args)}".strip()
+    return _run_converter(lambda tmp: cmd, label, "ds_to_universal", env, timeout_s)
+
+
+def _run_converter(make_cmd, label: str, what: str, env: dict | None, timeout_s: float) -> subprocess.CompletedProcess:
+    """One converter subprocess, logged in LAUNCH_LOG; `make_cmd(tmp)` may put files in its temp folder."""
     with tempfile.TemporaryDirectory(prefix="dsharness-conv-") as tmp:
+        cmd = make_cmd(Path(tmp))
         t0 = time.perf_counter()
         proc = subprocess.run(cmd,
                               env=env if env is not None else ds_env(Path(tmp)),
                               capture_output=True,
                               text=True,
                               timeout=timeout_s)
-        LAUNCH_LOG.append((f"ds_to_universal {Path(input_folder).name} {' '.join(extra_args)}".strip(), 1,
-                           time.perf_counter() - t0, ""))
+        LAUNCH_LOG.append((label, 1, time.perf_counter() - t0, ""))
     if proc.returncode != 0:
-        raise RuntimeError(f"ds_to_universal failed ({proc.returncode}): {' '.join(cmd)}\n"
+        raise RuntimeError(f"{what} failed ({proc.returncode}): {' '.join(map(str, cmd))}\n"
                            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
     return proc
 
@@ -323,22 +329,14 @@ def run_ds_to_universal_many(jobs: Sequence[tuple[Path, Path]],
     per-conversion interpreter start-up. `extra_args` apply to every job.
     """
     jobs = [(str(i), str(o), list(extra_args)) for i, o in jobs]
-    with tempfile.TemporaryDirectory(prefix="dsharness-conv-") as tmp:
-        job_file = Path(tmp) / "jobs.json"
+
+    def make_cmd(tmp: Path):
+        job_file = tmp / "jobs.json"
         job_file.write_text(json.dumps(jobs, indent=1))
-        cmd = [sys.executable, str(_HERE / "convert_many.py"), str(job_file)]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd,
-                              env=env if env is not None else ds_env(Path(tmp)),
-                              capture_output=True,
-                              text=True,
-                              timeout=timeout_s)
-        LAUNCH_LOG.append((f"ds_to_universal x{len(jobs)} {' '.join(extra_args)}".strip(), 1,
-                           time.perf_counter() - t0, ""))
-    if proc.returncode != 0:
-        raise RuntimeError(f"ds_to_universal (batched) failed ({proc.returncode}) on {jobs}\n"
-                           f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
-    return proc
+        return [sys.executable, str(_HERE / "convert_many.py"), str(job_file)]
+
+    label = f"ds_to_universal x{len(jobs)} {' '.join(extra_args)}".strip()
+    return _run_converter(make_cmd, label, f"ds_to_universal (batched) on {jobs}", env, timeout_s)
 
 
 def load_universal_many(requests: Sequence[tuple[Config, Path, str, int]],
