@@ -18,6 +18,7 @@
 #include "../crc32.hpp"
 #include "../errors.hpp"
 #include "../executor.hpp"
+#include "../fsops.hpp"
 
 namespace py = pybind11;
 using namespace pyckpt;
@@ -288,4 +289,15 @@ PYBIND11_MODULE(_core, m) {
         py::arg("sources"), py::arg("ops"), py::arg("dst"), py::arg("workers") = 0, py::arg("progress") = py::none(),
         py::kw_only(), py::arg("window_bytes") = 0,
         "Gather op pieces into one writable contiguous buffer; returns the bytes written.");
+
+    m.def(
+        "rename_exchange",
+        [](const py::object& a, const py::object& b) { rename_exchange(fspath(a), fspath(b)); }, py::arg("a"),
+        py::arg("b"), "Atomically swap two paths (renameat2 RENAME_EXCHANGE); OSError(EINVAL/ENOSYS) if unsupported.");
+    m.def(
+        "rename_noreplace",
+        [](const py::object& src, const py::object& dst) { rename_noreplace(fspath(src), fspath(dst)); },
+        py::arg("src"), py::arg("dst"),
+        "Rename unless dst exists (renameat2 RENAME_NOREPLACE); FileExistsError if it does, OSError(EINVAL/ENOSYS) "
+        "if unsupported.");
 }
