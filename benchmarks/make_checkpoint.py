@@ -930,10 +930,10 @@ def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", la
         noise = Noise(str(noise_path), seed)
         plan = build_plan(model, dp=dp, stage=stage, dtype=dtype, ep=ep, sub_group_size=sub_group_size,
                           data_before_expert=data_before_expert, seed=seed, noise=noise, tag=tag)
-        for script in _recovery_scripts():
-            plan.add_copy(script, os.path.basename(script))
         t1 = time.perf_counter()
         result = plan.execute(str(out), workers)
+        for script in _recovery_scripts():  # plain files, not checkpoint archives: copied as they are
+            shutil.copy2(script, out / os.path.basename(script))
     finally:
         if noise_path.exists():
             noise_path.unlink()

@@ -7,11 +7,22 @@ the executor copies them.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Dict, Tuple
 
 from . import _core
 from .errors import CheckpointFormatError
-from .safe_pickle import StorageRef, TensorRef, loads
+from .safe_pickle import StorageRef, TensorRef, loads_with_storages
+
+# data.pkl holds only structure (names, shapes, small scalars): a few MB even for models with
+# hundreds of thousands of parameters. A larger one is refused before it is read into memory, as
+# safetensors caps its header; PYCKPT_MAX_PICKLE_BYTES raises the cap for an exotic checkpoint.
+DEFAULT_MAX_PICKLE_BYTES = 256 << 20
+
+
+def max_pickle_bytes() -> int:
+    value = os.environ.get("PYCKPT_MAX_PICKLE_BYTES")
+    return int(value) if value else DEFAULT_MAX_PICKLE_BYTES
 
 
 class SourceFile:
@@ -29,6 +40,11 @@ class SourceFile:
                 pkl = self.prefix + "/data.pkl"
                 if pkl not in self.members:
                     raise CheckpointFormatError(f"{self.path}: not a torch.save archive (no {pkl} member)")
+                cap = max_pickle_bytes()
+                if self.members[pkl][1] > cap:
+                    raise CheckpointFormatError(f"{self.path}: {pkl} is {self.members[pkl][1]} bytes, more than the "
+                                                f"{cap}-byte cap for checkpoint metadata (set PYCKPT_MAX_PICKLE_BYTES "
+                                                "to raise it)")
                 self._pickle_bytes = ar.read(pkl)
         except _core.ArchiveError as exc:
             raise CheckpointFormatError(str(exc)) from None
@@ -38,9 +54,15 @@ class SourceFile:
         self._loaded = False
 
     def load(self) -> Any:
-        """The unpickled top-level object (parsed once, tensors as TensorRef)."""
+        """The unpickled top-level object (parsed once, tensors as TensorRef).
+
+        Every storage the pickle names is checked against its record here, so a file that parses
+        has no tensor reaching outside its bytes, whether pyckpt later reads it or copies it whole."""
         if not self._loaded:
-            self._obj = loads(self._pickle_bytes, source=self, where=self.path)
+            obj, storages = loads_with_storages(self._pickle_bytes, source=self, where=self.path)
+            for storage in storages.values():
+                self.storage_offset(storage)
+            self._obj = obj
             self._loaded = True
         return self._obj
 
@@ -73,13 +95,60 @@ class SourceFile:
         return base + (t.offset + start) * t.itemsize, numel * t.itemsize
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            return f.read(nbytes)
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise CheckpointFormatError(f"{self.path}: byte range [{offset}, {offset + nbytes}) is outside the "
+                                        f"{self.size}-byte file")
+        fd = open_regular(self.path)
+        try:
+            data = os.pread(fd, nbytes, offset)
+        finally:
+            os.close(fd)
+        if len(data) != nbytes:
+            raise CheckpointFormatError(f"{self.path}: the file shrank while being read (wanted {nbytes} bytes at "
+                                        f"offset {offset})")
+        return data
 
     def __repr__(self):
         return f"SourceFile({self.path!r})"
 
 
-def open_checkpoint_file(path) -> SourceFile:
-    return SourceFile(path)
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path``, refusing anything but a regular file.
+
+    O_NONBLOCK keeps a FIFO planted under a checkpoint's name from blocking the open forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{path}: file not found") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"{path}: {file_kind(st.st_mode)}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return f"is {kind}"
+    return "is a special file"
+
+
+def read_small_text(path: str, limit: int = 4096) -> str:
+    """A small text file such as ``latest``, refusing special files and oversized content."""
+    fd = open_regular(path)
+    try:
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise CheckpointFormatError(f"{path}: more than {limit} bytes; expected a one-line tag name")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointFormatError(f"{path}: not UTF-8 text") from None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import AutoEPError, CheckpointFormatError, MissingExpertFileError, UnsupportedCheckpointError
+from .names import check_param_name
 from .plan import CONVERT_TO_F32, Plan, Segments
 from .safe_pickle import ITEMSIZE, TensorRef, numel
 from .torch_pickle import NewTensor
@@ -129,7 +130,7 @@ def zero12_param_info(layers: list) -> Dict[str, dict]:
             raise AutoEPError(f"AutoEP expert count mismatch for {prefix}: num_experts={entry['num_experts']}, "
                               f"num_local_experts={nl}, ep_size={entry['ep_size']}.")
         for w in WEIGHTS:
-            name = f"{prefix}.{w}"
+            name = check_param_name(f"{prefix}.{w}", "AutoEP metadata (ds_autoep_layers)", "expert parameter")
             if name in out:
                 raise AutoEPError(f"Duplicate AutoEP expert parameter metadata for {name}.")
             out[name] = {"num_experts": entry["num_experts"], "num_local_experts": nl, "ep_size": entry["ep_size"],
@@ -337,6 +338,8 @@ def validate_zero3(meta, where: str, require_partitioned: bool) -> List[dict]:
             raise AutoEPError(f"{where}: ds_autoep_layers metadata has duplicate expert_key_prefix: "
                               f"{entry['expert_key_prefix']}")
         seen_prefixes.add(entry["expert_key_prefix"])
+        for w in WEIGHTS:
+            check_param_name(f"{entry['expert_key_prefix']}.{w}", where, "AutoEP expert parameter")
         placement = placement_of(entry, where)
         placements.append(placement)
         ep_rank = entry.get("ep_rank")
@@ -530,10 +533,8 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
         plan.add_archive(f"zero/{name}/{state}.pt",
                          _placed_expert_dict(name, state, placement, locals_, local_shape_of, e0["num_experts"]))
 
-    for path in ck.model_paths:
-        from .archive import SourceFile
-        sf = next((m for m in ck.model if m.path == path), None) or SourceFile(path)
-        plan.add_archive(os.path.basename(path), _resaved_zero3_state(sf))
+    for sf in ck.model_files:
+        plan.add_archive(os.path.basename(sf.path), _resaved_zero3_state(sf))
     return expert_names
 
 

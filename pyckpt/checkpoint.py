@@ -12,11 +12,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-from .archive import SourceFile
+from .archive import SourceFile, read_small_text
+from .checkpoint_schema import (check_model_state, check_zero12_shard, check_zero3_shard, optimizer_state,
+                                zero_stage)
 from .errors import CheckpointFormatError, UnsupportedCheckpointError
-from .safe_pickle import Opaque
+from .names import check_tag
 
-ZERO_PREFIXES = ("zero_pp_rank_", "fp16_zero_pp_rank_", "bf16_zero_pp_rank_")
 _ZERO_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
@@ -38,9 +39,8 @@ def resolve_tag_folder(path) -> str:
     if any(n.endswith("_optim_states.pt") for n in names):
         return path
     latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            tag = f.read().strip()
+    if os.path.lexists(latest):
+        tag = check_tag(read_small_text(latest).strip(), latest)
         tag_dir = os.path.join(path, tag)
         if not os.path.isdir(tag_dir):
             raise CheckpointFormatError(f"{latest} names tag {tag!r}, but {tag_dir} does not exist")
@@ -68,14 +68,6 @@ def _refuse_megatron_lm(path: str, names) -> None:
             "DeepSpeed (Megatron-DeepSpeed) to get zero_pp_rank_*_optim_states.pt shards.")
 
 
-def zero_stage_of(value) -> int:
-    """ZeroStageEnum comes back as an inert record; DeepSpeed's BF16_Optimizer writes none (stage 1)."""
-    if value is None:
-        return 1
-    if isinstance(value, Opaque):
-        return int(value.value)
-    return int(value)
-
 
 @dataclass
 class ZeroCheckpoint:
@@ -90,23 +82,22 @@ class ZeroCheckpoint:
     optim: List[SourceFile] = field(default_factory=list)
     # ZeRO-1/2: the mp_rank_* files; ZeRO-3: zero_pp_rank_*_model_states.pt by dp rank
     model: List[SourceFile] = field(default_factory=list)
-    # every non-expert *_model_states.pt path, copied to the universal folder
-    model_paths: List[str] = field(default_factory=list)
+    # every non-expert *_model_states.pt, parsed and checked, copied to the universal folder
+    model_files: List[SourceFile] = field(default_factory=list)
     bf16_prefix: bool = False
     optim_grid: List[List[SourceFile]] = field(default_factory=list)
     model_grid: List[List[SourceFile]] = field(default_factory=list)  # ZeRO-3: [tp][dp]
 
-    @property
-    def optim_state(self):
-        return [sf.load()["optimizer_state_dict"] for sf in self.optim]
 
 
 def _optim_state(sf: SourceFile):
+    return optimizer_state(sf.path, sf.load())
+
+
+def _model_state(sf: SourceFile):
     obj = sf.load()
-    if not isinstance(obj, dict) or "optimizer_state_dict" not in obj:
-        raise CheckpointFormatError(f"{sf.path}: no 'optimizer_state_dict' key: not a DeepSpeed ZeRO optimizer "
-                                    "shard")
-    return obj["optimizer_state_dict"]
+    check_model_state(sf.path, obj)
+    return obj
 
 
 def discover(path) -> ZeroCheckpoint:
@@ -120,7 +111,7 @@ def discover(path) -> ZeroCheckpoint:
                                         "(zero_pp_rank_*): only ZeRO stage 1/2/3 checkpoints can be converted")
         raise CheckpointFormatError(f"{folder}: can't find *_optim_states.pt files")
     first = SourceFile(os.path.join(folder, zero_names[0]))
-    stage = zero_stage_of(_optim_state(first).get("zero_stage"))
+    stage = zero_stage(first.path, _optim_state(first).get("zero_stage"))
     if stage <= 2:
         return _discover_zero12(folder, names, zero_names, first, stage)
     return _discover_zero3(folder, names, zero_names, first)
@@ -170,8 +161,7 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
     dp = _check_complete(folder, grid, "ZeRO optimizer shards")
     model = [SourceFile(os.path.join(folder, n)) for n in mp_names]
     for mf in model:
-        if not isinstance(mf.load(), dict):
-            raise CheckpointFormatError(f"{mf.path}: model-state file does not hold a dict")
+        _model_state(mf)
     pp, tp = _parallel_dims(folder, model, names, sum(len(r) for r in grid.values()))
     if sorted(grid) != list(range(pp * tp)):
         raise CheckpointFormatError(f"{folder}: ZeRO shards exist for mp ranks {sorted(grid)}, but the model states "
@@ -182,6 +172,7 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
     optim = optim_grid[0]
     for sf in (sf for row in optim_grid for sf in row):
         osd = _optim_state(sf)
+        check_zero12_shard(sf.path, osd)
         counts = osd.get("partition_count")
         # Dense groups are partitioned over all dp ranks; expert groups over their expert-data-parallel
         # group, a divisor of dp. A missing top rank file shows up as a largest count != files present.
@@ -189,10 +180,7 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
                                                     or any(dp % int(c) for c in counts)):
             raise CheckpointFormatError(f"{sf.path}: partition_count {counts} disagrees with the {dp} optimizer "
                                         "shards present in the folder (a rank file is missing or foreign)")
-        if not isinstance(osd.get("base_optimizer_state"), dict):
-            raise CheckpointFormatError(f"{sf.path}: base_optimizer_state is not a dict: elastic checkpoints "
-                                        "(zero_optimization.elastic_checkpoint=true) cannot be converted")
-    return ZeroCheckpoint(folder, stage, dp, tp, pp, optim, model, [m.path for m in model],
+    return ZeroCheckpoint(folder, stage, dp, tp, pp, optim, model, list(model),
                           bf16_prefix=zero_names[0].startswith("bf16_"), optim_grid=optim_grid)
 
 
@@ -254,6 +242,13 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
     optim_grid = [[opened.get(grid[t][r]) or SourceFile(os.path.join(folder, grid[t][r])) for r in range(dp)]
                   for t in range(tp)]
     model_grid = [[SourceFile(os.path.join(folder, by_rank[(t, r)])) for r in range(dp)] for t in range(tp)]
-    return ZeroCheckpoint(folder, 3, dp, tp, 1, optim_grid[0], model_grid[0],
-                          [os.path.join(folder, n) for n in model_names], bf16_prefix=zero3[0].startswith("bf16_"),
-                          optim_grid=optim_grid, model_grid=model_grid)
+    for sf in (sf for row in optim_grid for sf in row):
+        check_zero3_shard(sf.path, _optim_state(sf))
+    # Every model-state file is copied into the output, so every one is parsed and checked, not
+    # only the ones the plan reads.
+    opened = {mf.path: mf for row in model_grid for mf in row}
+    model_files = [opened.get(os.path.join(folder, n)) or SourceFile(os.path.join(folder, n)) for n in model_names]
+    for mf in model_files:
+        _model_state(mf)
+    return ZeroCheckpoint(folder, 3, dp, tp, 1, optim_grid[0], model_grid[0], model_files,
+                          bf16_prefix=zero3[0].startswith("bf16_"), optim_grid=optim_grid, model_grid=model_grid)

@@ -7,6 +7,7 @@ in parallel with the GIL released and streams them into the output archives.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sys
@@ -17,6 +18,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from . import _core
+from .archive import open_regular
+from .errors import CheckpointFormatError
+from .names import check_relpath
 from .safe_pickle import ITEMSIZE, StorageRef
 from .torch_pickle import NewTensor, dumps
 
@@ -109,8 +113,47 @@ class ArchiveOut:
 
 @dataclass
 class FileCopy:
-    src: str
+    src: Any  # pyckpt.archive.SourceFile, parsed and checked like every file pyckpt reads
     relpath: str
+
+
+def copy_checked(src, dst: str, fsync: bool = False) -> None:
+    """Copies the checked file ``src`` (a SourceFile) to a new file ``dst`` inside the kernel.
+
+    The copy must have the size that was checked: a file replaced or truncated since it was parsed
+    is refused rather than copied unchecked. ``dst`` must not exist (no planted file or link is
+    followed or overwritten)."""
+    fin = open_regular(src.path)
+    try:
+        if os.fstat(fin).st_size != src.size:
+            raise CheckpointFormatError(f"{src.path}: the file changed size since it was checked ({src.size} -> "
+                                        f"{os.fstat(fin).st_size} bytes)")
+        fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        try:
+            left = src.size
+            use_cfr = hasattr(os, "copy_file_range")
+            while left > 0:
+                n = 0
+                if use_cfr:
+                    try:
+                        n = os.copy_file_range(fin, fout, left)
+                    except OSError as exc:  # e.g. across filesystems on older kernels
+                        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                            raise
+                        use_cfr = False
+                        continue
+                else:
+                    n = os.sendfile(fout, fin, None, left)
+                if n == 0:
+                    raise CheckpointFormatError(f"{src.path}: the file shrank while being copied")
+                left -= n
+            if fsync:
+                os.fsync(fout)
+        finally:
+            os.close(fout)
+        shutil.copystat(src.path, dst)
+    finally:
+        os.close(fin)
 
 
 def fsync_path(path: str) -> None:
@@ -128,11 +171,24 @@ class Plan:
     copies: List[FileCopy] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)  # what a --dry-run should tell besides the files
 
-    def add_archive(self, relpath: str, obj: Any) -> None:
-        self.archives.append(ArchiveOut(relpath, obj))
+    _relpaths: set = field(default_factory=set, repr=False)
 
-    def add_copy(self, src: str, relpath: str) -> None:
-        self.copies.append(FileCopy(os.fspath(src), relpath))
+    def _claim(self, relpath: str) -> str:
+        check_relpath(relpath)
+        if relpath in self._relpaths:
+            # Two inputs (e.g. parameter names that differ only in ways a path does not show) would
+            # silently land in one file; the second would replace the first.
+            raise CheckpointFormatError(f"two outputs map to the same file {relpath!r}: refusing to let one replace "
+                                        "the other")
+        self._relpaths.add(relpath)
+        return relpath
+
+    def add_archive(self, relpath: str, obj: Any) -> None:
+        self.archives.append(ArchiveOut(self._claim(relpath), obj))
+
+    def add_copy(self, src, relpath: str) -> None:
+        src.load()  # a file copied verbatim passes the same checks as one pyckpt parses
+        self.copies.append(FileCopy(src, self._claim(relpath)))
 
     # -- compiling to the executor's tables --------------------------------------------------------
     def compile(self, root: str):
@@ -198,10 +254,7 @@ class Plan:
         def copy_all():
             try:
                 for c in self.copies:
-                    dst = os.path.join(root, c.relpath)
-                    shutil.copy2(c.src, dst)
-                    if fsync:
-                        fsync_path(dst)
+                    copy_checked(c.src, os.path.join(root, c.relpath), fsync)
             except BaseException as exc:  # reported on the calling thread
                 copy_error.append(exc)
 
@@ -220,7 +273,7 @@ class Plan:
         if fsync:
             for d in sorted(dirs | {root}, key=len, reverse=True):  # entries before their parents
                 fsync_path(d)
-        copied = sum(os.path.getsize(c.src) for c in self.copies)
+        copied = sum(c.src.size for c in self.copies)
         return {"bytes_written": int(result["bytes_written"]) + copied, "tensor_bytes": tensor_bytes,
                 "files": len(outputs) + len(self.copies), "copied_bytes": copied}
 
@@ -238,7 +291,7 @@ class Plan:
         if len(self.archives) > limit:
             lines.append(f"  ... and {len(self.archives) - limit} more archive(s)")
         for c in self.copies:
-            lines.append(f"  {c.relpath}: copy of {c.src}")
+            lines.append(f"  {c.relpath}: copy of {c.src.path}")
         head = [f"{len(self.archives)} archive(s), {total} tensor bytes; {len(self.copies)} file copies"]
         return "\n".join(head + self.notes + lines)
 

@@ -274,39 +274,92 @@ class _Reader(pickle.Unpickler):
                 cls = type(name, (base, ), {"_global": key, "__module__": "pyckpt.safe_pickle"})
                 self._classes[key] = cls
             return cls
-        raise UnsafePickleError(f"{self._where}: refusing to load global '{module}.{name}': it is not on pyckpt's "
+        raise UnsafePickleError(f"{self._where}: refusing to load global {_short(f'{module}.{name}', 120)}: it is not on pyckpt's "
                                 "allowlist of checkpoint types, so the file was not unpickled (nothing was run)")
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise CheckpointFormatError(f"{self._where}: unexpected persistent id {pid!r}")
-        _, storage_type, key, location, numel = pid
+            raise _BadData(f"unexpected persistent id {_short(pid)}")
+        _, storage_type, key, location, count = pid
         if not isinstance(storage_type, GlobalName) or storage_type.name not in STORAGE_DTYPES:
-            raise CheckpointFormatError(f"{self._where}: unsupported storage type {storage_type!r}")
+            raise _BadData(f"unsupported storage type {_short(storage_type)}")
+        # torch names records data/<key> with a decimal key; anything else could address other members.
+        if not isinstance(key, str) or not key.isascii() or not key.isdigit() or len(key) > 20:
+            raise _BadData(f"storage key {_short(key)} is not a decimal record number")
+        if not isinstance(location, str):
+            raise _BadData(f"storage location {_short(location)} is not a string")
+        count = _index(count, f"element count of storage record {key}")
+        dtype = STORAGE_DTYPES[storage_type.name][0]
         ref = self._storages.get(key)
         if ref is None:
-            dtype = STORAGE_DTYPES[storage_type.name][0]
-            ref = StorageRef(self._source, str(key), dtype, int(numel), str(location))
+            ref = StorageRef(self._source, key, dtype, count, location)
             self._storages[key] = ref
+        elif (ref.dtype, ref.numel) != (dtype, count):
+            raise _BadData(f"storage record {key} is named twice with different types ({ref.dtype}[{ref.numel}] vs "
+                           f"{dtype}[{count}])")
         return ref
+
+    def storages(self) -> Dict[str, StorageRef]:
+        return self._storages
+
+
+def _short(value, limit: int = 60) -> str:
+    """A repr fit for a one-line message whatever the input holds."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 TORCH_TENSOR = GlobalName("torch", "Tensor")
+# Offsets, sizes and counts beyond this cannot describe bytes of any real file; refusing them early
+# keeps later arithmetic (and the native executor's int64 op table) free of overflow.
+MAX_INDEX = 1 << 62
+
+
+class _BadData(Exception):
+    """A value in the pickle breaks a format rule; ``loads`` prefixes the file name."""
+
+
+def _index(value, what: str) -> int:
+    """A non-negative integer below MAX_INDEX, or _BadData naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _BadData(f"{what} must be an integer, got {type(value).__name__}")
+    if not 0 <= value < MAX_INDEX:
+        raise _BadData(f"{what} {value} is out of range")
+    return value
+
+
+def _dims(values, what: str) -> Tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, (tuple, list)):
+        raise _BadData(f"tensor {what} must be a tuple of integers, got {type(values).__name__}")
+    if len(values) > 64:
+        raise _BadData(f"tensor {what} has {len(values)} dimensions")
+    return tuple(_index(v, f"tensor {what} entry") for v in values)
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
     if not isinstance(storage, StorageRef):
-        raise CheckpointFormatError(f"tensor rebuilt from {type(storage).__name__}, expected a storage record")
+        raise _BadData(f"tensor rebuilt from {type(storage).__name__}, expected a storage record")
     if metadata:
-        raise CheckpointFormatError("tensors with serialized metadata (e.g. conjugate/negative views) are not "
-                                    "supported")
-    return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride),
-                     bool(requires_grad))
+        raise _BadData("tensors with serialized metadata (e.g. conjugate/negative views) are not supported")
+    offset = _index(storage_offset, "tensor storage_offset")
+    shape = _dims(size, "size")
+    strides = _dims(stride, "stride")
+    if len(shape) != len(strides):
+        raise _BadData(f"tensor size {list(shape)} and stride {list(strides)} differ in length")
+    # The view must lie inside its storage on both ends, as torch.load requires: the first element
+    # at `offset`, the last at offset + sum((size-1)*stride).
+    if numel(shape) > 0:
+        last = offset + sum((n - 1) * st for n, st in zip(shape, strides))
+        if last >= storage.numel:
+            raise _BadData(f"tensor view (offset {offset}, size {list(shape)}, stride {list(strides)}) reaches "
+                           f"element {last}, past the end of storage record {storage.key} of {storage.numel} "
+                           "elements")
+    return TensorRef(storage, offset, shape, strides, bool(requires_grad))
 
 
 def _rebuild_parameter(data, requires_grad, backward_hooks):
     if not isinstance(data, TensorRef):
-        raise CheckpointFormatError("parameter rebuilt from a non-tensor")
+        raise _BadData("parameter rebuilt from a non-tensor")
     data.requires_grad = bool(requires_grad)
     data.is_parameter = True
     return data
@@ -315,16 +368,34 @@ def _rebuild_parameter(data, requires_grad, backward_hooks):
 def _rebuild_from_type_v2(func, new_type, args, state):
     if func is not _rebuild_tensor_v2 or new_type is not TORCH_TENSOR:
         raise UnsafePickleError("_rebuild_from_type_v2 is only accepted for plain torch.Tensor")
+    if not isinstance(args, tuple):
+        raise _BadData("_rebuild_from_type_v2 arguments must be a tuple")
     tensor = _rebuild_tensor_v2(*args)
+    if state is not None and not isinstance(state, dict):
+        raise _BadData(f"tensor attributes must be a dict, got {type(state).__name__}")
     tensor.py_state = dict(state) if state else {}
     return tensor
 
 
 def loads(data: bytes, source=None, where: str = "<pickle>") -> Any:
     """Parse one pickle; ``where`` names the file in every error."""
+    obj, _ = loads_with_storages(data, source, where)
+    return obj
+
+
+def loads_with_storages(data: bytes, source=None, where: str = "<pickle>") -> Tuple[Any, Dict[str, StorageRef]]:
+    """``loads``, plus every storage record the pickle names (for checking them against the archive)."""
+    reader = _Reader(data, source, where)
     try:
-        return _Reader(data, source, where).load()
-    except (UnsafePickleError, CheckpointFormatError):
+        return reader.load(), reader.storages()
+    except UnsafePickleError as exc:
+        if str(exc).startswith(f"{where}: "):
+            raise
+        raise UnsafePickleError(f"{where}: {exc}") from None
+    except CheckpointFormatError:
         raise
-    except Exception as exc:  # truncated or garbled bytes
-        raise CheckpointFormatError(f"{where}: cannot parse pickle: {type(exc).__name__}: {exc}") from None
+    except _BadData as exc:
+        raise CheckpointFormatError(f"{where}: {exc}") from None
+    except Exception as exc:  # truncated or garbled bytes, absurd nesting, ...
+        raise CheckpointFormatError(f"{where}: cannot parse pickle: {type(exc).__name__}: "
+                                    f"{_short(str(exc), 200)}") from None

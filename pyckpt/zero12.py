@@ -242,7 +242,7 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
         if layers is not None:
             autoep.resave_with_expert_patterns(plan, mf, autoep.ZERO12_PATTERNS, layers)
         else:
-            plan.add_copy(mf.path, os.path.basename(mf.path))
+            plan.add_copy(mf, os.path.basename(mf.path))
     return {"params": params, "fallback_params": fallback, "experts": len(experts)}
 
 

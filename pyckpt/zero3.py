@@ -110,6 +110,6 @@ def plan_zero3(ck: ZeroCheckpoint, plan: Plan, strict: bool = True) -> Dict[str,
     common["param_groups"] = rank0["optimizer_state_dict"]["param_groups"]
     plan.add_archive("zero/optimizer_state.pt", common)
     if not experts:  # with AutoEP the model files were re-saved with expert patterns instead
-        for path in ck.model_paths:
-            plan.add_copy(path, os.path.basename(path))
+        for mf in ck.model_files:
+            plan.add_copy(mf, os.path.basename(mf.path))
     return {"params": len(names) + len(experts), "fallback_params": 0, "experts": len(experts)}

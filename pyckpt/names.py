@@ -1,0 +1,79 @@
+"""Which names from a checkpoint may become paths.
+
+DeepSpeed's converter writes each parameter to ``zero/<name>/<state>.pt``, so a parameter name taken
+from a pickle is a path component chosen by whoever wrote the file. torch builds parameter names by
+joining module and attribute names with ``.``, and refuses empty names and names containing ``.``
+for each part (``nn.Module.register_parameter``/``add_module``). pyckpt accepts exactly the names
+that can come out of that *and* are safe as one folder name:
+
+* a non-empty ``str`` whose ``.``-separated parts are all non-empty (so never ``.``/``..``, no
+  leading, trailing or doubled dot);
+* no ``/`` or ``\\`` (torch would allow them in a ``ModuleDict`` key, but DeepSpeed would then
+  write nested folders that no loader looks up the same way), no NUL or other control character;
+* at most 255 bytes in UTF-8, the longest folder name Linux filesystems take.
+
+Anything else is refused with an error naming the file and the key, before any output exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import CheckpointFormatError
+
+NAME_MAX = 255
+_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f/\\]")
+
+
+def name_problem(name) -> str:
+    """Why ``name`` is not a legal parameter name, or '' if it is."""
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not a string"
+    if not name:
+        return "is empty"
+    bad = _FORBIDDEN.search(name)
+    if bad:
+        return f"contains {bad.group()!r}"
+    if any(part == "" for part in name.split(".")):
+        return "has an empty '.'-separated part"
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid Unicode"
+    if size > NAME_MAX:
+        return f"is {size} bytes long (at most {NAME_MAX})"
+    return ""
+
+
+def check_param_name(name, where: str, what: str = "parameter name") -> str:
+    """``name`` if it may become a folder name, else CheckpointFormatError naming ``where``."""
+    problem = name_problem(name)
+    if problem:
+        shown = repr(name)
+        if len(shown) > 80:
+            shown = shown[:80] + "..."
+        raise CheckpointFormatError(f"{where}: {what} {shown} {problem}: not a DeepSpeed parameter name, refusing "
+                                    "to use it as a path")
+    return name
+
+
+def check_param_names(keys, where: str, what: str = "parameter name") -> None:
+    for key in keys:
+        check_param_name(key, where, what)
+
+
+def check_relpath(relpath: str) -> str:
+    """An output path relative to the staging folder: no absolute path, no '.'/'..'/empty part."""
+    parts = relpath.split("/")
+    if (not relpath or relpath.startswith("/") or "\\" in relpath or "\x00" in relpath
+            or any(p in ("", ".", "..") for p in parts)):
+        raise CheckpointFormatError(f"refusing to write {relpath!r}: output paths must stay inside the output folder")
+    return relpath
+
+
+def check_tag(tag: str, latest_path: str) -> str:
+    """A tag named by a ``latest`` file must be one folder name beside it."""
+    if tag in ("", ".", "..") or "/" in tag or "\x00" in tag or os.sep in tag:
+        raise CheckpointFormatError(f"{latest_path}: names tag {tag!r}, which is not a folder name beside it")
+    return tag
