@@ -3,19 +3,20 @@
 ``convert_to_universal`` turns a ZeRO-1/2/3 checkpoint into DeepSpeed's Universal Checkpoint
 layout (what ``ds_to_universal.py`` writes), reading the input without unpickling code and moving
 the bytes with a native parallel executor.
+
+The package imports its heavy parts (numpy, the native module) on first use, so that a command
+line interrupted while starting up exits with one line instead of an import traceback.
 """
 
-try:
-    from . import _core  # noqa: F401  (the native executor; everything below needs it)
-except ImportError as exc:  # most often: running from the source folder, which has no built module
-    raise ImportError("pyckpt's native module pyckpt._core is not built here. Install the package "
-                      "(`pip install .`, or scripts/setup.sh) and run from outside the source folder, or use an "
-                      "editable install (`pip install --no-build-isolation -e .`).") from exc
-
-from .autoep import check_load_topology, read_expert_slice
 from .errors import (AutoEPError, CheckpointFormatError, MissingExpertFileError, OutputExistsError, PyckptError,
                      UnsafePickleError, UnsupportedCheckpointError)
-from .universal import ConversionReport, convert_to_universal
+
+_LAZY = {
+    "convert_to_universal": "universal",
+    "ConversionReport": "universal",
+    "read_expert_slice": "autoep",
+    "check_load_topology": "autoep",
+}
 
 __all__ = [
     "convert_to_universal", "ConversionReport", "read_expert_slice", "check_load_topology", "PyckptError",
@@ -23,3 +24,18 @@ __all__ = [
     "MissingExpertFileError"
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pyckpt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -10,7 +10,7 @@ import os
 import stat
 from typing import Any, Dict, Tuple
 
-from . import _core
+from .native import _core
 from .errors import CheckpointFormatError
 from .safe_pickle import StorageRef, TensorRef, loads_with_storages
 

@@ -640,7 +640,7 @@ def read_expert_slice(path, ep_rank: int, ep_size: int, key: str = "param", out=
     import numpy as np
     import torch
 
-    from . import _core
+    from .native import _core
     from .archive import SourceFile
 
     sf = SourceFile(path)

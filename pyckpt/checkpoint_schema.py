@@ -76,8 +76,14 @@ def check_model_state(path: str, obj) -> None:
     groups = obj.get("param_shapes")
     if groups is not None:
         s.list(groups, "param_shapes")
+        seen = {}
         for g, shapes in enumerate(groups):
             s.shapes(shapes, f"param_shapes[{g}]")
+            for name in shapes:
+                if name in seen:
+                    # its universal file would be written twice, the second replacing the first
+                    s.fail(f"param_shapes[{g}]", f"lists {name!r} more than once (also in param_shapes[{seen[name]}])")
+                seen[name] = g
     frozen = s.dict(obj.get("frozen_param_shapes"), "frozen_param_shapes", optional=True)
     if frozen:
         s.shapes(frozen, "frozen_param_shapes")

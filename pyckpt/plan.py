@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import _core
+from .native import _core
 from .archive import open_regular
 from .errors import CheckpointFormatError
 from .names import check_relpath

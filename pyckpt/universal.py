@@ -7,15 +7,16 @@ replaced. A crash leaves at most a ``.<name>.pyckpt-tmp-*`` folder that no loade
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from .checkpoint import ZeroCheckpoint, discover
-from .errors import OutputExistsError
-from .plan import Plan, fsync_path
+from .errors import CheckpointFormatError, PyckptError
+from .plan import Plan
+from .publish import Publisher
 from .zero12 import plan_zero12
 from .zero3 import plan_zero3
 
@@ -63,7 +64,8 @@ def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False, dense_onl
 
 def convert_to_universal(input, output, workers: Optional[int] = None, *, inject_missing_state: bool = False,
                          overwrite: bool = False, progress: bool = False, dry_run: bool = False,
-                         strict: bool = True, dense_only: bool = False, fsync: bool = False) -> ConversionReport:
+                         strict: bool = True, dense_only: bool = False, fsync: bool = False,
+                         notify: Optional[Callable[[str], None]] = None) -> ConversionReport:
     """Convert a DeepSpeed ZeRO checkpoint (tag folder or its parent with ``latest``) to Universal format.
 
     ``output`` is the universal tag folder to create (e.g. ``ckpt/global_step100_universal``);
@@ -74,35 +76,35 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
 
     The output is complete or absent whatever happens to this process: it is written into a hidden
     sibling folder, renamed into place when complete, and ``latest_universal`` is replaced after that.
+    An existing ``output`` is replaced only with ``overwrite=True``, by an atomic exchange; runs into
+    one output take turns under a lock beside it, and each run first removes what killed runs into
+    that output left (see :mod:`pyckpt.publish`). ``output`` may not be, contain or lie inside the
+    checkpoint's tag folder.
     ``fsync=True`` (``--fsync``) also makes it survive a power loss: every file and folder is flushed
     before the rename and ``latest_universal`` after it. Off by default, as for ``cp`` and DeepSpeed:
     flushing waits for the disk, which otherwise writes back while the next job runs.
     """
     t0 = time.perf_counter()
-    ck = discover(input)
-    plan, counts = build_plan(ck, inject_missing_state, dense_only, strict)
+    with metadata_errors(input):
+        ck = discover(input)
+    with metadata_errors(ck.folder):
+        plan, counts = build_plan(ck, inject_missing_state, dense_only, strict)
     output = os.path.abspath(os.fspath(output))
     report = ConversionReport(ck.folder, output, ck.stage, ck.dp, ck.tp, ck.pp, counts["params"], 0, 0,
                               len(plan.archives) + len(plan.copies), 0.0)
     if dry_run:
         report.plan_text = plan.describe()
         return report
-    if os.path.exists(output) and not overwrite:
-        raise OutputExistsError(f"{output} already exists (pass --overwrite to replace it)")
-    parent, base = os.path.split(output)
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{base}.pyckpt-tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    try:
-        stats = plan.execute(staging, workers, progress, fsync=fsync)
-        _publish(staging, output)
-        if fsync:
-            fsync_path(parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _write_atomic(os.path.join(parent, "latest_universal"), base, fsync)
+    check_apart(input, ck.folder, output)
+    with Publisher(output, overwrite=overwrite, fsync=fsync, notify=notify) as out:
+        try:
+            stats = plan.execute(out.staging, workers, progress, fsync=fsync)
+            out.publish()
+        except BaseException as exc:
+            if out.published:  # tell the caller OUTPUT is in place although the run did not finish
+                exc.pyckpt_published = output
+                exc.pyckpt_pointer_written = out.pointer_written
+            raise
     report.tensor_bytes = stats["tensor_bytes"]
     report.bytes_written = stats["bytes_written"]
     report.files = stats["files"]
@@ -110,23 +112,35 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     return report
 
 
-def _publish(staging: str, output: str) -> None:
-    old = None
-    if os.path.exists(output):
-        old = f"{output}.pyckpt-old-{os.getpid()}"
-        os.rename(output, old)
-    os.rename(staging, output)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+@contextlib.contextmanager
+def metadata_errors(folder):
+    """Last line of defence: a lookup or arithmetic failure while reading metadata is a malformed
+    checkpoint, reported as such with the folder named (each file's own checks name the file; this
+    catches what they do not yet cover)."""
+    try:
+        yield
+    except PyckptError:
+        raise
+    except (KeyError, IndexError, TypeError, AttributeError, ZeroDivisionError, OverflowError, ValueError,
+            RecursionError) as exc:
+        detail = f"missing key {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise CheckpointFormatError(f"{os.fspath(folder)}: malformed checkpoint metadata ({type(exc).__name__}: "
+                                    f"{' '.join(detail.split())[:300]})") from exc
 
 
-def _write_atomic(path: str, text: str, fsync: bool) -> None:
-    tmp = f"{path}.pyckpt-tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_path(os.path.dirname(path))
+def check_apart(given_input, tag_folder: str, output: str) -> None:
+    """OUTPUT may not be, lie inside, or contain the folder the checkpoint is read from.
+
+    With --overwrite any of these would replace input files with output; symlinks are resolved
+    first so another spelling of the same folder is caught too. OUTPUT inside the folder holding
+    `latest` is DeepSpeed's usual layout and allowed, as long as it is not the tag folder itself."""
+    out = os.path.realpath(output)
+    for src, may_hold_output in ((os.path.realpath(tag_folder), False),
+                                 (os.path.realpath(os.fspath(given_input)), True)):
+        inside = out == src or out.startswith(src.rstrip(os.sep) + os.sep)
+        contains = src.startswith(out.rstrip(os.sep) + os.sep)
+        if out == src or contains or (inside and not may_hold_output):
+            relation = "is" if out == src else ("contains" if contains else "lies inside")
+            raise CheckpointFormatError(f"{output}: the output {relation} the input checkpoint folder {src}; "
+                                        "writing there could replace the checkpoint being read. Choose an output "
+                                        "outside it (e.g. beside the tag folder)")

@@ -26,8 +26,10 @@ using namespace pyckpt;
 namespace {
 
 std::string fspath(const py::handle& obj) {
-    static py::object os_fspath = py::module_::import("os").attr("fspath");
-    py::object p = os_fspath(obj);
+    // The C API rather than a cached os.fspath object: a static py::object would be released by
+    // C++ static destruction after the interpreter has finalized.
+    py::object p = py::reinterpret_steal<py::object>(PyOS_FSPath(obj.ptr()));
+    if (!p) throw py::error_already_set();
     if (!py::isinstance<py::str>(p)) throw py::type_error("paths must be str or os.PathLike[str]");
     return p.cast<std::string>();
 }

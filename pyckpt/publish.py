@@ -1,0 +1,271 @@
+"""Putting an output folder in place: complete or absent, never replacing what it must not.
+
+A run writes into a hidden staging folder beside OUTPUT and publishes it with one atomic rename;
+``latest_universal`` (or another pointer file) is replaced atomically after that. Around it:
+
+* **A lock per output** (``.<name>.pyckpt-lock`` beside it, a POSIX record lock, which NFS carries
+  between nodes): two runs into one OUTPUT never interleave. The file is left in place (removing a
+  lock file races with the next locker).
+* **No replacement without consent**: without ``overwrite`` the rename is ``RENAME_NOREPLACE``, so an
+  OUTPUT that appeared meanwhile (even an empty folder, which plain rename(2) would replace) stays.
+* **An atomic swap with consent**: ``RENAME_EXCHANGE`` swaps old and new, so OUTPUT always exists.
+  Filesystems without it get two renames (OUTPUT aside, then staging in); a kill between them
+  leaves the old output under ``.<name>.pyckpt-old-*``, which the next run or ``--clean`` renames
+  back before anything else.
+* **Orphans are found by the lock**: staging names carry host, pid and a random part, but what makes
+  removing one safe is holding OUTPUT's lock: no live pyckpt run can own staging for it then, on any
+  node. Every run cleans before it starts; ``clean()`` does only that.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import time
+import warnings
+from typing import Callable, List, Optional
+
+from .native import _core
+from .errors import OutputExistsError, PyckptError
+
+STAGING, OLD, POINTER_TMP, LOCK = "pyckpt-tmp", "pyckpt-old", "pyckpt-ptr", "pyckpt-lock"
+
+
+class OutputLockError(PyckptError, OSError):
+    """The output's lock could not be taken."""
+
+
+def _fault_point(name: str) -> None:
+    """Test hook: ``PYCKPT_TEST_KILL_AT=<name>`` kills this process with SIGKILL at that step, so
+    fault-injection tests can stop a run between any two renames. Costs one environment lookup."""
+    if os.environ.get("PYCKPT_TEST_KILL_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def owner_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _no_unsupported(exc: OSError) -> bool:
+    return exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def remove_path(path: str) -> None:
+    """Removes a file, a link (not its target) or a folder tree."""
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+class OutputLock:
+    """An exclusive POSIX lock on ``.<name>.pyckpt-lock`` beside the output, held until release()."""
+
+    def __init__(self, output: str, notify: Optional[Callable[[str], None]] = None):
+        parent, base = os.path.split(output)
+        self.path = os.path.join(parent, f".{base}.{LOCK}")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise OutputLockError(exc.errno, f"{self.path}: cannot lock ({os.strerror(exc.errno)}); two "
+                                          "runs into one output could interleave, so none is started") from None
+                if notify:
+                    notify(f"waiting for another pyckpt run into {output} to finish (it holds {self.path})")
+                fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = -1
+
+
+def stale_entries(parent: str, base: str) -> List[str]:
+    """Names beside OUTPUT that an earlier run into it left behind (only meaningful under its lock)."""
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    prefixes = tuple(f".{base}.{kind}-" for kind in (STAGING, OLD, POINTER_TMP))
+    return sorted(n for n in names if n.startswith(prefixes) or _is_legacy_old(n, base))
+
+
+def _is_legacy_old(name: str, base: str) -> bool:
+    """``<name>.pyckpt-old-<pid>``: a swapped-out output of pyckpt 0.1, which took no lock."""
+    return re.fullmatch(re.escape(base) + r"\.pyckpt-old-\d+", name) is not None
+
+
+def _is_old(name: str, base: str) -> bool:
+    return name.startswith(f".{base}.{OLD}-") or _is_legacy_old(name, base)
+
+
+def clean(output: str, notify: Optional[Callable[[str], None]] = None, lock: bool = True) -> List[str]:
+    """Removes what dead runs into ``output`` left; restores an old output a killed swap set aside.
+
+    Returns the names handled. Takes OUTPUT's lock unless the caller already holds it."""
+    output = os.path.abspath(output)
+    parent, base = os.path.split(output)
+    held = OutputLock(output, notify) if lock else None
+    try:
+        done = []
+        for name in stale_entries(parent, base):
+            path = os.path.join(parent, name)
+            if _is_old(name, base) and not os.path.lexists(output) and os.path.isdir(path) and not os.path.islink(path):
+                os.rename(path, output)  # the swap was cut between its two renames: undo the first
+                done.append(f"{name} (restored as {base})")
+                continue
+            remove_path(path)
+            done.append(name)
+        return done
+    finally:
+        if held:
+            held.release()
+
+
+class Publisher:
+    """One run's output: lock, clean, stage, publish, pointer file. Use as a context manager."""
+
+    def __init__(self, output: str, *, overwrite: bool = False, fsync: bool = False,
+                 pointer: Optional[str] = "latest_universal", notify: Optional[Callable[[str], None]] = None):
+        self.output = os.path.abspath(os.fspath(output))
+        self.parent, self.base = os.path.split(self.output)
+        self.overwrite = overwrite
+        self.fsync = fsync
+        self.pointer = os.path.join(self.parent, pointer) if pointer else None
+        self.notify = notify
+        self.owner = owner_id()
+        self.staging = os.path.join(self.parent, f".{self.base}.{STAGING}-{self.owner}")
+        self.published = False
+        self.pointer_written = False
+        self.leftover: Optional[str] = None  # the previous output, if it could not be removed
+        self._lock: Optional[OutputLock] = None
+
+    def __enter__(self) -> "Publisher":
+        os.makedirs(self.parent, exist_ok=True)
+        if self.pointer and os.path.lexists(self.pointer) and not os.path.isfile(self.pointer):
+            raise OutputExistsError(f"{self.pointer} exists and is not a file; pyckpt would have to replace it with "
+                                    "the pointer to the new output: remove or rename it first")
+        self._lock = OutputLock(self.output, self.notify)
+        try:
+            for name in clean(self.output, lock=False):
+                if self.notify:
+                    self.notify(f"removed {os.path.join(self.parent, name)}, left by an earlier run that did not finish")
+            if os.path.lexists(self.output) and not self.overwrite:
+                raise OutputExistsError(f"{self.output} already exists (pass --overwrite to replace it)")
+            os.mkdir(self.staging)
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        try:
+            if not self.published and os.path.lexists(self.staging):
+                shutil.rmtree(self.staging, ignore_errors=True)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock:
+            self._lock.release()
+            self._lock = None
+
+    def publish(self) -> None:
+        """Staging becomes OUTPUT (atomically), then the pointer names it, then the old output goes."""
+        _fault_point("before-publish")
+        old = None
+        if os.path.lexists(self.output):
+            if not self.overwrite:
+                raise OutputExistsError(f"{self.output} appeared while converting (pass --overwrite to replace it)")
+            old = self._swap()
+        else:
+            self._rename_noreplace()
+        self.published = True
+        _fault_point("after-publish")
+        if self.fsync:
+            _fsync_dir(self.parent)
+        if self.pointer:
+            self._write_pointer()
+        _fault_point("after-pointer")
+        if old:
+            try:
+                remove_path(old)
+            except OSError as exc:
+                self.leftover = old
+                warnings.warn(f"the previous {self.output} is now at {old} and could not be removed ({exc}); remove it "
+                              "by hand or run `python -m pyckpt.convert --clean OUTPUT`", stacklevel=2)
+
+    def _rename_noreplace(self) -> None:
+        try:
+            _core.rename_noreplace(self.staging, self.output)
+        except FileExistsError:
+            raise OutputExistsError(f"{self.output} appeared while converting; it was left as it is (pass "
+                                    "--overwrite to replace it)") from None
+        except OSError as exc:
+            if _no_unsupported(exc):
+                raise
+            # No RENAME_NOREPLACE here: the lock keeps other pyckpt runs out, so only a foreign
+            # writer creating OUTPUT between these two calls could still be replaced.
+            if os.path.lexists(self.output):
+                raise OutputExistsError(f"{self.output} appeared while converting; it was left as it is") from None
+            os.rename(self.staging, self.output)
+
+    def _swap(self) -> str:
+        """Exchanges OUTPUT and staging; returns where the old output now is."""
+        try:
+            _core.rename_exchange(self.staging, self.output)
+            return self.staging
+        except OSError as exc:
+            if _no_unsupported(exc):
+                raise
+        aside = os.path.join(self.parent, f".{self.base}.{OLD}-{self.owner}")
+        os.rename(self.output, aside)
+        _fault_point("between-renames")
+        try:
+            os.rename(self.staging, self.output)
+        except BaseException:
+            os.rename(aside, self.output)
+            raise
+        return aside
+
+    def _write_pointer(self) -> None:
+        tmp = os.path.join(self.parent, f".{self.base}.{POINTER_TMP}-{self.owner}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, self.base.encode())
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fault_point("before-pointer-rename")
+            os.replace(tmp, self.pointer)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
+        self.pointer_written = True
+        if self.fsync:
+            _fsync_dir(self.parent)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

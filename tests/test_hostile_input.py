@@ -1,0 +1,308 @@
+"""Hostile checkpoints: names that would become paths outside OUTPUT, aliases, tensor views reaching
+outside their bytes, copied files with corrupt metadata, special files, output folders that overlap
+the input. Each is refused with one line naming the file, before anything is written, and the input
+is left byte for byte as it was."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import pytest
+
+import pyckpt
+from pyckpt import CheckpointFormatError
+from pyckpt.archive import SourceFile
+from pyckpt.plan import Plan
+
+from edit import rewrite
+
+
+def _copy(checkpoints, name, tmp_path):
+    src = checkpoints[name]
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src.root, dst)
+    return dst, dst / src.tag
+
+
+def _digest(folder):
+    out = {}
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def _tree(root):
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, ds, fs in os.walk(root) for n in ds + fs)
+
+
+def _model_file(tag):
+    return sorted(tag.glob("*model_states.pt"))[0]
+
+
+def _optim_file(tag, rank=0):
+    return next(tag.glob(f"*zero_pp_rank_{rank}_*optim_states.pt"))
+
+
+def _rename_key(mapping, old, new):
+    items = [(new if k == old else k, v) for k, v in mapping.items()]
+    mapping.clear()
+    mapping.update(items)
+
+
+BAD_NAMES = ["../../../../x", "/tmp/abs", "a/b", "x/../l0.weight", "", "a\x00b", "a..b", ".hidden", "trailing.",
+             "a\nb", "x" * 300, "back\\slash"]
+
+
+@pytest.mark.parametrize("bad", BAD_NAMES, ids=[repr(b)[:20] for b in BAD_NAMES])
+def test_module_key_that_is_not_a_parameter_name_is_refused(bad, checkpoints, tmp_path):
+    # The fallback writes zero/<module key>/fp32.pt for module entries without optimizer state.
+    root, tag = _copy(checkpoints, "s1_frozen_tied", tmp_path)
+    model = _model_file(tag)
+
+    def edit(obj):
+        key = next(iter(obj["module"]))
+        _rename_key(obj["module"], key, bad)
+
+    rewrite(model, edit)
+    before = _digest(root)
+    work = tmp_path / "work"
+    out = work / "a" / "b" / "u"
+    with pytest.raises(CheckpointFormatError, match=f"{model}.*module key") as info:
+        pyckpt.convert_to_universal(root, out)
+    assert "\n" not in str(info.value)
+    assert not work.exists() or _tree(work) in ([], ["a"], ["a", "a/b"])
+    assert not (tmp_path / "x").exists() and not os.path.exists("/tmp/abs")
+    assert _digest(root) == before
+
+
+@pytest.mark.parametrize("bad", ["../escape", "sub/dir", "a..b"])
+def test_zero3_param_shapes_name_is_refused(bad, checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s3_fp32_dp2_subgroups", tmp_path)
+    model = _model_file(tag)
+
+    def edit(obj):
+        group = obj["param_shapes"][0]
+        _rename_key(group, next(iter(group)), bad)
+
+    rewrite(model, edit)
+    with pytest.raises(CheckpointFormatError, match=f"{model}: param_shapes\\[0\\] key"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+    assert not (tmp_path / "out" / "u").exists() and not (tmp_path / "escape").exists()
+
+
+def test_slice_mapping_name_is_refused(checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    optim = _optim_file(tag, 1)
+
+    def edit(obj):
+        mapping = obj["optimizer_state_dict"]["param_slice_mappings"][0]
+        _rename_key(mapping, next(iter(mapping)), "../../pwn")
+
+    rewrite(optim, edit)
+    with pytest.raises(CheckpointFormatError, match=f"{optim}: param_slice_mappings\\[0\\] key '../../pwn'"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+
+
+def test_two_parameters_on_one_path_are_refused(checkpoints, tmp_path):
+    # A ZeRO-3 model listing one name in two sub-groups would write its file twice, the second
+    # replacing the first.
+    root, tag = _copy(checkpoints, "s3_fp32_dp2_subgroups", tmp_path)
+
+    def edit(obj):
+        groups = obj["param_shapes"]
+        first = next(iter(groups[0]))
+        second = next(iter(groups[1]))
+        _rename_key(groups[1], second, first)
+
+    for model in tag.glob("*model_states.pt"):
+        rewrite(model, edit)
+    with pytest.raises(CheckpointFormatError, match="more than once|same file"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+    assert not (tmp_path / "out" / "u").exists()
+
+
+def test_plan_refuses_paths_outside_and_duplicates():
+    plan = Plan()
+    for bad in ("../x.pt", "/abs.pt", "a/../b.pt", "a//b.pt", "./a.pt", ""):
+        with pytest.raises(CheckpointFormatError, match="inside the output folder"):
+            plan.add_archive(bad, {})
+    plan.add_archive("zero/a/fp32.pt", {})
+    with pytest.raises(CheckpointFormatError, match="same file 'zero/a/fp32.pt'"):
+        plan.add_archive("zero/a/fp32.pt", {})
+
+
+# -- tensor references -------------------------------------------------------------------------
+
+def _first_fp32(obj):
+    return obj["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: setattr(t, "offset", -1), "storage_offset -1 is out of range"),
+    (lambda t: setattr(t, "offset", 5), "past the end of storage record"),
+    (lambda t: setattr(t, "shape", (t.storage.numel - t.offset + 1, )), "past the end of storage record"),
+    (lambda t: setattr(t, "stride", (-1, )), "stride entry -1 is out of range"),
+    (lambda t: setattr(t, "shape", (2, t.shape[0])), "differ in length"),
+], ids=["negative-offset", "offset-past-end", "shape-past-end", "negative-stride", "rank-mismatch"])
+def test_tensor_view_outside_its_storage_is_refused(change, message, checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    optim = _optim_file(tag, 1)
+    rewrite(optim, lambda obj: change(_first_fp32(obj)))
+    with pytest.raises(CheckpointFormatError, match=f"{optim}: .*{message}"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+    assert not (tmp_path / "out" / "u").exists()
+
+
+def _repack(path, edit_members):
+    """Rewrites a torch.save ZIP with edited members (stored, as torch writes them)."""
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i.filename)) for i in z.infolist()]
+    members = edit_members(members)
+    tmp = f"{path}.repack"
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, data)
+    os.replace(tmp, path)
+
+
+def test_storage_larger_than_its_record_is_refused(checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    optim = _optim_file(tag, 0)
+    key = _first_fp32(SourceFile(str(optim)).load()).storage.key
+    _repack(optim, lambda ms: [(n, d[:-4] if n.endswith(f"/data/{key}") else d) for n, d in ms])
+    with pytest.raises(CheckpointFormatError, match=f"{optim}: record .*/data/{key} holds"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+
+
+def test_copied_model_file_with_corrupt_tensor_sizes_is_refused(checkpoints, tmp_path):
+    # Model-state files are copied into the output whole; they must pass the same checks as the
+    # files pyckpt reads, or DeepSpeed only finds out when it resumes.
+    root, tag = _copy(checkpoints, "s3_fp32_dp2_subgroups", tmp_path)
+    model = sorted(tag.glob("*model_states.pt"))[-1]  # a rank the plan itself never reads
+
+    def edit(obj):
+        t = _any_tensor(obj["module"])  # ZeRO-3 keeps 0-element placeholders here: one element is too many
+        t.shape, t.stride = (t.storage.numel + 1, ), (1, )
+
+    rewrite(model, edit)
+    with pytest.raises(CheckpointFormatError, match=f"{model}: .*past the end"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+    assert not (tmp_path / "out" / "u").exists()
+
+
+def _any_tensor(obj):
+    from pyckpt.safe_pickle import TensorRef
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, TensorRef):
+            return x
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    raise AssertionError("no tensor")
+
+
+def test_partition_count_zero_is_a_format_error(checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    optim = _optim_file(tag, 0)
+    rewrite(optim, lambda obj: obj["optimizer_state_dict"].__setitem__("partition_count", [0]))
+    with pytest.raises(CheckpointFormatError, match=f"{optim}: partition_count\\[0\\] is 0"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+
+
+def test_fragment_without_start_is_a_format_error(checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    optim = _optim_file(tag, 1)
+
+    def edit(obj):
+        frag = next(iter(obj["optimizer_state_dict"]["param_slice_mappings"][0].values()))
+        frag._state.pop("start")
+
+    rewrite(optim, edit)
+    with pytest.raises(CheckpointFormatError, match=f"{optim}: param_slice_mappings\\[0\\]\\[.*\\].start must be"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+
+
+def test_missing_optimizer_group_state_is_a_format_error(checkpoints, tmp_path):
+    # Was a bare `pyckpt: error: 0` (KeyError) from the ZeRO-3 planner.
+    root, tag = _copy(checkpoints, "s3_fp32_dp2_subgroups", tmp_path)
+    optim = _optim_file(tag, 1)
+    rewrite(optim, lambda obj: obj["optimizer_state_dict"]["optimizer_state_dict"]["state"].pop(0))
+    with pytest.raises(CheckpointFormatError, match=f"{optim}: optimizer state of sub-group 0 is missing"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+
+
+def test_oversized_pickle_is_refused_before_reading(checkpoints, tmp_path, monkeypatch):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    monkeypatch.setenv("PYCKPT_MAX_PICKLE_BYTES", "100")
+    with pytest.raises(CheckpointFormatError, match="data.pkl is .* bytes, more than the 100-byte cap"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+
+
+# -- special files -----------------------------------------------------------------------------
+
+def _run_cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "pyckpt.convert", *map(str, args)], capture_output=True, text=True,
+                          cwd=tempfile.gettempdir(), timeout=timeout)
+
+
+def test_fifo_named_like_a_shard_is_refused_not_waited_on(checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    optim = _optim_file(tag, 1)
+    os.remove(optim)
+    os.mkfifo(optim)
+    proc = _run_cli(root, tmp_path / "out" / "u", timeout=60)  # a hang fails the test by timeout
+    assert proc.returncode == 1, proc.stderr
+    assert str(optim) in proc.stderr and "FIFO" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_fifo_named_latest_is_refused(checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    os.remove(root / "latest")
+    os.mkfifo(root / "latest")
+    proc = _run_cli(root, tmp_path / "out" / "u", timeout=60)
+    assert proc.returncode == 1 and "latest: is a FIFO, not a regular file" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("tag_text", ["../../elsewhere", "/etc", "a/b", ".."])
+def test_latest_naming_a_folder_outside_is_refused(tag_text, checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    (root / "latest").write_text(tag_text)
+    with pytest.raises(CheckpointFormatError, match="not a folder name beside it"):
+        pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
+
+
+# -- output overlapping the input --------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["tag", "root-is-input", "inside-tag", "ancestor", "symlink-to-tag"])
+def test_output_overlapping_the_input_is_refused_even_with_overwrite(where, checkpoints, tmp_path):
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    given = {"root-is-input": root}.get(where, tag)
+    out = {"tag": tag, "root-is-input": root, "inside-tag": tag / "u", "ancestor": tmp_path,
+           "symlink-to-tag": tmp_path / "link"}[where]
+    if where == "symlink-to-tag":
+        os.symlink(tag, out)
+    before = _digest(root)
+    proc = _run_cli("--overwrite", given, out)
+    assert proc.returncode == 1, proc.stderr
+    assert "input checkpoint folder" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert _digest(root) == before
+    assert not (root / "latest_universal").exists() and not (tmp_path / "latest_universal").exists()
+
+
+def test_output_beside_the_tag_inside_the_save_dir_is_allowed(checkpoints, tmp_path):
+    # DeepSpeed's own layout: ckpt/global_stepN_universal next to ckpt/global_stepN.
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    before = _digest(tag)
+    pyckpt.convert_to_universal(root, root / f"{tag.name}_universal")
+    assert (root / "latest_universal").read_text() == f"{tag.name}_universal"
+    assert _digest(tag) == before
