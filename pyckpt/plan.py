@@ -149,6 +149,10 @@ def copy_checked(src, dst: str, fsync: bool = False) -> None:
                 left -= n
             if fsync:
                 os.fsync(fout)
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise OSError(exc.errno, f"copy to {dst}: {os.strerror(exc.errno)}") from None
         finally:
             os.close(fout)
         shutil.copystat(src.path, dst)

@@ -1,0 +1,349 @@
+"""Crashes, kills and concurrent runs: OUTPUT is always complete (old or new) or absent, the input is
+untouched, and nothing a dead run left survives the next run (or --clean).
+
+Runs are real `python -m pyckpt.convert` processes. A kill lands at a named step through the
+PYCKPT_TEST_KILL_AT hook (SIGKILL: no clean-up code runs), or at a barrier inside the copy that the
+test waits for before signalling the process."""
+
+import hashlib
+import os
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from compare import diff_folders
+from pyckpt.publish import OutputLock, stale_entries
+
+NAME = "s1_fp32_dp2"
+
+
+@pytest.fixture
+def ckpt(checkpoints, tmp_path):
+    src = checkpoints[NAME]
+    root = tmp_path / "ckpt"
+    shutil.copytree(src.root, root)
+    return root
+
+
+@pytest.fixture
+def reference(deepspeed_universal):
+    return str(deepspeed_universal[NAME])
+
+
+def _digest(folder):
+    h = {}
+    for d, _, fs in os.walk(folder):
+        for f in fs:
+            with open(os.path.join(d, f), "rb") as fh:
+                h[os.path.relpath(os.path.join(d, f), folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return h
+
+
+# A runner that can bend the process before the CLI starts: make the atomic renames unavailable
+# (the two-rename fallback), stop inside the copy at a barrier, limit the file size.
+RUNNER = textwrap.dedent("""
+    import errno, os, sys, time
+    from pyckpt import convert, publish, plan
+    if os.environ.get("T_NO_RENAMEAT2"):
+        def unsupported(*a):
+            raise OSError(errno.EINVAL, "unsupported here")
+        publish._core.rename_exchange = unsupported
+        publish._core.rename_noreplace = unsupported
+    barrier = os.environ.get("T_BARRIER")
+    if barrier:
+        real = plan._core.write_archives
+        def paused(sources, outputs, ops, workers, fsync, progress, *a, **k):
+            def hold(done, total):
+                open(barrier, "w").close()
+                while True:
+                    time.sleep(0.05)
+            return real(sources, outputs, ops, workers, fsync, hold, *a, **k)
+        plan._core.write_archives = paused
+    sys.exit(convert.main(sys.argv[1:]))
+""")
+
+
+def _start(*args, env=None, preexec_fn=None):
+    return subprocess.Popen([sys.executable, "-c", RUNNER, *map(str, args)], cwd=tempfile.gettempdir(),
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=preexec_fn)
+
+
+def _run(*args, env=None, preexec_fn=None, timeout=120):
+    proc = _start(*args, env=env, preexec_fn=preexec_fn)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def _old_output(out):
+    """An existing OUTPUT that a run may replace only with --overwrite: recognisable by a marker."""
+    out.mkdir(parents=True)
+    (out / "OLD").write_text("the previous output")
+    (out.parent / "latest_universal").write_text(out.name)
+
+
+def _state(out, reference):
+    """'new' (complete, bit-equal to DeepSpeed's), 'old' (the marker folder) or 'absent'."""
+    if not out.exists():
+        return "absent"
+    if (out / "OLD").exists():
+        assert sorted(os.listdir(out)) == ["OLD"], os.listdir(out)
+        return "old"
+    assert diff_folders(reference, str(out)) == []
+    return "new"
+
+
+def _pointer(out):
+    p = out.parent / "latest_universal"
+    return p.read_text() if p.exists() else None
+
+
+POINTS = ["before-publish", "after-publish", "before-pointer-rename", "after-pointer"]
+
+
+# Every step of every publishing path; only the two-rename swap of an existing output has a step
+# between its renames.
+KILLS = [(p, e, f) for p in POINTS for e in (False, True) for f in (False, True)] + [("between-renames", True, True)]
+
+
+@pytest.mark.parametrize("point,existing,fallback", KILLS,
+                         ids=[f"{p}-{'overwrite' if e else 'fresh'}-{'two-renames' if f else 'renameat2'}"
+                              for p, e, f in KILLS])
+def test_kill_at_every_step_leaves_old_or_new_and_no_orphan_after_next_run(point, existing, fallback, ckpt,
+                                                                            reference, tmp_path):
+    out = tmp_path / "out" / "u"
+    if existing:
+        _old_output(out)
+    else:
+        out.parent.mkdir()
+    before = _digest(ckpt)
+    env = {"PYCKPT_TEST_KILL_AT": point, **({"T_NO_RENAMEAT2": "1"} if fallback else {})}
+    code, err = _run(ckpt, out, "--overwrite", "--quiet", env=env)
+    assert code == -signal.SIGKILL, err
+
+    state = _state(out, reference)
+    published = point not in ("before-publish", "between-renames")
+    if point == "between-renames":
+        # the old output is set aside, the new one not yet in: the one moment OUTPUT is absent, and
+        # the next run (or --clean) renames the old one back first
+        assert state == "absent"
+        assert any(".pyckpt-old-" in n for n in stale_entries(str(out.parent), "u"))
+    else:
+        assert state == ("new" if published else ("old" if existing else "absent"))
+    if _pointer(out) is not None:
+        assert _pointer(out) == "u"
+    assert _digest(ckpt) == before
+
+    if point == "between-renames":
+        code, err = _run("--clean", out)
+        assert code == 0, err
+        assert _state(out, reference) == "old" and "restored" in err
+    code, err = _run(ckpt, out, "--overwrite", "--quiet")
+    assert code == 0, err
+    assert _state(out, reference) == "new" and _pointer(out) == "u"
+    assert stale_entries(str(out.parent), "u") == []
+    assert sorted(os.listdir(out.parent)) == [".u.pyckpt-lock", "latest_universal", "u"]
+    assert _digest(ckpt) == before
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_mid_copy_cleans_up_and_says_so(sig, ckpt, tmp_path):
+    out = tmp_path / "out" / "u"
+    out.parent.mkdir()
+    barrier = tmp_path / "barrier"
+    proc = _start(ckpt, out, env={"T_BARRIER": str(barrier)})
+    _wait_for(barrier, proc)
+    assert stale_entries(str(out.parent), "u"), "staging exists while copying"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
+    assert "no output was published" in err and "Traceback" not in err
+    assert not out.exists() and _pointer(out) is None
+    assert stale_entries(str(out.parent), "u") == []
+
+
+def test_sigkill_mid_copy_orphan_is_removed_by_next_run(ckpt, reference, tmp_path):
+    out = tmp_path / "out" / "u"
+    out.parent.mkdir()
+    barrier = tmp_path / "barrier"
+    proc = _start(ckpt, out, env={"T_BARRIER": str(barrier)})
+    _wait_for(barrier, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    orphans = stale_entries(str(out.parent), "u")
+    assert orphans and all(".u.pyckpt-tmp-" in n for n in orphans)
+    assert not out.exists()
+    code, err = _run(ckpt, out)
+    assert code == 0, err
+    assert "left by an earlier run" in err
+    assert _state(out, reference) == "new" and stale_entries(str(out.parent), "u") == []
+
+
+def test_clean_removes_orphans_of_any_host_and_legacy_names(tmp_path):
+    out = tmp_path / "u"
+    out.mkdir()
+    for name in (".u.pyckpt-tmp-otherhost-123-abcd", ".u.pyckpt-tmp-4242", "u.pyckpt-old-4242",
+                 ".u.pyckpt-ptr-otherhost-1-ffff"):
+        p = tmp_path / name
+        p.mkdir() if "ptr" not in name else p.write_text("u")
+    (tmp_path / ".v.pyckpt-tmp-otherhost-1-aaaa").mkdir()  # another output's: not ours to touch
+    code, err = _run("--clean", out)
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == [".u.pyckpt-lock", ".v.pyckpt-tmp-otherhost-1-aaaa", "u"]
+
+
+def test_clean_does_not_touch_a_live_run(ckpt, tmp_path):
+    out = tmp_path / "out" / "u"
+    out.parent.mkdir()
+    barrier = tmp_path / "barrier"
+    proc = _start(ckpt, out, env={"T_BARRIER": str(barrier)})
+    try:
+        _wait_for(barrier, proc)
+        staging = stale_entries(str(out.parent), "u")
+        cleaner = _start("--clean", out)
+        time.sleep(1.0)  # give it the chance to do harm; it must be waiting for the lock instead
+        assert cleaner.poll() is None
+        assert stale_entries(str(out.parent), "u") == staging
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    _, err = cleaner.communicate(timeout=60)
+    assert cleaner.returncode == 0 and stale_entries(str(out.parent), "u") == []
+
+
+def _wait_for(path, proc, timeout=120):
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended before the barrier: {proc.communicate()[1]}")
+        if time.monotonic() > end:
+            proc.kill()
+            raise AssertionError("barrier not reached")
+        time.sleep(0.05)
+
+
+# -- concurrent runs ---------------------------------------------------------------------------
+
+def test_existing_output_appearing_during_the_run_is_never_replaced(ckpt, tmp_path):
+    # Another process (not pyckpt: pyckpt runs take turns under the lock) creates OUTPUT while this
+    # run copies; plain rename(2) would silently replace an empty folder.
+    out = tmp_path / "out" / "u"
+    out.parent.mkdir()
+    code = textwrap.dedent(f"""
+        import os, sys
+        from pyckpt import convert, plan
+        real = plan._core.write_archives
+        def racing(*a, **k):
+            result = real(*a, **k)
+            os.mkdir({str(out)!r})
+            return result
+        plan._core.write_archives = racing
+        sys.exit(convert.main([{str(ckpt)!r}, {str(out)!r}, "--quiet"]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir())
+    assert proc.returncode == 1 and "appeared while converting" in proc.stderr, proc.stderr
+    assert out.is_dir() and os.listdir(out) == []
+    assert _pointer(out) is None and stale_entries(str(out.parent), "u") == []
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_concurrent_runs_take_turns_and_never_replace_without_overwrite(overwrite, ckpt, reference, tmp_path):
+    out = tmp_path / "out" / "u"
+    out.parent.mkdir()
+    held = OutputLock(str(out))  # stands for a run in progress
+    try:
+        args = (ckpt, out) + (("--overwrite", ) if overwrite else ())
+        proc = _start(*args)
+        line = _read_line(proc, timeout=60)
+        assert "waiting for another pyckpt run" in line, line
+        assert not out.exists()
+        shutil.copytree(reference, out)  # the other run publishes
+        (out / "OLD").write_text("x")
+    finally:
+        held.release()
+    _, err = proc.communicate(timeout=120)
+    if overwrite:
+        assert proc.returncode == 0, err
+        assert _state(out, reference) == "new"
+    else:
+        assert proc.returncode == 1 and "already exists" in err, err
+        assert (out / "OLD").exists()
+    assert stale_entries(str(out.parent), "u") == []
+
+
+def _read_line(proc, timeout):
+    ready, _, _ = select.select([proc.stderr], [], [], timeout)
+    assert ready, "no output from the waiting run"
+    return proc.stderr.readline()
+
+
+# -- full disks and failing writes -------------------------------------------------------------
+
+def test_file_size_limit_mid_write_leaves_nothing(ckpt, tmp_path):
+    out = tmp_path / "out" / "u"
+    out.parent.mkdir()
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill, as for a full quota
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # below the largest output file
+
+    before = _digest(ckpt)
+    code, err = _run(ckpt, out, preexec_fn=limit)
+    assert code == 1, err
+    assert err.count("\n") == 1 and "File too large" in err and str(out.parent) in err, err
+    assert not out.exists() and _pointer(out) is None and stale_entries(str(out.parent), "u") == []
+    assert _digest(ckpt) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (RLIMIT_FSIZE covers the same path)")
+def test_full_filesystem_leaves_nothing(ckpt, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("mount is not permitted in this sandbox (RLIMIT_FSIZE covers the same path)")
+    try:
+        out = mnt / "u"
+        code, err = _run(ckpt, out)
+        assert code == 1 and "No space left on device" in err and err.count("\n") == 1, err
+        assert os.listdir(mnt) == [".u.pyckpt-lock"]
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_latest_universal_that_is_a_folder_is_refused_before_work(ckpt, tmp_path):
+    out = tmp_path / "out" / "u"
+    (out.parent / "latest_universal").mkdir(parents=True)
+    code, err = _run(ckpt, out)
+    assert code == 1 and "latest_universal exists and is not a file" in err, err
+    assert os.listdir(out.parent) == ["latest_universal"]  # refused before anything was created
+
+
+def test_old_output_that_cannot_be_removed_is_reported(ckpt, reference, tmp_path):
+    # The swap succeeded; removing the previous output failed (e.g. a read-only subfolder owned by
+    # someone else). The new output is in place; the leftover is named, not silently kept.
+    out = tmp_path / "out" / "u"
+    _old_output(out)
+    code = textwrap.dedent(f"""
+        import sys
+        from pyckpt import convert, publish
+        def stuck(path):
+            raise PermissionError(13, "Permission denied", path)
+        publish.remove_path = stuck
+        sys.exit(convert.main([{str(ckpt)!r}, {str(out)!r}, "--overwrite", "--quiet"]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir())
+    assert proc.returncode == 0, proc.stderr
+    assert "could not be removed" in proc.stderr and "--clean" in proc.stderr
+    assert _state(out, reference) == "new"
+    leftover = stale_entries(str(out.parent), "u")
+    assert len(leftover) == 1 and (out.parent / leftover[0] / "OLD").exists()
+    code, err = _run("--clean", out)
+    assert code == 0 and stale_entries(str(out.parent), "u") == []
