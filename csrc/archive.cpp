@@ -26,6 +26,13 @@ Archive::Archive(std::string path) : path_(std::move(path)) {
     map_ = std::make_unique<MappedFile>(path_, /*random_access=*/true);
     size_ = map_->size();
     parse();
+    check_unchanged();
+}
+
+void Archive::check_unchanged() const {
+    if (map_ && map_->changed())
+        throw SourceChangedError(escape_bytes(path_) +
+                                 ": became shorter while it was being read (changed by another process?)");
 }
 
 void Archive::fail(std::string_view what) const { throw archive_error(path_, what); }
@@ -139,6 +146,10 @@ void Archive::parse() {
         if (cd_end - pos - kCentralHeaderSize < var_len)
             fail("truncated central directory at entry " + num(i));
         std::string name(reinterpret_cast<const char*>(c + kCentralHeaderSize), name_len);
+        // Names reach error messages and lookups by Python str: refuse what cannot be either
+        // (the escaped form keeps the message on one line).
+        if (!is_clean_utf8(name))
+            fail(name, "member name is not UTF-8 text without control characters");
 
         // ZIP64 extra: only the saturated slots are present, in the order usize, csize, offset.
         bool need64 = usize == kMax32 || csize == kMax32 || lho == kMax32;
@@ -161,7 +172,8 @@ void Archive::parse() {
             fail(name, "local header past end of file");
         if (std::string_view(reinterpret_cast<const char*>(l + kLocalHeaderSize), l_name_len) != name)
             fail(name, "local header name mismatch ('" +
-                           std::string(reinterpret_cast<const char*>(l + kLocalHeaderSize), l_name_len) + "')");
+                           escape_bytes(std::string_view(reinterpret_cast<const char*>(l + kLocalHeaderSize), l_name_len)) +
+                           "')");
         if (l_method != 0) fail(name, "member is compressed in its local header (method " + num(l_method) + ")");
         if (l_flags & (kFlagEncrypted | kFlagStrongEncryption)) fail(name, "member is encrypted");
         if (!(l_flags & kFlagDataDescriptor)) {
@@ -207,7 +219,7 @@ void Archive::parse() {
 const ArchiveMember& Archive::member(std::string_view name) const {
     auto it = index_.find(name);
     if (it == index_.end())
-        throw MemberNotFound(path_ + ": no member named '" + std::string(name) + "'");
+        throw MemberNotFound(escape_bytes(path_) + ": no member named '" + escape_bytes(name) + "'");
     return members_[it->second];
 }
 

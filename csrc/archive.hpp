@@ -44,6 +44,10 @@ public:
     // The single top-level folder every member lives in; ArchiveError if there is none.
     std::string prefix() const;
 
+    // Throws SourceChangedError if the file shrank under the mapping since it was opened, so that
+    // bytes read from member_data() were partly zeros. Call after reading.
+    void check_unchanged() const;
+
     void close() noexcept;
     bool closed() const noexcept { return !map_; }
 

@@ -19,6 +19,20 @@ public:
     using std::runtime_error::runtime_error;
 };
 
+// The executor refused an op table or output list (bad index, range, overlap, gap, path outside
+// the root): the plan broke a rule its producer should have enforced. Nothing was written.
+class PlanError : public std::invalid_argument {
+public:
+    using std::invalid_argument::invalid_argument;
+};
+
+// A memory-mapped input lost bytes while it was being read (another process truncated or
+// replaced it): the bytes read are not the file's, so the result must be discarded.
+class SourceChangedError : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
 // Lookup of a member name that the archive does not contain (surfaced as KeyError).
 class MemberNotFound : public std::out_of_range {
 public:
@@ -32,10 +46,19 @@ public:
     const char* what() const noexcept override { return "operation cancelled"; }
 };
 
+// Printable form of untrusted bytes (member names, paths from input) for one-line messages:
+// non-UTF-8 bytes and control characters become \xNN escapes (a backslash too, so the form is unambiguous).
+std::string escape_bytes(std::string_view raw);
+// Whether `raw` is well-formed UTF-8 without control characters (C0, DEL, C1).
+bool is_clean_utf8(std::string_view raw);
+
 // Builds "<path>: <what>" (and "<path>: member '<member>': <what>") so every archive error
 // names the file and, where one is involved, the member.
 ArchiveError archive_error(std::string_view path, std::string_view what);
 ArchiveError archive_error(std::string_view path, std::string_view member, std::string_view what);
+
+// "source '<path>' became shorter while it was being read ...", for both ways a shrink shows.
+SourceChangedError source_changed_error(std::string_view path);
 
 // Throws std::system_error for the current errno with "<op> '<path>'" as context, so that the
 // Python OSError both carries the errno and names the file.

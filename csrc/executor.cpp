@@ -11,10 +11,12 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <string_view>
 #include <unordered_set>
 
 #include "crc32.hpp"
 #include "errors.hpp"
+#include "fault_injection.hpp"
 #include "gather.hpp"
 #include "parallel.hpp"
 #include "sources.hpp"
@@ -34,7 +36,10 @@ constexpr uint64_t kDirectSlice = 256u << 10;
 // Staging buffer per worker; windows larger than this are gathered in slices.
 constexpr uint64_t kStagingBytes = 1u << 20;
 
+namespace fi = fault_injection;
+
 void pwrite_all(int fd, const uint8_t* p, uint64_t len, uint64_t off, const std::string& path) {
+    if (int e = fi::next_failure(fi::Call::Write)) throw_errno_code(e, "write", path);
     while (len > 0) {
         // Linux caps one write at ~2 GiB; stay well below it.
         std::size_t chunk = static_cast<std::size_t>(std::min<uint64_t>(len, 1u << 30));
@@ -81,7 +86,10 @@ struct WriteJob {
         std::lock_guard<std::mutex> lk(st.mu);
         if (st.fd >= 0) return st.fd;
         const std::string& path = outputs[o].path;
-        int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+        // O_EXCL | O_NOFOLLOW: an output is always a new file in a fresh folder, so anything
+        // already there (a planted symlink above all) is refused rather than written through.
+        if (int e = fi::next_failure(fi::Call::Open)) throw_errno_code(e, "open", path);
+        int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
         if (fd < 0) throw_errno("open", path);
         st.created = true;
         st.fd = fd;
@@ -107,7 +115,14 @@ struct WriteJob {
             for (uint64_t at = 0; at < len; at += kDirectSlice) {
                 uint64_t n = std::min(kDirectSlice, len - at);
                 crc = crc32(crc, run + at, n);
-                pwrite_all(fd, run + at, n, file_off + at, path);
+                try {
+                    pwrite_all(fd, run + at, n, file_off + at, path);
+                } catch (const std::system_error& e) {
+                    // The kernel reads the mapped source itself here; pages past a new end of
+                    // file give EFAULT instead of SIGBUS. Our own buffers never fault.
+                    if (e.code().value() != EFAULT) throw;
+                    throw source_changed_error(sources.path(static_cast<std::size_t>(src)));
+                }
             }
             drops.add(src, src_off, len);
         } else if (window_is_zero_fill(w, plan, pieces)) {
@@ -172,11 +187,16 @@ struct WriteJob {
         place(L.cd_offset);
         chunk.append(zip::build_central_directory(names[o], L, crcs));
         flush();
-        if (options.fsync && ::fsync(fd) != 0) throw_errno("fsync", out.path);
+        if (options.fsync) {
+            if (int e = fi::next_failure(fi::Call::Fsync)) throw_errno_code(e, "fsync", out.path);
+            if (::fsync(fd) != 0) throw_errno("fsync", out.path);
+        }
         {
             std::lock_guard<std::mutex> lk(state[o].mu);
+            int injected = fi::next_failure(fi::Call::Close);
             int rc = ::close(fd);
             state[o].fd = -1;
+            if (injected) throw_errno_code(injected, "close", out.path);
             if (rc != 0 && errno != EINTR) throw_errno("close", out.path);
         }
         uint64_t window_bytes = 0;
@@ -196,21 +216,42 @@ struct WriteJob {
     }
 };
 
-void validate_outputs(const std::vector<OutputSpec>& outputs) {
+// Whether `path` names something strictly below `root` without leaving it: no empty, "." or
+// ".." component after the root. Lexical on purpose: the caller created root's subfolders and
+// open() refuses a symlink as the final component, so no name in the plan can steer a write
+// elsewhere.
+bool is_beneath(const std::string& root, const std::string& path) {
+    std::string_view r(root);
+    while (r.size() > 1 && r.back() == '/') r.remove_suffix(1);
+    if (path.size() <= r.size() + 1 || path.compare(0, r.size(), r) != 0 || path[r.size()] != '/') return false;
+    std::string_view rest = std::string_view(path).substr(r.size() + 1);
+    while (true) {
+        std::size_t slash = rest.find('/');
+        std::string_view comp = rest.substr(0, slash);
+        if (comp.empty() || comp == "." || comp == "..") return false;
+        if (slash == std::string_view::npos) return true;
+        rest.remove_prefix(slash + 1);
+    }
+}
+
+void validate_outputs(const std::vector<OutputSpec>& outputs, const std::string& root) {
     std::unordered_set<std::string> paths;
     for (const OutputSpec& out : outputs) {
-        if (out.path.empty()) throw std::invalid_argument("output path must not be empty");
+        if (out.path.empty()) throw PlanError("output path must not be empty");
+        if (!root.empty() && !is_beneath(root, out.path))
+            throw PlanError("output '" + escape_bytes(out.path) + "' is not inside the output root '" +
+                            escape_bytes(root) + "'");
         if (!paths.insert(out.path).second)
-            throw std::invalid_argument("output '" + out.path + "' is listed more than once");
+            throw PlanError("output '" + out.path + "' is listed more than once");
         if (out.archive_name.empty())
-            throw std::invalid_argument("output '" + out.path + "': archive_name must not be empty");
+            throw PlanError("output '" + out.path + "': archive_name must not be empty");
         std::unordered_set<std::string> names;
         for (const RecordSpec& r : out.records) {
-            if (r.name.empty()) throw std::invalid_argument("output '" + out.path + "': empty record name");
+            if (r.name.empty()) throw PlanError("output '" + out.path + "': empty record name");
             if (!names.insert(r.name).second)
-                throw std::invalid_argument("output '" + out.path + "': record '" + r.name + "' is listed more than once");
+                throw PlanError("output '" + out.path + "': record '" + r.name + "' is listed more than once");
             if (r.has_inline && r.inline_bytes.size() != r.size)
-                throw std::invalid_argument("output '" + out.path + "' record '" + r.name + "': size " +
+                throw PlanError("output '" + out.path + "' record '" + r.name + "': size " +
                                             std::to_string(r.size) + " != length of its inline bytes (" +
                                             std::to_string(r.inline_bytes.size()) + ")");
         }
@@ -226,7 +267,7 @@ void check_outputs_are_not_sources(const std::vector<OutputSpec>& outputs, Sourc
             dev_t dev;
             ino_t ino;
             if (sources.identity(s, dev, ino) && dev == st.st_dev && ino == st.st_ino)
-                throw std::invalid_argument("output '" + out.path + "' is the same file as source '" + sources.path(s) + "'");
+                throw PlanError("output '" + out.path + "' is the same file as source '" + sources.path(s) + "'");
         }
     }
 }
@@ -239,7 +280,7 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
                           const OpRow* ops, std::size_t n_ops, const WriteOptions& options,
                           const ProgressFn& progress) {
     const unsigned workers = resolve_workers(options.workers);
-    validate_outputs(outputs);
+    validate_outputs(outputs, options.root);
     WriteJob job(sources, outputs, options);
 
     // One target per record, numbered output by output so an output's windows are contiguous.
@@ -268,15 +309,15 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
         stats.records += out.records.size();
     }
     stats.files = outputs.size();
-    if (job.targets.size() >= UINT32_MAX) throw std::invalid_argument("too many records");
+    if (job.targets.size() >= UINT32_MAX) throw PlanError("too many records");
 
     job.pieces = parse_ops(ops, n_ops, job.sources, job.targets, [&](const OpRow& r, std::size_t i) -> uint32_t {
         if (r.out < 0 || static_cast<uint64_t>(r.out) >= outputs.size())
-            throw std::out_of_range("op row " + std::to_string(i) + ": output index " + std::to_string(r.out) +
+            throw PlanError("op row " + std::to_string(i) + ": output index " + std::to_string(r.out) +
                                     " out of range (" + std::to_string(outputs.size()) + " outputs)");
         const auto& recs = outputs[static_cast<std::size_t>(r.out)].records;
         if (r.rec < 0 || static_cast<uint64_t>(r.rec) >= recs.size())
-            throw std::out_of_range("op row " + std::to_string(i) + ": record index " + std::to_string(r.rec) +
+            throw PlanError("op row " + std::to_string(i) + ": record index " + std::to_string(r.rec) +
                                     " out of range for output '" + outputs[static_cast<std::size_t>(r.out)].path +
                                     "' (" + std::to_string(recs.size()) + " records)");
         return static_cast<uint32_t>(job.output_first_target[static_cast<std::size_t>(r.out)] +
@@ -337,6 +378,7 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
     auto tick = [&]() -> bool { return !progress || progress(job.done.load(), job.total); };
     try {
         parallel_for(tasks.size(), workers, task, tick, kTickInterval);
+        job.sources.check_unchanged();
         if (progress && !progress(job.total, job.total)) throw Cancelled();
     } catch (...) {
         job.cleanup_after_failure();
@@ -356,7 +398,7 @@ uint64_t execute_into(const std::vector<std::string>& source_paths, const OpRow*
     targets[0].label = "destination buffer";
     std::vector<Piece> pieces = parse_ops(ops, n_ops, sources, targets, [&](const OpRow& r, std::size_t i) -> uint32_t {
         if (r.out != 0 || r.rec != 0)
-            throw std::invalid_argument("op row " + std::to_string(i) +
+            throw PlanError("op row " + std::to_string(i) +
                                         ": execute_into needs out == 0 and rec == 0 (got out=" + std::to_string(r.out) +
                                         ", rec=" + std::to_string(r.rec) + ")");
         return 0;
@@ -378,6 +420,7 @@ uint64_t execute_into(const std::vector<std::string>& source_paths, const OpRow*
     // byte total only at the end so values stay monotone and end exactly at total.
     auto tick = [&]() -> bool { return !progress || progress(std::min(done.load(), total), total); };
     parallel_for(plan.windows.size(), workers, task, tick, kTickInterval);
+    sources.check_unchanged();
     if (progress && !progress(total, total)) throw Cancelled();
     return total;
 }

@@ -36,6 +36,7 @@ struct WriteOptions {
     bool fsync = false;
     bool force_zip64 = false;     // test knob: ZIP64 structures even for small files
     uint64_t window_bytes = 0;    // 0: default (kDefaultWindowBytes)
+    std::string root;             // non-empty: every output path must lie strictly below it
 };
 
 struct WriteStats {
@@ -51,9 +52,10 @@ constexpr uint64_t kDefaultWindowBytes = 4u << 20;
 // Returns false to cancel. Arguments: bytes done, bytes total.
 using ProgressFn = std::function<bool(uint64_t, uint64_t)>;
 
-// Validation failures throw before any output is touched: std::out_of_range for bad
-// indices, std::invalid_argument otherwise (naming the output path and record). I/O failures
-// throw std::system_error naming the path; every output this call created is then removed.
+// Validation failures throw PlanError before any output is touched (naming the output path and
+// record). Outputs are created new (an existing file or symlink at an output path is an
+// error). I/O failures throw std::system_error naming the path, and a source that shrank while
+// read throws SourceChangedError; every output this call created is then removed.
 WriteStats write_archives(const std::vector<std::string>& sources, const std::vector<OutputSpec>& outputs,
                           const OpRow* ops, std::size_t n_ops, const WriteOptions& options,
                           const ProgressFn& progress);

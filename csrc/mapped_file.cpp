@@ -8,6 +8,7 @@
 #include <cerrno>
 
 #include "errors.hpp"
+#include "mapping_guard.hpp"
 
 namespace pyckpt {
 
@@ -19,7 +20,9 @@ uint64_t page_size() {
 }  // namespace
 
 MappedFile::MappedFile(std::string path, bool random_access) : path_(std::move(path)) {
-    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO (or a device) named like a shard must not wait for a writer;
+    // fstat then refuses anything but a regular file. It has no effect on regular files.
+    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0) throw_errno("open", path_);
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
@@ -29,7 +32,7 @@ MappedFile::MappedFile(std::string path, bool random_access) : path_(std::move(p
     }
     if (!S_ISREG(st.st_mode)) {
         ::close(fd);
-        throw_errno_code(EINVAL, "map (not a regular file)", path_);
+        throw_errno_code(EINVAL, "read (not a regular file)", path_);
     }
     size_ = static_cast<uint64_t>(st.st_size);
     if (size_ > 0) {
@@ -41,6 +44,7 @@ MappedFile::MappedFile(std::string path, bool random_access) : path_(std::move(p
         }
         data_ = static_cast<const uint8_t*>(p);
         if (random_access) ::madvise(p, size_, MADV_RANDOM);
+        guard_slot_ = mapping_guard::enroll(p, size_);
     }
     // The mapping keeps the file referenced; holding the descriptor would only cost fd slots
     // when thousands of shards are open.
@@ -50,9 +54,15 @@ MappedFile::MappedFile(std::string path, bool random_access) : path_(std::move(p
 MappedFile::~MappedFile() { close(); }
 
 void MappedFile::close() noexcept {
-    if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+    if (data_) {
+        mapping_guard::withdraw(guard_slot_);
+        ::munmap(const_cast<uint8_t*>(data_), size_);
+    }
     data_ = nullptr;
+    guard_slot_ = -1;
 }
+
+bool MappedFile::changed() const noexcept { return mapping_guard::tripped(guard_slot_); }
 
 void MappedFile::prefetch(uint64_t offset, uint64_t len) const noexcept {
     if (!data_ || len == 0 || offset >= size_) return;

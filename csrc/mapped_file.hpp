@@ -3,7 +3,9 @@
 // Thread/GIL contract: construction and destruction belong to one thread; once constructed the
 // object is immutable, and data()/size()/drop() may be called concurrently from any number of
 // threads. No Python involvement. The mapping is MAP_SHARED + PROT_READ, so dropping pages
-// never loses data: a later access faults them back in from the page cache.
+// never loses data: a later access faults them back in from the page cache. Reads past an end
+// the file shrank to after mapping do not fault (see mapping_guard.hpp): they read zeros and
+// set changed().
 #pragma once
 
 #include <cstddef>
@@ -34,6 +36,10 @@ public:
     // find their pages in flight or cached and trigger no read-around of their own.
     void prefetch(uint64_t offset, uint64_t len) const noexcept;
 
+    // True once a read ran past the file's current end (it shrank after mapping): the bytes read
+    // from there on were zeros, not the file's. Owners check this after reading and discard.
+    bool changed() const noexcept;
+
     // Releases the mapping early; data() becomes null. Not safe concurrently with readers.
     void close() noexcept;
 
@@ -41,6 +47,7 @@ private:
     std::string path_;
     const uint8_t* data_ = nullptr;
     uint64_t size_ = 0;
+    int guard_slot_ = -1;
 };
 
 }  // namespace pyckpt

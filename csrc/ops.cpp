@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "convert.hpp"
+#include "errors.hpp"
 
 namespace pyckpt {
 
@@ -16,7 +17,7 @@ bool mul_ok(uint64_t a, uint64_t b, uint64_t& out) { return !__builtin_mul_overf
 bool add_ok(uint64_t a, uint64_t b, uint64_t& out) { return !__builtin_add_overflow(a, b, &out); }
 
 [[noreturn]] void bad(std::size_t index, const Target& tg, const std::string& what) {
-    throw std::invalid_argument(row_ctx(index) + " (writing " + tg.label + "): " + what);
+    throw PlanError(row_ctx(index) + " (writing " + tg.label + "): " + what);
 }
 
 }  // namespace
@@ -30,7 +31,7 @@ Piece make_piece(const OpRow& r, std::size_t index, SourceSet& sources, const st
     if (r.stride < 0) bad(index, tg, "negative stride");
     if (r.dst_off < 0) bad(index, tg, "negative dst_off");
     if (r.src < -1 || (r.src >= 0 && static_cast<uint64_t>(r.src) >= sources.count()))
-        throw std::out_of_range(row_ctx(index) + ": source index " + std::to_string(r.src) + " out of range (" +
+        throw PlanError(row_ctx(index) + ": source index " + std::to_string(r.src) + " out of range (" +
                                 std::to_string(sources.count()) + " sources)");
     if (!tg.fillable) bad(index, tg, "the record has inline bytes, so ops may not write it");
 
@@ -90,7 +91,7 @@ void check_exact_coverage(const std::vector<Piece>& pieces, const std::vector<Ta
     for (std::size_t i = 0; i < pieces.size(); ++i) by_target[pieces[i].target].push_back(static_cast<uint32_t>(i));
 
     auto fail = [&](uint32_t t, const std::string& what) {
-        throw std::invalid_argument(targets[t].label + ": " + what);
+        throw PlanError(targets[t].label + ": " + what);
     };
 
     for (uint32_t t = 0; t < targets.size(); ++t) {

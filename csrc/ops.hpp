@@ -47,14 +47,14 @@ struct Target {
 
 // Validates `rows` and turns them into pieces (dropping empty ones, merging rows that are
 // contiguous in the destination). `resolve` maps (out, rec) to a target index or throws.
-// Errors: std::out_of_range for bad source/output/record indices, std::invalid_argument
-// for everything else (bad kind, misaligned sizes, ranges outside the source or the target).
+// Errors: PlanError (bad indices, kind, misaligned sizes, ranges outside the source or the
+// target); std::system_error if a source cannot be stat'ed or is not a regular file.
 template <class Resolve>
 std::vector<Piece> parse_ops(const OpRow* rows, std::size_t n, SourceSet& sources,
                              const std::vector<Target>& targets, Resolve&& resolve);
 
 // Requires the pieces of every fillable target to cover it exactly once. Throws
-// std::invalid_argument naming the target's label and the first gap or overlap.
+// PlanError naming the target's label and the first gap or overlap.
 void check_exact_coverage(const std::vector<Piece>& pieces, const std::vector<Target>& targets);
 
 struct Window {

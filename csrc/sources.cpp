@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <cerrno>
 #include <stdexcept>
 
 #include "errors.hpp"
@@ -24,6 +25,7 @@ uint64_t SourceSet::size_of(std::size_t i) {
     if (!e.stat_done) {
         struct stat st {};
         if (::stat(e.path.c_str(), &st) != 0) throw_errno("stat", e.path);
+        if (!S_ISREG(st.st_mode)) throw_errno_code(EINVAL, "read (not a regular file)", e.path);
         e.size = static_cast<uint64_t>(st.st_size);
         e.dev = st.st_dev;
         e.ino = st.st_ino;
@@ -49,12 +51,18 @@ const MappedFile& SourceSet::map(std::size_t i) {
     std::call_once(e.once, [&] {
         auto f = std::make_unique<MappedFile>(e.path);
         if (f->size() < e.required)
-            throw std::runtime_error("source '" + e.path + "' shrank to " + std::to_string(f->size()) +
+            throw SourceChangedError("source '" + escape_bytes(e.path) + "' shrank to " + std::to_string(f->size()) +
                                      " bytes after validation (ops read up to byte " +
                                      std::to_string(e.required) + ")");
         e.file = std::move(f);
     });
     return *e.file;
+}
+
+void SourceSet::check_unchanged() const {
+    for (const auto& e : entries_) {
+        if (e->file && e->file->changed()) throw source_changed_error(e->path);
+    }
 }
 
 }  // namespace pyckpt

@@ -34,9 +34,13 @@ public:
     // file that shrank after validation fails cleanly instead of faulting.
     void require(std::size_t i, uint64_t end);
 
-    // Thread-safe lazy mapping. Throws std::system_error, or std::runtime_error if the file
+    // Thread-safe lazy mapping. Throws std::system_error, or SourceChangedError if the file
     // became shorter than the validated ranges.
     const MappedFile& map(std::size_t i);
+
+    // Throws SourceChangedError naming the first mapped source that shrank while mapped (its
+    // reads past the new end returned zeros). Call after the workers are done.
+    void check_unchanged() const;
 
 private:
     struct Entry {

@@ -11,7 +11,7 @@ import stat
 from typing import Any, Dict, Tuple
 
 from .native import _core
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, InputChangedError
 from .safe_pickle import StorageRef, TensorRef, loads_with_storages
 
 # data.pkl holds only structure (names, shapes, small scalars): a few MB even for models with
@@ -30,6 +30,9 @@ class SourceFile:
 
     def __init__(self, path: str):
         self.path = os.fspath(path)
+        # A clear refusal of FIFOs and folders here; the native reader refuses them too (without
+        # blocking), in case the name is swapped between the two opens.
+        os.close(open_regular(self.path))
         try:
             with _core.Archive(self.path) as ar:
                 self.size = ar.size
@@ -48,6 +51,8 @@ class SourceFile:
                 self._pickle_bytes = ar.read(pkl)
         except _core.ArchiveError as exc:
             raise CheckpointFormatError(str(exc)) from None
+        except _core.SourceChangedError as exc:
+            raise InputChangedError(str(exc)) from None
         except FileNotFoundError:
             raise CheckpointFormatError(f"{self.path}: file not found") from None
         self._obj = None

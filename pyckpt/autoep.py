@@ -22,7 +22,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .errors import AutoEPError, CheckpointFormatError, MissingExpertFileError, UnsupportedCheckpointError
+from .errors import (AutoEPError, CheckpointFormatError, InputChangedError, MissingExpertFileError,
+                     UnsupportedCheckpointError)
 from .names import check_param_name
 from .plan import CONVERT_TO_F32, Plan, Segments
 from .safe_pickle import ITEMSIZE, TensorRef, numel
@@ -665,5 +666,8 @@ def read_expert_slice(path, ep_rank: int, ep_size: int, key: str = "param", out=
     if nbytes:
         buf = out.view(torch.uint8).reshape(-1).numpy() if out.numel() else np.empty(0, np.uint8)
         ops = np.array([[0, off, 0, 0, 0, nbytes, 0, 1, 0]], dtype=np.int64)
-        _core.execute_into([sf.path], ops, buf, workers)
+        try:
+            _core.execute_into([sf.path], ops, buf, workers)
+        except _core.SourceChangedError as exc:
+            raise InputChangedError(str(exc)) from None
     return out

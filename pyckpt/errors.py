@@ -33,3 +33,13 @@ class AutoEPError(CheckpointFormatError, RuntimeError):
 
 class MissingExpertFileError(CheckpointFormatError, FileNotFoundError):
     """AutoEP metadata promises a per-expert file that is not in the checkpoint folder."""
+
+
+class InputChangedError(PyckptError, OSError):
+    """An input file changed (shrank) while pyckpt was reading it; what was read is discarded."""
+
+
+class PlanCheckError(PyckptError, ValueError):
+    """The native executor refused the copy plan: a rule the planner enforces was broken anyway.
+
+    Seeing one means a bug in pyckpt or an input that got past its checks; nothing was published."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from .native import _core
 from .archive import open_regular
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, InputChangedError, PlanCheckError
 from .names import check_relpath
 from .safe_pickle import ITEMSIZE, StorageRef
 from .torch_pickle import NewTensor, dumps
@@ -267,7 +267,12 @@ class Plan:
         copier.start()
         bar = _ProgressBar(tensor_bytes) if progress else None
         try:
-            result = _core.write_archives(sources, outputs, ops, workers or 0, fsync, bar.update if bar else None)
+            result = _core.write_archives(sources, outputs, ops, workers or 0, fsync, bar.update if bar else None,
+                                          root=root)
+        except _core.PlanError as exc:
+            raise PlanCheckError(f"{root}: the copy plan failed the executor's checks: {exc}") from None
+        except _core.SourceChangedError as exc:
+            raise InputChangedError(str(exc)) from None
         finally:
             copier.join()
             if bar:

@@ -18,6 +18,7 @@
 #include "../crc32.hpp"
 #include "../errors.hpp"
 #include "../executor.hpp"
+#include "../fault_injection.hpp"
 #include "../fsops.hpp"
 
 namespace py = pybind11;
@@ -165,6 +166,8 @@ PYBIND11_MODULE(_core, m) {
     m.doc() = "Native core of pyckpt: torch.save ZIP reading/writing and parallel byte gathering.";
 
     py::register_exception<ArchiveError>(m, "ArchiveError", PyExc_ValueError);
+    py::register_exception<PlanError>(m, "PlanError", PyExc_ValueError);
+    py::register_exception<SourceChangedError>(m, "SourceChangedError", PyExc_OSError);
     py::register_exception_translator([](std::exception_ptr p) {
         try {
             if (p) std::rethrow_exception(p);
@@ -208,7 +211,9 @@ PYBIND11_MODULE(_core, m) {
             [](const PyArchive& a, const std::string& name) {
                 const Archive& ar = a.get();
                 const ArchiveMember& mem = ar.member(name);
-                return py::bytes(reinterpret_cast<const char*>(ar.member_data(mem)), mem.size);
+                py::bytes out(reinterpret_cast<const char*>(ar.member_data(mem)), mem.size);
+                ar.check_unchanged();
+                return out;
             },
             py::arg("name"), "Copy of one member's bytes (meant for small members such as data.pkl).")
         .def("close", &PyArchive::close)
@@ -251,7 +256,7 @@ PYBIND11_MODULE(_core, m) {
     m.def(
         "write_archives",
         [](const py::object& sources, const py::object& outputs, const py::object& ops, const py::object& workers,
-           bool fsync, const py::object& progress, bool force_zip64, uint64_t window_bytes) {
+           bool fsync, const py::object& progress, bool force_zip64, uint64_t window_bytes, const py::object& root) {
             auto src = convert_paths(sources, "sources");
             auto outs = convert_outputs(outputs);
             auto rows = convert_ops(ops);
@@ -260,6 +265,7 @@ PYBIND11_MODULE(_core, m) {
             opt.fsync = fsync;
             opt.force_zip64 = force_zip64;
             opt.window_bytes = window_bytes;
+            if (!root.is_none()) opt.root = fspath(root);
             ProgressHook hook{progress, std::nullopt};
             WriteStats st = run_released(hook, [&] {
                 return write_archives(src, outs, rows.data(), rows.size(), opt, std::ref(hook));
@@ -272,8 +278,11 @@ PYBIND11_MODULE(_core, m) {
         },
         py::arg("sources"), py::arg("outputs"), py::arg("ops"), py::arg("workers") = 0, py::arg("fsync") = false,
         py::arg("progress") = py::none(), py::kw_only(), py::arg("force_zip64") = false,
-        py::arg("window_bytes") = 0,
-        "Write torch-loadable ZIP archives whose op-filled records are gathered from `sources`.");
+        py::arg("window_bytes") = 0, py::arg("root") = py::none(),
+        "Write torch-loadable ZIP archives whose op-filled records are gathered from `sources`. Outputs are "
+        "created new (O_EXCL|O_NOFOLLOW); with `root`, every output path must lie strictly below it. Raises "
+        "PlanError for a bad table, OSError naming the file for I/O errors, SourceChangedError if a source shrank "
+        "while read; outputs created by a failed call are removed.");
 
     m.def(
         "execute_into",
@@ -282,15 +291,30 @@ PYBIND11_MODULE(_core, m) {
             auto src = convert_paths(sources, "sources");
             auto rows = convert_ops(ops);
             BufferView out(dst, true);
+            const int64_t n_workers = convert_workers(workers);  // a Python call: before the GIL is released
             ProgressHook hook{progress, std::nullopt};
             return run_released(hook, [&] {
-                return execute_into(src, rows.data(), rows.size(), out.data(), out.size(), convert_workers(workers),
-                                    window_bytes, std::ref(hook));
+                return execute_into(src, rows.data(), rows.size(), out.data(), out.size(), n_workers, window_bytes,
+                                    std::ref(hook));
             });
         },
         py::arg("sources"), py::arg("ops"), py::arg("dst"), py::arg("workers") = 0, py::arg("progress") = py::none(),
         py::kw_only(), py::arg("window_bytes") = 0,
         "Gather op pieces into one writable contiguous buffer; returns the bytes written.");
+
+    m.def(
+        "_inject_fault",
+        [](const std::string& call, int err, uint64_t after) {
+            fault_injection::Call c;
+            if (!fault_injection::parse_call(call, c))
+                throw py::value_error("call must be one of open, write, fsync, close (got '" + call + "')");
+            if (err <= 0) throw py::value_error("errno must be positive");
+            fault_injection::arm(c, err, after);
+        },
+        py::arg("call"), py::arg("errno"), py::arg("after") = 0,
+        "Test hook: the (after+1)-th next output `call` (open/write/fsync/close) of the executor fails with errno, "
+        "once.");
+    m.def("_clear_faults", &fault_injection::disarm, "Test hook: disarms every _inject_fault.");
 
     m.def(
         "rename_exchange",
