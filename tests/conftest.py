@@ -7,12 +7,24 @@ a copy.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 import dsharness
 from dsharness import Config
+
+def pytest_configure(config):
+    # scripts/sanitize.sh: refuse to report a pass for a run that did not load the instrumented module.
+    if os.environ.get("PYCKPT_EXPECT_SANITIZED"):
+        from pyckpt import _core
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+        if "build/sanitize" not in _core.__file__ or "libasan" not in maps:
+            raise pytest.UsageError(f"PYCKPT_EXPECT_SANITIZED is set but {_core.__file__} is not the sanitizer build "
+                                    "or ASan is not loaded")
+
 
 # name -> configuration. Names say stage, dtype, dp degree and what is special.
 CONFIGS = {

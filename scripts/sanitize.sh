@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds pyckpt's native module with AddressSanitizer + UndefinedBehaviorSanitizer and runs the
+# tests that drive it hardest (the native core, fault injection, hostile input, properties and
+# fuzzing) against that build. Extra arguments go to pytest, e.g. `-k shrink` or a longer fuzz
+# budget through PYCKPT_FUZZ_EXAMPLES. Needs scripts/setup.sh to have run (it uses .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+pip install --quiet cmake ninja 2>/dev/null || true
+BUILD=build/sanitize
+cmake -S . -B "$BUILD/cmake" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYCKPT_SANITIZE=ON \
+  -DPython_EXECUTABLE="$(command -v python)" -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" >/dev/null
+cmake --build "$BUILD/cmake" >/dev/null
+# An importable copy of the package with the instrumented module, put first on PYTHONPATH.
+rm -rf "$BUILD/pkg" && mkdir -p "$BUILD/pkg"
+cp -r pyckpt "$BUILD/pkg/pyckpt"
+find "$BUILD/pkg/pyckpt" -name '_core*.so' -delete
+cp "$BUILD"/cmake/_core*.so "$BUILD/pkg/pyckpt/"
+# An editable install (pip install -e .) resolves `pyckpt` through an import hook that outranks
+# PYTHONPATH; drop it in these processes so the copy above is what gets imported.
+cat > "$BUILD/pkg/sitecustomize.py" <<'PY'
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "ScikitBuildRedirectingFinder"]
+PY
+# Python itself is not instrumented, so the ASan runtime must be loaded before anything else, and
+# libstdc++ with it (ASan resolves its C++ exception interceptor at start-up). Leak checking is
+# off: the interpreter keeps objects alive until exit by design.
+export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libstdc++.so)"
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1:handle_sigbus=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+export PYTHONPATH="$PWD/$BUILD/pkg${PYTHONPATH:+:$PYTHONPATH}"
+export PYCKPT_EXPECT_SANITIZED=1
+if [ $# -eq 0 ]; then
+  set -- tests/test_core.py tests/test_native_faults.py tests/test_hostile_input.py \
+    $(ls tests/test_properties.py tests/test_fuzz.py 2>/dev/null)
+fi
+exec pytest -q -p no:cacheprovider "$@"
