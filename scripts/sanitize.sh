@@ -2,13 +2,15 @@
 # Builds pyckpt's native module with AddressSanitizer + UndefinedBehaviorSanitizer and runs the
 # tests that drive it hardest (the native core, fault injection, hostile input, properties and
 # fuzzing) against that build. Extra arguments go to pytest, e.g. `-k shrink` or a longer fuzz
-# budget through PYCKPT_FUZZ_EXAMPLES. Needs scripts/setup.sh to have run (it uses .venv).
+# budget through PYCKPT_FUZZ_EXAMPLES. Needs scripts/setup.sh to have run (it uses .venv), cmake
+# and a GCC with its sanitizer runtimes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-pip install --quiet cmake ninja 2>/dev/null || true
 BUILD=build/sanitize
-cmake -S . -B "$BUILD/cmake" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYCKPT_SANITIZE=ON \
+GENERATOR=()
+command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+cmake -S . -B "$BUILD/cmake" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYCKPT_SANITIZE=ON \
   -DPython_EXECUTABLE="$(command -v python)" -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" >/dev/null
 cmake --build "$BUILD/cmake" >/dev/null
 # An importable copy of the package with the instrumented module, put first on PYTHONPATH.
