@@ -670,4 +670,6 @@ def read_expert_slice(path, ep_rank: int, ep_size: int, key: str = "param", out=
             _core.execute_into([sf.path], ops, buf, workers)
         except _core.SourceChangedError as exc:
             raise InputChangedError(str(exc)) from None
+        except _core.PlanError as exc:
+            raise CheckpointFormatError(f"{sf.path}: expert rows outside the file: {exc}") from None
     return out

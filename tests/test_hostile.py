@@ -121,8 +121,8 @@ def test_failure_while_writing_leaves_nothing(ckpt_copy, tmp_path, monkeypatch):
     root, tag = ckpt_copy
     real = _core.write_archives
 
-    def failing(sources, outputs, ops, *args):
-        real(sources, outputs[:3], ops[ops[:, 2] < 3], *args)  # some files really get written first
+    def failing(sources, outputs, ops, *args, **kwargs):
+        real(sources, outputs[:3], ops[ops[:, 2] < 3], *args, **kwargs)  # some files really get written first
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(_core, "write_archives", failing)
