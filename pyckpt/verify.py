@@ -178,11 +178,11 @@ class _Files:
         sf, obj = None, None
         try:
             sf = SourceFile(path)
-            obj = sf.load()
             self.report.files += 1
             self.report.bytes_checked += sf.size
-            if not _check_members(sf, self.report, self.progress):
-                obj = None
+            # CRCs first: a corrupt data.pkl is then reported as corruption, not as a strange pickle.
+            if _check_members(sf, self.report, self.progress):
+                obj = sf.load()
         except (PyckptError, OSError) as exc:
             text = str(exc)
             self.report.add(path, text[len(path) + 2:] if text.startswith(f"{path}: ") else text)
@@ -530,7 +530,7 @@ def _verify_against(folder, against, report, files: _Files, inject_missing_state
         sf, obj = files.open(path)
         if sf is None or obj is None:
             continue
-        _compare(what, obj, sf, rel, path, report, content)
+        _compare(what, obj, sf, "", path, report, content)
 
 
 def _same_file_bytes(a: str, b: str) -> bool:
@@ -552,11 +552,11 @@ def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: Ve
     from .torch_pickle import NewTensor
     if isinstance(expected, (NewTensor, TensorRef)):
         if not isinstance(actual, TensorRef):
-            report.add(path, f"{where}: expected a tensor, found a {type(actual).__name__}")
+            report.add(path, f"{_at(where)}expected a tensor, found a {type(actual).__name__}")
             return
         shape = _shape(expected.shape)
         if (expected.dtype, shape) != (actual.dtype, _shape(actual.shape)):
-            report.add(path, f"{where}: {actual.dtype}{list(actual.shape)}, but converting the input gives "
+            report.add(path, f"{_at(where)}{actual.dtype}{list(actual.shape)}, but converting the input gives "
                        f"{expected.dtype}{shape} ({numel(shape) * ITEMSIZE[expected.dtype]} bytes)")
             return
         if content:
@@ -568,24 +568,24 @@ def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: Ve
             if got is None:
                 report.content_skipped += 1
             elif got != want:
-                report.add(path, f"{where}: tensor bytes differ from the input's (CRC-32 {got:08x}, expected "
+                report.add(path, f"{_at(where)}tensor bytes differ from the input's (CRC-32 {got:08x}, expected "
                            f"{want:08x})")
             else:
                 report.content_checked += 1
         return
     if isinstance(expected, dict):
         if not isinstance(actual, dict):
-            report.add(path, f"{where}: expected a dict, found a {type(actual).__name__}")
+            report.add(path, f"{_at(where)}expected a dict, found a {type(actual).__name__}")
             return
         if list(expected) != list(actual):
-            report.add(path, f"{where}: keys {list(actual)[:12]}, but converting the input gives {list(expected)[:12]}")
+            report.add(path, f"{_at(where)}keys {list(actual)[:12]}, but converting the input gives {list(expected)[:12]}")
             return
         for key in expected:
             _compare(expected[key], actual[key], sf, f"{where}[{key!r}]", path, report, content)
         return
     if isinstance(expected, (list, tuple)) and not isinstance(expected, str):
         if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
-            report.add(path, f"{where}: expected a sequence of {len(expected)}, found {_short(actual)}")
+            report.add(path, f"{_at(where)}expected a sequence of {len(expected)}, found {_short(actual)}")
             return
         for i, (e, a) in enumerate(zip(expected, actual)):
             _compare(e, a, sf, f"{where}[{i}]", path, report, content)
@@ -597,7 +597,12 @@ def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: Ve
         if isinstance(expected, float) and isinstance(actual, float) and math.isnan(expected) and math.isnan(actual):
             same = True
         if not same:
-            report.add(path, f"{where}: {_short(actual)}, but converting the input gives {_short(expected)}")
+            report.add(path, f"{_at(where)}{_short(actual)}, but converting the input gives {_short(expected)}")
+
+
+def _at(where: str) -> str:
+    """Where in the file's object a difference is: '' for the whole object, else a key path."""
+    return f"at {where}: " if where else ""
 
 
 def _short(value) -> str:
