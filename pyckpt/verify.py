@@ -482,7 +482,6 @@ def _verify_folder(folder: str, report: VerifyReport, files: _Files) -> None:
 # -- against the ZeRO checkpoint ---------------------------------------------------------------
 
 def _verify_against(folder, against, report, files: _Files, inject_missing_state, dense_only, content):
-    from .plan import Plan  # noqa: F401  (numpy and the native module load only here)
     from .universal import build_plan
     from .checkpoint import discover
     try:
@@ -504,9 +503,18 @@ def _verify_against(folder, against, report, files: _Files, inject_missing_state
     for dirpath, dirnames, filenames in os.walk(folder):
         for f in filenames:
             present.add(os.path.relpath(os.path.join(dirpath, f), folder).replace(os.sep, "/"))
-    for rel in sorted(set(planned) - present):
-        report.add(os.path.join(folder, rel), f"missing: converting {ck.folder} writes it")
     planned_params = {rel.split("/")[1] for rel in planned if rel.startswith("zero/") and rel.count("/") == 2}
+    present_params = {rel.split("/")[1] for rel in present if rel.startswith("zero/") and rel.count("/") == 2}
+    missing_params = set()
+    for rel in sorted(set(planned) - present):
+        parts = rel.split("/")
+        if len(parts) == 3 and parts[0] == "zero" and parts[1] not in present_params:
+            if parts[1] not in missing_params:  # one line for the whole folder, not one per state file
+                missing_params.add(parts[1])
+                report.add(os.path.join(folder, "zero", parts[1]), f"missing parameter folder: converting "
+                           f"{ck.folder} writes it")
+            continue
+        report.add(os.path.join(folder, rel), f"missing: converting {ck.folder} writes it")
     reported_dirs = set()
     for rel in sorted(present - set(planned)):
         parts = rel.split("/")
@@ -517,6 +525,14 @@ def _verify_against(folder, against, report, files: _Files, inject_missing_state
                            "writes no such folder")
             continue
         report.add(os.path.join(folder, rel), f"extra file: converting {ck.folder} does not write it")
+    reader = _Reader()
+    try:
+        _compare_files(folder, planned, present, report, files, reader, content)
+    finally:
+        reader.close()
+
+
+def _compare_files(folder, planned, present, report, files, reader, content) -> None:
     for rel in sorted(set(planned) & present):
         path = os.path.join(folder, rel)
         kind, what = planned[rel]
@@ -530,7 +546,7 @@ def _verify_against(folder, against, report, files: _Files, inject_missing_state
         sf, obj = files.open(path)
         if sf is None or obj is None:
             continue
-        _compare(what, obj, sf, "", path, report, content)
+        _compare(what, obj, sf, "", path, report, reader if content else None)
 
 
 def _same_file_bytes(a: str, b: str) -> bool:
@@ -547,8 +563,9 @@ def _same_file_bytes(a: str, b: str) -> bool:
         os.close(fb)
 
 
-def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: VerifyReport, content: bool) -> None:
-    """Walk the planned object and the file's object together; tensors by dtype, shape and CRC."""
+def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: VerifyReport, reader) -> None:
+    """Walk the planned object and the file's object together; tensors by dtype, shape and (with a
+    ``reader``) the CRC-32 of their bytes."""
     from .torch_pickle import NewTensor
     if isinstance(expected, (NewTensor, TensorRef)):
         if not isinstance(actual, TensorRef):
@@ -559,12 +576,12 @@ def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: Ve
             report.add(path, f"{_at(where)}{actual.dtype}{list(actual.shape)}, but converting the input gives "
                        f"{expected.dtype}{shape} ({numel(shape) * ITEMSIZE[expected.dtype]} bytes)")
             return
-        if content:
-            want = _planned_crc(expected)
+        if reader is not None:
+            want = _planned_crc(expected, reader)
             if want is None:
                 report.content_skipped += 1
                 return
-            got = _file_tensor_crc(sf, actual)
+            got = _file_tensor_crc(sf, actual, reader)
             if got is None:
                 report.content_skipped += 1
             elif got != want:
@@ -581,14 +598,14 @@ def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: Ve
             report.add(path, f"{_at(where)}keys {list(actual)[:12]}, but converting the input gives {list(expected)[:12]}")
             return
         for key in expected:
-            _compare(expected[key], actual[key], sf, f"{where}[{key!r}]", path, report, content)
+            _compare(expected[key], actual[key], sf, f"{where}[{key!r}]", path, report, reader)
         return
     if isinstance(expected, (list, tuple)) and not isinstance(expected, str):
         if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
             report.add(path, f"{_at(where)}expected a sequence of {len(expected)}, found {_short(actual)}")
             return
         for i, (e, a) in enumerate(zip(expected, actual)):
-            _compare(e, a, sf, f"{where}[{i}]", path, report, content)
+            _compare(e, a, sf, f"{where}[{i}]", path, report, reader)
         return
     if isinstance(expected, Opaque):
         return  # inert records (loss scaler, enums) are written back as read; nothing to compare by value
@@ -610,7 +627,7 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:80] + "..."
 
 
-def _planned_crc(t) -> Optional[int]:
+def _planned_crc(t, reader: "_Reader") -> Optional[int]:
     """CRC-32 of the bytes the plan would write for ``t``, or None when not worth computing."""
     from .torch_pickle import NewTensor
     if isinstance(t, TensorRef):
@@ -618,7 +635,7 @@ def _planned_crc(t) -> Optional[int]:
         if not t.is_contiguous():
             return None
         off, n = sf.tensor_byte_range(t)
-        return _range_crc(sf, off, n)
+        return reader.crc(sf, off, n)
     if not isinstance(t, NewTensor):
         return None
     nbytes = numel(t.shape) * ITEMSIZE[t.dtype]
@@ -630,21 +647,46 @@ def _planned_crc(t) -> Optional[int]:
         for p in pieces:
             if p.dst_off != pos:
                 return None  # not a plain concatenation: would need assembling
-            crc = _range_crc(p.src, p.src_off, p.nbytes, crc)
+            crc = reader.crc(p.src, p.src_off, p.nbytes, crc)
             pos += p.nbytes
         return crc if pos == nbytes else None
     if nbytes > _ASSEMBLE_LIMIT:
         return None
-    return _crc32(_assemble(t, nbytes))
+    return _crc32(_assemble(t, nbytes, reader))
 
 
-def _range_crc(sf, off: int, n: int, crc: int = 0) -> int:
-    for start in range(off, off + n, _CHUNK):
-        crc = _crc32(sf.read_bytes(start, min(off + n, start + _CHUNK) - start), crc)
-    return crc
+class _Reader:
+    """Reads byte ranges of checked files through one descriptor per file: a ZeRO plan has a piece
+    per parameter per rank, and opening the shard for each would dominate the comparison."""
+
+    def __init__(self):
+        self._fds: Dict[str, Tuple[int, int]] = {}
+
+    def read(self, sf, off: int, n: int) -> bytes:
+        entry = self._fds.get(sf.path)
+        if entry is None:
+            fd = open_regular(sf.path)
+            entry = self._fds[sf.path] = (fd, os.fstat(fd).st_size)
+        fd, size = entry
+        if off < 0 or n < 0 or off + n > size:
+            raise CheckpointFormatError(f"{sf.path}: byte range [{off}, {off + n}) is outside the {size}-byte file")
+        data = os.pread(fd, n, off)
+        if len(data) != n:
+            raise CheckpointFormatError(f"{sf.path}: the file shrank while being read")
+        return data
+
+    def crc(self, sf, off: int, n: int, crc: int = 0) -> int:
+        for start in range(off, off + n, _CHUNK):
+            crc = _crc32(self.read(sf, start, min(off + n, start + _CHUNK) - start), crc)
+        return crc
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
-def _assemble(t, nbytes: int) -> bytes:
+def _assemble(t, nbytes: int, reader: "_Reader") -> bytes:
     """The planned bytes of a strided or converting NewTensor, as the executor would write them."""
     import numpy as np
     from .native import _core
@@ -662,7 +704,7 @@ def _assemble(t, nbytes: int) -> bytes:
     }
     for p in t.pieces:
         for i in range(max(1, p.rows)):
-            data = p.src.read_bytes(p.src_off + i * p.nbytes, p.nbytes)
+            data = reader.read(p.src, p.src_off + i * p.nbytes, p.nbytes)
             if p.kind:
                 data = to_f32[p.kind](data).tobytes()
             dst = p.dst_off + i * p.stride
@@ -670,7 +712,7 @@ def _assemble(t, nbytes: int) -> bytes:
     return bytes(out)
 
 
-def _file_tensor_crc(sf: SourceFile, t: TensorRef) -> Optional[int]:
+def _file_tensor_crc(sf: SourceFile, t: TensorRef, reader: "_Reader") -> Optional[int]:
     if not t.is_contiguous():
         return None
     off, n = sf.tensor_byte_range(t)
@@ -678,7 +720,7 @@ def _file_tensor_crc(sf: SourceFile, t: TensorRef) -> Optional[int]:
     member = sf.members.get(name)
     if member is not None and member[0] == off and member[1] == n:
         return member[2]  # the whole record: its stored CRC, already checked against the bytes
-    return _range_crc(sf, off, n)
+    return reader.crc(sf, off, n)
 
 
 class _Progress:

@@ -268,7 +268,8 @@ def test_against_other_model(pyckpt_universal, checkpoints):
     assert proc.returncode == 1
     lines = proc.stdout.splitlines()
     assert any(line.startswith(f"{out / 'zero'}/") and "extra parameter: converting" in line for line in lines)
-    assert any("missing: converting" in line for line in lines)
+    assert any(line.startswith(f"{out / 'zero' / 'emb.weight'}: missing parameter folder: converting") for line in lines)
+    assert any(line.startswith(f"{out / 'mp_rank_00_model_states.pt'}: is ") and "the copy of" in line for line in lines)
     assert lines[-1].startswith("FAILED: ")
 
 
@@ -283,3 +284,13 @@ def test_against_planned_file_missing(pyckpt_universal, checkpoints, tmp_path):
 
 def test_lazy_export():
     assert pyckpt.verify_universal is verify_universal and "verify_universal" in dir(pyckpt)
+
+
+def test_against_missing_parameter_is_one_line_per_source(pyckpt_universal, checkpoints, tmp_path):
+    # The layout check and the plan both name the folder; its four state files are not listed again.
+    _, u = _copy(pyckpt_universal, "s2_bf16_dp2", tmp_path)
+    victim = _trainable(u)
+    shutil.rmtree(victim)
+    problems = _problems(verify_universal(u, against=checkpoints["s2_bf16_dp2"].root))
+    assert len(problems) == 2 and all(p.startswith(f"{victim}: missing parameter folder: ") for p in problems)
+    assert problems[1].endswith(f"converting {checkpoints['s2_bf16_dp2'].tag_dir} writes it")
