@@ -294,3 +294,12 @@ def test_against_missing_parameter_is_one_line_per_source(pyckpt_universal, chec
     problems = _problems(verify_universal(u, against=checkpoints["s2_bf16_dp2"].root))
     assert len(problems) == 2 and all(p.startswith(f"{victim}: missing parameter folder: ") for p in problems)
     assert problems[1].endswith(f"converting {checkpoints['s2_bf16_dp2'].tag_dir} writes it")
+
+
+def test_corrupt_model_states_is_one_problem(pyckpt_universal, tmp_path):
+    # The parameter set comes from this file: its corruption is reported once, not as N extra folders.
+    _, u = _copy(pyckpt_universal, "s2_bf16_frozen_tied", tmp_path)
+    victim = u / "mp_rank_00_model_states.pt"
+    os.truncate(victim, 100)
+    problems = _problems(verify_universal(u))
+    assert len(problems) == 1 and problems[0].startswith(f"{victim}: ")
