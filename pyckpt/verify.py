@@ -598,7 +598,8 @@ def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: Ve
             report.add(path, f"{_at(where)}expected a dict, found a {type(actual).__name__}")
             return
         if list(expected) != list(actual):
-            report.add(path, f"{_at(where)}keys {list(actual)[:12]}, but converting the input gives {list(expected)[:12]}")
+            report.add(path, f"{_at(where)}keys {list(actual)[:12]}, but converting the input gives "
+                       f"{list(expected)[:12]}")
             return
         for key in expected:
             _compare(expected[key], actual[key], sf, f"{where}[{key!r}]", path, report, reader)
