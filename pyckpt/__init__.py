@@ -16,10 +16,13 @@ _LAZY = {
     "ConversionReport": "universal",
     "read_expert_slice": "autoep",
     "check_load_topology": "autoep",
+    "verify_universal": "verify",
+    "VerifyReport": "verify",
 }
 
 __all__ = [
-    "convert_to_universal", "ConversionReport", "read_expert_slice", "check_load_topology", "PyckptError",
+    "convert_to_universal", "ConversionReport", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
+    "PyckptError",
     "CheckpointFormatError", "UnsafePickleError", "OutputExistsError", "UnsupportedCheckpointError", "AutoEPError",
     "MissingExpertFileError"
 ]
