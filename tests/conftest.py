@@ -26,6 +26,21 @@ def pytest_configure(config):
                                     "or ASan is not loaded")
 
 
+# Fixtures that train with DeepSpeed or run its converter: a test using one is `slow`, so
+# `pytest -m "not slow"` runs the rest in seconds.
+DEEPSPEED_FIXTURES = {"checkpoints", "deepspeed_universal", "pyckpt_universal", "ds_root", "ds_environ",
+                      "dsh_checkpoints", "dsh_universal", "dsh_loaded", "generated"}
+# Tests that launch DeepSpeed or a benchmark themselves.
+SLOW_TESTS = {"test_failing_rank_fails_the_launch_fast", "test_structure_matches_real_deepspeed_saves",
+              "test_run_quick"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if DEEPSPEED_FIXTURES & set(getattr(item, "fixturenames", ())) or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 # name -> configuration. Names say stage, dtype, dp degree and what is special.
 CONFIGS = {
     "s1_fp32_dp2": Config(1, "fp32", 2),

@@ -1,0 +1,404 @@
+"""Fuzzing every parser of untrusted bytes, seeded from real DeepSpeed checkpoints.
+
+Targets: the ZIP reader (whole .pt files with damaged structure), the safe unpickler (damaged
+data.pkl bytes), tensor-reference resolution (the storage key, element count, offset, sizes and
+strides of tensor records rewritten to hostile values), and whole conversions of checkpoints with
+one damaged file. The oracle is the one pyckpt promises:
+
+* the run ends in a pyckpt error (a ``PyckptError``) whose message is one line naming the file, or
+* it succeeds, and then every output file loads with ``torch.load(weights_only=True)``;
+
+and in both cases nothing appears outside the output folder and the input is byte-for-byte as it
+was. Any other exception, a crash, or a hang fails.
+
+The budget is fixed and the inputs are derandomized, so CI runs the same inputs every time:
+``PYCKPT_FUZZ_EXAMPLES`` per cheap target (default 600), a fifth of that for whole conversions.
+A longer campaign: ``PYCKPT_FUZZ_EXAMPLES=20000 pytest -m fuzz`` (tests/README.md).
+``PYCKPT_FUZZ_REPORT=path.json`` writes how many inputs each target ran and how they ended.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import pickletools
+import shutil
+import struct
+import tempfile
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pyckpt
+from pyckpt.archive import SourceFile
+from pyckpt.errors import PyckptError
+from pyckpt.safe_pickle import loads_with_storages
+
+pytestmark = pytest.mark.fuzz
+
+EXAMPLES = int(os.environ.get("PYCKPT_FUZZ_EXAMPLES", "600"))
+E2E_EXAMPLES = max(1, EXAMPLES // 5)
+SEED_CONFIGS = ["s2_bf16_dp2", "s3_fp32_dp2_subgroups", "tp_s1_fp32", "ep_s3_fp32"]
+E2E_CONFIGS = ["s2_bf16_dp2", "s3_fp32_dp2_subgroups"]
+
+TALLY: dict = collections.defaultdict(collections.Counter)
+
+
+def _settings(n):
+    return settings(max_examples=n, derandomize=True, database=None, deadline=None, print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    path = os.environ.get("PYCKPT_FUZZ_REPORT")
+    if path:
+        report = {t: {"inputs": sum(c.values()), "outcomes": dict(sorted(c.items()))}
+                  for t, c in TALLY.items() if not t.startswith("rule:")}
+        rules = collections.Counter()
+        for t, c in TALLY.items():
+            if t.startswith("rule:"):
+                rules.update(c)
+        report["refusals_by_rule"] = dict(rules.most_common(40))
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, sort_keys=True)
+
+
+# -- seeds -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def seed_files(checkpoints):
+    """Real .pt files of several layouts (ZeRO-2, ZeRO-3 with sub-groups, AutoTP, AutoEP)."""
+    files = []
+    for name in SEED_CONFIGS:
+        tag = checkpoints[name].tag_dir
+        for pattern in ("*model_states.pt", "*optim_states.pt"):
+            files.append(sorted(tag.glob(pattern))[0])
+    return [(str(p), p.read_bytes()) for p in files]
+
+
+def _members(data: bytes, path: str):
+    """(local header offset, data offset, size) of each member, from pyckpt's own reader."""
+    sf = SourceFile(path)
+    return [(off - 30 - len(name.encode()) - _extra_len(data, off, name), off, size)
+            for name, (off, size, _) in sf.members.items()], sf
+
+
+def _extra_len(data, data_off, name):
+    # torch pads local headers with an extra field up to the 64-byte record alignment; find the
+    # header by its signature just before the name.
+    n = len(name.encode())
+    for extra in range(0, 128):
+        start = data_off - 30 - n - extra
+        if start >= 0 and data[start:start + 4] == b"PK\x03\x04":
+            return extra
+    return 0
+
+
+# -- the oracle --------------------------------------------------------------------------------------
+
+def _check_error(exc: BaseException, *names: str) -> str:
+    """A pyckpt error, one line, naming one of ``names``; returns the outcome class for the tally."""
+    if not isinstance(exc, PyckptError):
+        raise AssertionError(f"not a pyckpt error: {type(exc).__name__}: {exc}") from exc
+    msg = str(exc)
+    assert msg and "\n" not in msg and "\r" not in msg, f"not one line: {msg!r}"
+    assert any(n in msg for n in names), f"names none of {names}: {msg}"
+    TALLY["rule:"][_rule(msg, names)] += 1
+    return type(exc).__name__
+
+
+def _rule(msg: str, names) -> str:
+    """The message without the file name and numbers, to count refusals by the rule they cite."""
+    import re
+    for n in sorted(names, key=len, reverse=True):
+        msg = msg.replace(n, "<file>")
+    msg = re.sub(r"<file>[^\s:']*", "<file>", msg)
+    msg = re.sub(r"'[^']*'", "'…'", msg)
+    msg = re.sub(r"\d+", "N", msg)
+    return msg[:110]
+
+
+# -- mutations ---------------------------------------------------------------------------------------
+
+INTERESTING_INTS = [0, 1, -1, 2, 3, 7, 8, 63, 64, 255, 256, 4095, 4096, 65535, 65536, 2**31 - 1, 2**31, -2**31,
+                    2**32 - 1, 2**32, 2**62, 2**63 - 1, -2**63, 2**64, 10**30]
+INTERESTING_STRS = ["", ".", "..", "../../../../escape", "/abs", "a/b", "a\x00b", "a\nb", "x" * 300, "0", "1",
+                    "99", "-1", "cpu", "cuda:0", "storage", "é", "\udcff", "param_groups", "state"]
+
+
+def _patch_bytes(draw, data: bytes, focus=None) -> bytes:
+    """One byte-level change: flips, overwrites, a run of one value, a cut, an insertion, a copy."""
+    n = len(data)
+    if focus and draw(st.booleans()):
+        lo, hi = focus[draw(st.integers(0, len(focus) - 1))]
+    else:
+        lo, hi = 0, n
+    hi = max(lo + 1, min(hi, n))
+    pos = draw(st.integers(lo, hi - 1))
+    kind = draw(st.sampled_from(["flip", "set", "run", "truncate", "insert", "delete", "copy"]))
+    if kind == "flip":
+        return data[:pos] + bytes([data[pos] ^ (1 << draw(st.integers(0, 7)))]) + data[pos + 1:]
+    if kind == "set":
+        return data[:pos] + bytes([draw(st.sampled_from([0, 0xFF, 0x7F, 0x80, 0x01]))]) + data[pos + 1:]
+    if kind == "run":
+        length = draw(st.integers(1, 16))
+        return data[:pos] + bytes([draw(st.sampled_from([0, 0xFF]))]) * length + data[pos + length:]
+    if kind == "truncate":
+        return data[:pos]
+    if kind == "insert":
+        return data[:pos] + draw(st.binary(min_size=1, max_size=8)) + data[pos:]
+    if kind == "delete":
+        return data[:pos] + data[pos + draw(st.integers(1, 8)):]
+    src = draw(st.integers(0, n - 1))
+    length = draw(st.integers(1, 32))
+    return data[:pos] + data[src:src + length] + data[pos + length:]
+
+
+def _encode_int(value: int) -> bytes:
+    if value == 0:
+        return b"\x8a\x00"
+    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw  # LONG1: any int, whatever the opcode it replaces
+
+
+def _encode_str(text: str) -> bytes:
+    raw = text.encode("utf-8", "surrogatepass")
+    return b"X" + struct.pack("<I", len(raw)) + raw  # BINUNICODE
+
+
+INT_OPS = {"BININT", "BININT1", "BININT2", "LONG1"}
+STR_OPS = {"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+
+
+def _pickle_slots(data: bytes):
+    """(kind, start, end, inside_tensor) for every int and str argument of the pickle."""
+    ops = list(pickletools.genops(data))
+    slots = []
+    rebuild_memo = set()
+    in_tensor = False
+    for i, (op, arg, pos) in enumerate(ops):
+        end = ops[i + 1][2] if i + 1 < len(ops) else len(data)
+        if op.name in ("GLOBAL", "STACK_GLOBAL") and arg and "_rebuild_tensor" in str(arg):
+            in_tensor = True
+            if i + 1 < len(ops) and ops[i + 1][0].name in ("BINPUT", "LONG_BINPUT"):
+                rebuild_memo.add(ops[i + 1][1])
+        elif op.name in ("BINGET", "LONG_BINGET") and arg in rebuild_memo:
+            in_tensor = True
+        elif op.name == "REDUCE":
+            in_tensor = False
+        if op.name in INT_OPS:
+            slots.append(("int", pos, end, in_tensor))
+        elif op.name in STR_OPS:
+            slots.append(("str", pos, end, in_tensor))
+    return slots
+
+
+def _patch_pickle_args(draw, data: bytes, tensors_only: bool) -> bytes:
+    slots = [s for s in _pickle_slots(data) if s[3] or not tensors_only]
+    if not slots:
+        return data
+    for _ in range(draw(st.integers(1, 3))):
+        kind, start, end, _ = slots[draw(st.integers(0, len(slots) - 1))]
+        if kind == "int":
+            old = None
+            value = draw(st.one_of(st.sampled_from(INTERESTING_INTS), st.integers(-2**40, 2**40)))
+            if draw(st.booleans()):  # near the real value: off-by-one and friends
+                for op, arg, pos in pickletools.genops(data[start:end] + b"."):
+                    old = arg
+                    break
+                if isinstance(old, int):
+                    value = old + draw(st.sampled_from([-1, 1, -8, 8, 64, -64, 4096]))
+            new = _encode_int(value)
+        else:
+            new = _encode_str(draw(st.sampled_from(INTERESTING_STRS)))
+        data = data[:start] + new + data[end:]
+        delta = len(new) - (end - start)
+        slots = [(k, s + delta if s > start else s, e + delta if s > start else e, t) for k, s, e, t in slots
+                 if s != start]
+        if not slots:
+            break
+    return data
+
+
+def _replace_pickle(path: str, data: bytes, pkl: bytes) -> bytes:
+    """The archive with its data.pkl replaced (a valid ZIP: pyckpt's reader must get to the pickle)."""
+    import io
+    import zipfile
+    with zipfile.ZipFile(io.BytesIO(data)) as zin:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zout:
+            for info in zin.infolist():
+                body = pkl if info.filename.endswith("/data.pkl") else zin.read(info.filename)
+                zout.writestr(info.filename, body)
+    return buf.getvalue()
+
+
+# -- targets -----------------------------------------------------------------------------------------
+
+def _load_like_convert(path: str) -> None:
+    SourceFile(path).load()
+
+
+@_settings(EXAMPLES)
+@given(data=st.data())
+def test_fuzz_zip_reader(seed_files, data):
+    path, original = seed_files[data.draw(st.integers(0, len(seed_files) - 1))]
+    members, _ = _members(original, path)
+    # ZIP structure lives in the local headers and the central directory at the end: aim there.
+    focus = [(h, h + 96) for h, _, _ in members] + [(min(o + s for _, o, s in members), len(original))]
+    mutated = _patch_bytes(data.draw, original, focus)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = os.path.join(tmp, os.path.basename(path))
+        with open(target, "wb") as f:
+            f.write(mutated)
+        try:
+            _load_like_convert(target)
+            outcome = "ok"
+        except Exception as exc:  # the oracle decides what is allowed
+            outcome = _check_error(exc, target)
+    TALLY["zip"][outcome] += 1
+
+
+@_settings(EXAMPLES)
+@given(data=st.data())
+def test_fuzz_safe_unpickler(seed_files, data):
+    path, original = seed_files[data.draw(st.integers(0, len(seed_files) - 1))]
+    sf = SourceFile(path)
+    pkl = sf._pickle_bytes
+    if data.draw(st.booleans()):
+        mutated = _patch_bytes(data.draw, pkl)
+    else:
+        mutated = _patch_pickle_args(data.draw, pkl, tensors_only=False)
+    where = "fuzz/archive/data.pkl"
+    try:
+        _, storages = loads_with_storages(mutated, source=sf, where=where)
+        for storage in storages.values():
+            sf.storage_offset(storage)
+        outcome = "ok"
+    except Exception as exc:
+        outcome = _check_error(exc, where, path)
+    TALLY["unpickler"][outcome] += 1
+
+
+@_settings(EXAMPLES)
+@given(data=st.data())
+def test_fuzz_tensor_references(seed_files, data):
+    path, original = seed_files[data.draw(st.integers(0, len(seed_files) - 1))]
+    pkl = SourceFile(path)._pickle_bytes
+    mutated = _replace_pickle(path, original, _patch_pickle_args(data.draw, pkl, tensors_only=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        target = os.path.join(tmp, os.path.basename(path))
+        with open(target, "wb") as f:
+            f.write(mutated)
+        try:
+            sf = SourceFile(target)
+            obj = sf.load()
+            outcome = "ok"
+            # Accepted references must be ones torch itself would resolve to the same bytes.
+            _check_refs_within_records(sf, obj)
+        except AssertionError:
+            raise
+        except Exception as exc:
+            outcome = _check_error(exc, target)
+    TALLY["tensor-refs"][outcome] += 1
+
+
+def _check_refs_within_records(sf, obj, depth=0):
+    from pyckpt.safe_pickle import TensorRef
+    if depth > 50:
+        return
+    if isinstance(obj, TensorRef):
+        if obj.numel() == 0:
+            return
+        off, size, _ = sf.members[f"{sf.prefix}/data/{obj.storage.key}"]
+        assert obj.offset >= 0
+        last = obj.offset + sum((d - 1) * s for d, s in zip(obj.shape, obj.stride))
+        assert (last + 1) * obj.itemsize <= size, (obj, size)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _check_refs_within_records(sf, v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _check_refs_within_records(sf, v, depth + 1)
+
+
+def _passed_through():
+    """The classes pyckpt writes back by name because DeepSpeed's own files hold them (loss scalers,
+    fragment addresses, ZeroStageEnum, ...): torch's weights-only loader must allow exactly these,
+    as DeepSpeed's outputs need them too; anything else in an output fails the oracle."""
+    import importlib
+    from pyckpt.safe_pickle import OPAQUE_CLASSES, OPAQUE_ENUMS
+    found = []
+    for module, name in sorted(OPAQUE_CLASSES | OPAQUE_ENUMS):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # e.g. numpy.core vs numpy._core spellings
+            continue
+    return found
+
+
+def _digest(folder):
+    out = {}
+    for d, _, fs in os.walk(folder):
+        for f in fs:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), folder)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def e2e_seeds(checkpoints):
+    return {name: checkpoints[name] for name in E2E_CONFIGS}
+
+
+@_settings(E2E_EXAMPLES)
+@given(data=st.data())
+def test_fuzz_whole_conversion(e2e_seeds, data):
+    name = data.draw(st.sampled_from(E2E_CONFIGS))
+    ck = e2e_seeds[name]
+    files = sorted(p.name for p in ck.tag_dir.iterdir() if p.suffix == ".pt")
+    victim = data.draw(st.sampled_from(files))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "ckpt")
+        shutil.copytree(ck.root, root)
+        path = os.path.join(root, ck.tag, victim)
+        with open(path, "rb") as f:
+            original = f.read()
+        how = data.draw(st.sampled_from(["bytes", "pickle-args", "tensor-refs"]))
+        if how == "bytes":
+            members, _ = _members(original, path)
+            focus = [(h, h + 96) for h, _, _ in members] + [(min(o + s for _, o, s in members), len(original))]
+            mutated = _patch_bytes(data.draw, original, focus)
+        else:
+            pkl = SourceFile(path)._pickle_bytes
+            mutated = _replace_pickle(path, original, _patch_pickle_args(data.draw, pkl, how == "tensor-refs"))
+        with open(path, "wb") as f:
+            f.write(mutated)
+        before = _digest(root)
+        out_parent = os.path.join(tmp, "out")
+        out = os.path.join(out_parent, "u")
+        try:
+            pyckpt.convert_to_universal(root, out, workers=1, progress=False,
+                                        inject_missing_state=True)
+            outcome = "ok"
+            with torch.serialization.safe_globals(_passed_through()):
+                for d, _, fs in os.walk(out):
+                    for f in fs:
+                        torch.load(os.path.join(d, f), weights_only=True, map_location="cpu")
+        except Exception as exc:
+            outcome = _check_error(exc, root, out)
+            assert not os.path.exists(out), "a failed run left an output"
+        assert _digest(root) == before, "the input changed"
+        outside = sorted(os.listdir(tmp))
+        assert outside == (["ckpt", "out"] if os.path.exists(out_parent) else ["ckpt"]), outside
+        if os.path.exists(out_parent):
+            left = sorted(n for n in os.listdir(out_parent) if n not in ("u", "latest_universal", ".u.pyckpt-lock"))
+            assert left == [], left
+    TALLY[f"conversion:{how}"][outcome] += 1
