@@ -371,3 +371,24 @@ def test_ctrl_c_during_start_up_prints_no_traceback(delay, checkpoints, tmp_path
         assert "interrupted" in err and not out.exists()
     if proc.returncode != 0 and out.parent.exists():
         assert stale_entries(str(out.parent), "u") == []
+
+
+def test_executor_refusing_a_plan_becomes_a_pyckpt_error(checkpoints, tmp_path, monkeypatch):
+    """A plan the executor refuses (a planner bug, or input that got past the planner's checks) is a
+    one-line pyckpt error naming the staging folder, and nothing is published."""
+    from pyckpt.errors import PlanCheckError
+    from pyckpt.plan import Plan
+
+    real = Plan.compile
+
+    def with_a_gap(self, root):
+        sources, outputs, ops, nbytes = real(self, root)
+        return sources, outputs, ops[1:], nbytes  # the first copy is lost: its record has a gap
+
+    monkeypatch.setattr(Plan, "compile", with_a_gap)
+    out = tmp_path / "out" / "u"
+    with pytest.raises(PlanCheckError) as ei:
+        pyckpt.convert_to_universal(checkpoints[NAME].root, out, progress=False)
+    msg = str(ei.value)
+    assert "\n" not in msg and "failed the executor's checks" in msg and "gap" in msg and str(out.parent) in msg
+    assert not out.exists() and stale_entries(str(out.parent), "u") == []
