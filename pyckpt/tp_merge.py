@@ -356,8 +356,8 @@ def _keep_rows(t: NewTensor, rows: int, name: str) -> NewTensor:
     kept = []
     for p in t.pieces:
         if p.rows > 1:
-            fit = min(p.rows, max(0, (limit - p.dst_off + p.stride - p.nbytes) // p.stride + 1)
-                      if p.dst_off + p.nbytes <= limit else 0)
+            # Row i spans [dst_off + i*stride, +nbytes): it is kept when that ends by the limit.
+            fit = min(p.rows, (limit - p.dst_off - p.nbytes) // p.stride + 1) if p.dst_off + p.nbytes <= limit else 0
             if fit:
                 kept.append(Piece(p.src, p.src_off, p.nbytes, p.dst_off, p.kind, fit, p.stride if fit > 1 else 0))
         elif p.dst_off < limit:

@@ -359,15 +359,11 @@ def test_tp_vocab_clip_of_block_merge_matches_numpy(workdir, case):
 
 
 # Row-parallel 4x2 and 4x3 float32 slices, whole in one file each, clipped to 1 row: the merge makes
-# two strided pieces of 4 rows, and the clip keeps 2 rows of each instead of 1.
+# two strided pieces of 4 rows, and the clip once kept 2 rows of each instead of 1 (ops that wrote
+# past the clipped tensor, which the executor refused).
 ROW_CLIP_BUG = ("row", 1, [(4, 2), (4, 3)], None, 1, "float32", 0, [[], []], 1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tp_merge._keep_rows keeps one row too many of a strided piece that the clip cuts: "
-    "fit = (limit - dst_off + stride - nbytes) // stride + 1 counts rows ending up to one stride past "
-    "the limit (should be (limit - dst_off - nbytes) // stride + 1), so original_vocab_size on a "
-    "row-parallel or sub-parameter merge yields ops writing past the clipped tensor"))
 @props(150)
 @example(case=ROW_CLIP_BUG)
 @given(case=tp_case(rules=("row", "sub"), clip=True))
