@@ -12,7 +12,7 @@ and in both cases nothing appears outside the output folder and the input is byt
 was. Any other exception, a crash, or a hang fails.
 
 The budget is fixed and the inputs are derandomized, so CI runs the same inputs every time:
-``PYCKPT_FUZZ_EXAMPLES`` per cheap target (default 600), a fifth of that for whole conversions.
+``PYCKPT_FUZZ_EXAMPLES`` per cheap target (default 1000), a fifth of that for whole conversions.
 A longer campaign: ``PYCKPT_FUZZ_EXAMPLES=20000 pytest -m fuzz`` (tests/README.md).
 ``PYCKPT_FUZZ_REPORT=path.json`` writes how many inputs each target ran and how they ended.
 """
@@ -40,7 +40,7 @@ from pyckpt.safe_pickle import loads_with_storages
 
 pytestmark = pytest.mark.fuzz
 
-EXAMPLES = int(os.environ.get("PYCKPT_FUZZ_EXAMPLES", "600"))
+EXAMPLES = int(os.environ.get("PYCKPT_FUZZ_EXAMPLES", "1000"))
 E2E_EXAMPLES = max(1, EXAMPLES // 5)
 SEED_CONFIGS = ["s2_bf16_dp2", "s3_fp32_dp2_subgroups", "tp_s1_fp32", "ep_s3_fp32"]
 E2E_CONFIGS = ["s2_bf16_dp2", "s3_fp32_dp2_subgroups"]
