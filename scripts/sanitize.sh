@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
+# The normal install builds in an isolated environment; this build needs pybind11 here (pinned).
+PIP_CONSTRAINT="$PWD/constraints.txt" python -m pip install --quiet pybind11
 BUILD=build/sanitize
 GENERATOR=()
 command -v ninja >/dev/null && GENERATOR=(-G Ninja)
