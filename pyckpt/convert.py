@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
 import signal
 import sys
+
+
+def _interrupted_while_starting(signum, frame):
+    # Until main() runs, Ctrl-C would surface as a traceback from whichever import it hit.
+    print("pyckpt: interrupted while starting; nothing was written", file=sys.stderr)
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+import argparse  # noqa: E402  (after the start-up handler on purpose)
+import json  # noqa: E402
 
 DESCRIPTION = """\
 Convert a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint to DeepSpeed's Universal Checkpoint layout,
@@ -76,6 +88,8 @@ def _terminate(signum, frame):
 
 
 def main(argv=None) -> int:
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C cleans up
     parser = build_parser()
     args = parser.parse_args(argv)
     previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from .errors import CheckpointFormatError, UnsafePickleError
+from .native import _core
 
 # Legacy storage class names in persistent ids -> (dtype name, itemsize).
 STORAGE_DTYPES: Dict[str, Tuple[str, int]] = {
@@ -385,6 +386,12 @@ def loads(data: bytes, source=None, where: str = "<pickle>") -> Any:
 
 def loads_with_storages(data: bytes, source=None, where: str = "<pickle>") -> Tuple[Any, Dict[str, StorageRef]]:
     """``loads``, plus every storage record the pickle names (for checking them against the archive)."""
+    stores, max_index, at = _core.pickle_memo_scan(data)
+    if max_index >= stores:
+        # CPython's unpickler would size its memo array from this index (a 5-byte edit can make it
+        # allocate and zero gigabytes); a real pickler numbers its stores 0, 1, 2, ...
+        raise CheckpointFormatError(f"{where}: memo index {max_index} (at byte {at}) is beyond the {stores} "
+                                    "objects the pickle stores: corrupt or crafted pickle")
     reader = _Reader(data, source, where)
     try:
         return reader.load(), reader.storages()

@@ -30,12 +30,22 @@ PY
 # libstdc++ with it (ASan resolves its C++ exception interceptor at start-up). Leak checking is
 # off: the interpreter keeps objects alive until exit by design.
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libstdc++.so)"
-export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1:handle_sigbus=1"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+# Reports go to files as well as being fatal: pytest's capture would swallow them from stderr.
+REPORTS="$PWD/$BUILD/reports"
+rm -rf "$REPORTS" && mkdir -p "$REPORTS"
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allow_user_segv_handler=1:handle_sigbus=1:log_path=$REPORTS/asan"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$REPORTS/ubsan"
 export PYTHONPATH="$PWD/$BUILD/pkg${PYTHONPATH:+:$PYTHONPATH}"
 export PYCKPT_EXPECT_SANITIZED=1
 if [ $# -eq 0 ]; then
   set -- tests/test_core.py tests/test_native_faults.py tests/test_hostile_input.py \
     $(ls tests/test_properties.py tests/test_fuzz.py 2>/dev/null)
 fi
-exec pytest -q -p no:cacheprovider "$@"
+status=0
+pytest -q -p no:cacheprovider "$@" || status=$?
+if compgen -G "$REPORTS/*" >/dev/null; then
+  echo "sanitizer reports:" >&2
+  cat "$REPORTS"/* >&2
+  exit 1
+fi
+exit "$status"

@@ -20,6 +20,7 @@
 #include "../executor.hpp"
 #include "../fault_injection.hpp"
 #include "../fsops.hpp"
+#include "../pickle_scan.hpp"
 
 namespace py = pybind11;
 using namespace pyckpt;
@@ -241,6 +242,20 @@ PYBIND11_MODULE(_core, m) {
             return crc32_with(impl, init, bv.data(), bv.size());
         },
         py::arg("impl"), py::arg("data"), py::arg("init") = 0);
+
+    m.def(
+        "pickle_memo_scan",
+        [](py::object data) {
+            BufferView bv(data, false);
+            PickleMemoScan s;
+            {
+                py::gil_scoped_release release;
+                s = scan_pickle_memo(bv.data(), bv.size());
+            }
+            return py::make_tuple(s.stores, s.max_index, s.max_index_at);
+        },
+        py::arg("data"),
+        "(memo stores, largest explicit memo index or -1, its byte offset) of a pickle, without unpickling it.");
 
     m.def(
         "_f16_to_f32_portable",

@@ -1,0 +1,28 @@
+// A pre-pass over untrusted pickle bytes, before CPython's unpickler sees them.
+//
+// CPython's C unpickler sizes its memo array from the index an explicit memo store names
+// (LONG_BINPUT / PUT): one 8-byte store of index 2^30 makes it allocate and zero 16 GiB. A real
+// pickler numbers memo entries 0, 1, 2, ..., so an index beyond the number of stores before it
+// is never legitimate; this walk finds the largest such index without unpickling anything.
+//
+// Thread/GIL contract: pure function over a byte buffer; safe from any thread. No Python
+// involvement.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pyckpt {
+
+struct PickleMemoScan {
+    uint64_t stores = 0;        // memo stores (PUT, BINPUT, LONG_BINPUT, MEMOIZE) before the first STOP
+    int64_t max_index = -1;     // largest explicit index stored, -1 if none
+    uint64_t max_index_at = 0;  // byte offset of that store
+    uint64_t scanned = 0;       // bytes walked: up to STOP, an unknown opcode or a truncated argument
+};
+
+// Walks opcodes (protocols 0-5) up to STOP. An unknown opcode or an argument running past the
+// end ends the walk early: the unpickler fails at that point before reaching anything after it.
+PickleMemoScan scan_pickle_memo(const uint8_t* data, std::size_t len) noexcept;
+
+}  // namespace pyckpt
