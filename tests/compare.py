@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import filecmp
+import hashlib
 import os
 from typing import List
 
@@ -84,4 +85,15 @@ def diff_folders(expected: str, actual: str, skip=("tmp", )) -> List[str]:
         a = torch.load(pe, map_location="cpu", weights_only=False)
         b = torch.load(pa, map_location="cpu", weights_only=False)
         diff_objects(a, b, f, out)
+    return out
+
+
+def digest(folder) -> dict:
+    """{relative path: sha256} of every file below ``folder``: proves a folder was left untouched."""
+    out = {}
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(fh.read()).hexdigest()
     return out

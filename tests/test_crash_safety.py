@@ -5,7 +5,6 @@ Runs are real `python -m pyckpt.convert` processes. A kill lands at a named step
 PYCKPT_TEST_KILL_AT hook (SIGKILL: no clean-up code runs), or at a barrier inside the copy that the
 test waits for before signalling the process."""
 
-import hashlib
 import os
 import resource
 import select
@@ -19,7 +18,7 @@ import time
 
 import pytest
 
-from compare import diff_folders
+from compare import diff_folders, digest
 from pyckpt.publish import OutputLock, stale_entries
 
 NAME = "s1_fp32_dp2"
@@ -38,13 +37,6 @@ def reference(deepspeed_universal):
     return str(deepspeed_universal[NAME])
 
 
-def _digest(folder):
-    h = {}
-    for d, _, fs in os.walk(folder):
-        for f in fs:
-            with open(os.path.join(d, f), "rb") as fh:
-                h[os.path.relpath(os.path.join(d, f), folder)] = hashlib.sha256(fh.read()).hexdigest()
-    return h
 
 
 # A runner that can bend the process before the CLI starts: make the atomic renames unavailable
@@ -124,7 +116,7 @@ def test_kill_at_every_step_leaves_old_or_new_and_no_orphan_after_next_run(point
         _old_output(out)
     else:
         out.parent.mkdir()
-    before = _digest(ckpt)
+    before = digest(ckpt)
     env = {"PYCKPT_TEST_KILL_AT": point, **({"T_NO_RENAMEAT2": "1"} if fallback else {})}
     code, err = _run(ckpt, out, "--overwrite", "--quiet", env=env)
     assert code == -signal.SIGKILL, err
@@ -140,7 +132,7 @@ def test_kill_at_every_step_leaves_old_or_new_and_no_orphan_after_next_run(point
         assert state == ("new" if published else ("old" if existing else "absent"))
     if _pointer(out) is not None:
         assert _pointer(out) == "u"
-    assert _digest(ckpt) == before
+    assert digest(ckpt) == before
 
     if point == "between-renames":
         code, err = _run("--clean", out)
@@ -151,7 +143,7 @@ def test_kill_at_every_step_leaves_old_or_new_and_no_orphan_after_next_run(point
     assert _state(out, reference) == "new" and _pointer(out) == "u"
     assert stale_entries(str(out.parent), "u") == []
     assert sorted(os.listdir(out.parent)) == [".u.pyckpt-lock", "latest_universal", "u"]
-    assert _digest(ckpt) == before
+    assert digest(ckpt) == before
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
@@ -295,12 +287,12 @@ def test_file_size_limit_mid_write_leaves_nothing(ckpt, tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill, as for a full quota
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # below the largest output file
 
-    before = _digest(ckpt)
+    before = digest(ckpt)
     code, err = _run(ckpt, out, preexec_fn=limit)
     assert code == 1, err
     assert err.count("\n") == 1 and "File too large" in err and str(out.parent) in err, err
     assert not out.exists() and _pointer(out) is None and stale_entries(str(out.parent), "u") == []
-    assert _digest(ckpt) == before
+    assert digest(ckpt) == before
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (RLIMIT_FSIZE covers the same path)")

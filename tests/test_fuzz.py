@@ -20,7 +20,6 @@ A longer campaign: ``PYCKPT_FUZZ_EXAMPLES=20000 pytest -m fuzz`` (tests/README.m
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import os
 import pickletools
@@ -37,6 +36,7 @@ import pyckpt
 from pyckpt.archive import SourceFile
 from pyckpt.errors import PyckptError
 from pyckpt.safe_pickle import loads_with_storages
+from compare import digest
 
 pytestmark = pytest.mark.fuzz
 
@@ -344,15 +344,6 @@ def _passed_through():
     return found
 
 
-def _digest(folder):
-    out = {}
-    for d, _, fs in os.walk(folder):
-        for f in fs:
-            with open(os.path.join(d, f), "rb") as fh:
-                out[os.path.relpath(os.path.join(d, f), folder)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
-
-
 @pytest.fixture(scope="module")
 def e2e_seeds(checkpoints):
     return {name: checkpoints[name] for name in E2E_CONFIGS}
@@ -381,7 +372,7 @@ def test_fuzz_whole_conversion(e2e_seeds, data):
             mutated = _replace_pickle(path, original, _patch_pickle_args(data.draw, pkl, how == "tensor-refs"))
         with open(path, "wb") as f:
             f.write(mutated)
-        before = _digest(root)
+        before = digest(root)
         out_parent = os.path.join(tmp, "out")
         out = os.path.join(out_parent, "u")
         try:
@@ -395,7 +386,7 @@ def test_fuzz_whole_conversion(e2e_seeds, data):
         except Exception as exc:
             outcome = _check_error(exc, root, out)
             assert not os.path.exists(out), "a failed run left an output"
-        assert _digest(root) == before, "the input changed"
+        assert digest(root) == before, "the input changed"
         outside = sorted(os.listdir(tmp))
         assert outside == (["ckpt", "out"] if os.path.exists(out_parent) else ["ckpt"]), outside
         if os.path.exists(out_parent):

@@ -3,7 +3,6 @@ outside their bytes, copied files with corrupt metadata, special files, output f
 the input. Each is refused with one line naming the file, before anything is written, and the input
 is left byte for byte as it was."""
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ from pyckpt import CheckpointFormatError
 from pyckpt.archive import SourceFile
 from pyckpt.plan import Plan
 
+from compare import digest
 from edit import rewrite
 
 
@@ -28,14 +28,6 @@ def _copy(checkpoints, name, tmp_path):
     return dst, dst / src.tag
 
 
-def _digest(folder):
-    out = {}
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, folder)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 def _tree(root):
@@ -71,7 +63,7 @@ def test_module_key_that_is_not_a_parameter_name_is_refused(bad, checkpoints, tm
         _rename_key(obj["module"], key, bad)
 
     rewrite(model, edit)
-    before = _digest(root)
+    before = digest(root)
     work = tmp_path / "work"
     out = work / "a" / "b" / "u"
     with pytest.raises(CheckpointFormatError, match=f"{model}.*module key") as info:
@@ -79,7 +71,7 @@ def test_module_key_that_is_not_a_parameter_name_is_refused(bad, checkpoints, tm
     assert "\n" not in str(info.value)
     assert not work.exists() or _tree(work) in ([], ["a"], ["a", "a/b"])
     assert not (tmp_path / "x").exists() and not os.path.exists("/tmp/abs")
-    assert _digest(root) == before
+    assert digest(root) == before
 
 
 @pytest.mark.parametrize("bad", ["../escape", "sub/dir", "a..b"])
@@ -291,18 +283,18 @@ def test_output_overlapping_the_input_is_refused_even_with_overwrite(where, chec
            "symlink-to-tag": tmp_path / "link"}[where]
     if where == "symlink-to-tag":
         os.symlink(tag, out)
-    before = _digest(root)
+    before = digest(root)
     proc = _run_cli("--overwrite", given, out)
     assert proc.returncode == 1, proc.stderr
     assert "input checkpoint folder" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
-    assert _digest(root) == before
+    assert digest(root) == before
     assert not (root / "latest_universal").exists() and not (tmp_path / "latest_universal").exists()
 
 
 def test_output_beside_the_tag_inside_the_save_dir_is_allowed(checkpoints, tmp_path):
     # DeepSpeed's own layout: ckpt/global_stepN_universal next to ckpt/global_stepN.
     root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
-    before = _digest(tag)
+    before = digest(tag)
     pyckpt.convert_to_universal(root, root / f"{tag.name}_universal")
     assert (root / "latest_universal").read_text() == f"{tag.name}_universal"
-    assert _digest(tag) == before
+    assert digest(tag) == before

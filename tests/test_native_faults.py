@@ -8,7 +8,6 @@ instead of the whole session.
 """
 
 import errno
-import hashlib
 import os
 import shutil
 import signal
@@ -29,7 +28,7 @@ from pyckpt.archive import SourceFile
 from pyckpt.errors import CheckpointFormatError
 from pyckpt.publish import stale_entries
 
-from compare import diff_folders
+from compare import diff_folders, digest
 
 
 def ops_array(rows):
@@ -313,15 +312,6 @@ def test_inject_fault_rejects_unknown_calls():
 NAME = "s1_fp32_dp2"
 
 
-def _digest(folder):
-    h = {}
-    for d, _, fs in os.walk(folder):
-        for f in fs:
-            with open(os.path.join(d, f), "rb") as fh:
-                h[os.path.relpath(os.path.join(d, f), folder)] = hashlib.sha256(fh.read()).hexdigest()
-    return h
-
-
 E2E = [(c, e, a) for c, e in CALLS for a in (0, 7)]
 
 
@@ -332,7 +322,7 @@ def test_conversion_survives_injected_fault(call, err, after, existing, faults, 
     src = checkpoints[NAME]
     root = tmp_path / "ckpt"
     shutil.copytree(src.root, root)
-    before = _digest(root)
+    before = digest(root)
     out = tmp_path / "out" / "u"
     if existing:
         out.mkdir(parents=True)
@@ -348,7 +338,7 @@ def test_conversion_survives_injected_fault(call, err, after, existing, faults, 
     else:
         assert not out.exists() and not (out.parent / "latest_universal").exists()
     assert stale_entries(str(out.parent), "u") == []
-    assert _digest(root) == before
+    assert digest(root) == before
     pyckpt.convert_to_universal(root, out, overwrite=existing, progress=False)
     assert diff_folders(str(deepspeed_universal[NAME]), str(out)) == []
 
