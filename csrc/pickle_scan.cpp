@@ -107,6 +107,7 @@ PickleMemoScan scan_pickle_memo(const uint8_t* data, std::size_t len) noexcept {
                 const uint64_t n = le(a, w);
                 if (n > left - w) {
                     out.scanned = pos;
+                    out.overlong = true;
                     return out;
                 }
                 arg = w + static_cast<std::size_t>(n);
@@ -133,6 +134,11 @@ PickleMemoScan scan_pickle_memo(const uint8_t* data, std::size_t len) noexcept {
         }
         if (arg > left) {
             out.scanned = pos;
+            return out;
+        }
+        if (code == 0x95 && le(a, 8) > left - arg) {  // FRAME longer than what follows
+            out.scanned = pos;
+            out.overlong = true;
             return out;
         }
         if (code == 'q') {

@@ -3,7 +3,8 @@
 // CPython's C unpickler sizes its memo array from the index an explicit memo store names
 // (LONG_BINPUT / PUT): one 8-byte store of index 2^30 makes it allocate and zero 16 GiB. A real
 // pickler numbers memo entries 0, 1, 2, ..., so an index beyond the number of stores before it
-// is never legitimate; this walk finds the largest such index without unpickling anything.
+// is never legitimate; this walk finds the largest such index without unpickling anything. Length
+// prefixes are checked too: a 16-byte BINBYTES8 claiming 2^62 bytes would be allocated first.
 //
 // Thread/GIL contract: pure function over a byte buffer; safe from any thread. No Python
 // involvement.
@@ -19,6 +20,9 @@ struct PickleMemoScan {
     int64_t max_index = -1;     // largest explicit index stored, -1 if none
     uint64_t max_index_at = 0;  // byte offset of that store
     uint64_t scanned = 0;       // bytes walked: up to STOP, an unknown opcode or a truncated argument
+    // A length-prefixed argument (or FRAME) claiming more bytes than follow: the unpickler would
+    // allocate the claimed size before finding out, so the caller refuses at `scanned`.
+    bool overlong = false;
 };
 
 // Walks opcodes (protocols 0-5) up to STOP. An unknown opcode or an argument running past the

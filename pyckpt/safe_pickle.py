@@ -386,7 +386,11 @@ def loads(data: bytes, source=None, where: str = "<pickle>") -> Any:
 
 def loads_with_storages(data: bytes, source=None, where: str = "<pickle>") -> Tuple[Any, Dict[str, StorageRef]]:
     """``loads``, plus every storage record the pickle names (for checking them against the archive)."""
-    stores, max_index, at = _core.pickle_memo_scan(data)
+    stores, max_index, at, overlong = _core.pickle_memo_scan(data)
+    if overlong >= 0:
+        # The unpickler would allocate the claimed length before noticing the data ends.
+        raise CheckpointFormatError(f"{where}: the argument of the opcode at byte {overlong} claims more bytes "
+                                    f"than the {len(data)}-byte pickle holds: truncated or corrupt pickle")
     if max_index >= stores:
         # CPython's unpickler would size its memo array from this index (a 5-byte edit can make it
         # allocate and zero gigabytes); a real pickler numbers its stores 0, 1, 2, ...

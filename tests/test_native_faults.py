@@ -408,5 +408,15 @@ def test_memo_scan_agrees_with_pickletools(protocol):
     stores = sum(op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE") for op, _, _ in ops)
     explicit = [arg for op, arg, _ in ops if op.name in ("PUT", "BINPUT", "LONG_BINPUT")]
     got = _core.pickle_memo_scan(data)
-    assert got[:2] == (stores, max(explicit, default=-1))
+    assert got[:2] == (stores, max(explicit, default=-1)) and got[3] == -1
     assert stores > 0
+
+
+@pytest.mark.parametrize("bomb", [b"\x80\x04\x8e" + (1 << 62).to_bytes(8, "little") + b"xx.",
+                                  b"\x80\x04\x95" + (1 << 40).to_bytes(8, "little") + b"N.",
+                                  b"\x80\x02X\xff\xff\xff\x7fab.", b"\x80\x02\x8b\x00\x00\x00\x40\x01."],
+                         ids=["BINBYTES8", "FRAME", "BINUNICODE", "LONG4"])
+def test_length_prefix_past_the_end_is_refused_before_allocating(bomb):
+    from pyckpt.safe_pickle import loads
+    with pytest.raises(CheckpointFormatError, match=r"^bomb\.pkl: the argument of the opcode at byte 2 claims more"):
+        loads(bomb, where="bomb.pkl")

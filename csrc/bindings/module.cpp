@@ -252,10 +252,11 @@ PYBIND11_MODULE(_core, m) {
                 py::gil_scoped_release release;
                 s = scan_pickle_memo(bv.data(), bv.size());
             }
-            return py::make_tuple(s.stores, s.max_index, s.max_index_at);
+            return py::make_tuple(s.stores, s.max_index, s.max_index_at, s.overlong ? int64_t(s.scanned) : int64_t{-1});
         },
         py::arg("data"),
-        "(memo stores, largest explicit memo index or -1, its byte offset) of a pickle, without unpickling it.");
+        "(memo stores, largest explicit memo index or -1, its byte offset, offset of an argument whose length "
+        "prefix runs past the end or -1) of a pickle, without unpickling it.");
 
     m.def(
         "_f16_to_f32_portable",
