@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import warnings
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import (AutoEPError, CheckpointFormatError, InputChangedError, MissingExpertFileError,
@@ -40,7 +38,6 @@ ZERO3_PARTITIONED_REQUIRED = {"checkpoint_format_version", "ep_group_name", "ep_
                               "expert_data_parallel_world_size", "global_expert_start", "global_expert_end"}
 ZERO12_PATTERNS = [r"\.experts\.w[123]$"]
 ZERO3_PATTERNS = [r".*\.experts\.w[123]$"]
-EXPERT_FILE_RE = re.compile(r"^layer_(-?\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 
 def layers_of(model_state) -> object:
@@ -60,17 +57,9 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-
 # ----------------------------------------------------------------------------------------------
 # ZeRO-1/2
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Zero12Experts:
-    layers: list  # deduplicated, reduced to ZERO12_FIELDS: what DeepSpeed writes back
-    params: Dict[str, dict]  # "<prefix>.wN" -> num_experts, num_local_experts, ep_size, layer
-    data_before_expert: bool
 
 
 def aggregate_zero12(model_files) -> Tuple[Optional[list], bool]:
