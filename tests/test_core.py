@@ -727,3 +727,21 @@ def test_execute_into_errors(tmp_path):
         _core.execute_into([str(tmp_path / "nope.bin")], ops_array([[0, 0, 0, 0, 0, 5, 0, 1, 0]]), dst, 1)
     assert "nope.bin" in str(ei.value)
     assert _core.execute_into([str(p)], ops_array([]), dst, 1) == 0
+
+
+def test_type_stub_matches_the_module():
+    """pyckpt/_core.pyi must name exactly what the binding exports, so the two cannot drift apart."""
+    import ast
+    import pathlib
+
+    stub = pathlib.Path(__file__).resolve().parents[1] / "pyckpt" / "_core.pyi"
+    tree = ast.parse(stub.read_text())
+    declared = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            declared.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            declared.add(node.target.id)
+    declared -= {"_Path", "_Buffer", "_Progress"}
+    exported = {n for n in dir(_core) if not n.startswith("__")}
+    assert declared == exported

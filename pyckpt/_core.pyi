@@ -1,0 +1,70 @@
+# Type stub of the native module built from csrc/ (csrc/bindings/module.cpp is the authority).
+from os import PathLike
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+_Path = Union[str, PathLike[str]]
+_Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
+_Progress = Optional[Callable[[int, int], object]]
+
+class ArchiveError(ValueError):
+    """Input that is not a well-formed, uncompressed ZIP / torch.save archive (names the file)."""
+
+class PlanError(ValueError):
+    """The executor refused an op table or output list (names the output and record)."""
+
+class SourceChangedError(OSError):
+    """A memory-mapped input became shorter while it was being read."""
+
+KIND_COPY: int
+KIND_BF16_TO_F32: int
+KIND_F16_TO_F32: int
+KIND_F64_TO_F32: int
+KIND_I64_TO_F32: int
+KIND_I32_TO_F32: int
+KIND_I16_TO_F32: int
+KIND_I8_TO_F32: int
+KIND_U8_TO_F32: int
+KIND_BOOL_TO_F32: int
+DEFAULT_WINDOW_BYTES: int
+
+class Archive:
+    """Read-only, memory-mapped view of a torch.save ZIP file (stored members only)."""
+
+    def __init__(self, path: _Path) -> None: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def prefix(self) -> str: ...
+    def members(self) -> List[Tuple[str, int, int, int]]:
+        """[(name, absolute data offset, size, crc32)] in central-directory order."""
+    def read(self, name: str) -> bytes: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "Archive": ...
+    def __exit__(self, *args: object) -> None: ...
+
+def crc32(data: _Buffer, init: int = 0) -> int: ...
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int: ...
+def crc32_implementations() -> List[str]: ...
+def crc32_active_implementation() -> str: ...
+def crc32_using(impl: str, data: _Buffer, init: int = 0) -> int: ...
+def pickle_memo_scan(data: _Buffer) -> Tuple[int, int, int, int]:
+    """(memo stores, largest explicit memo index or -1, its offset, offset of an overlong argument or -1)."""
+
+# ops: int64 array of shape (N, 9), columns [src, src_off, out, rec, dst_off, nbytes, kind, rows, stride].
+# outputs: [(path, archive_name, [(record_name, size, inline_bytes_or_None), ...]), ...].
+def write_archives(sources: Sequence[_Path], outputs: Iterable[Tuple[_Path, str, Sequence[Tuple[str, int, Optional[_Buffer]]]]],
+                   ops: np.ndarray, workers: Optional[int] = 0, fsync: bool = False, progress: _Progress = None, *,
+                   force_zip64: bool = False, window_bytes: int = 0, root: Optional[_Path] = None) -> dict: ...
+def execute_into(sources: Sequence[_Path], ops: np.ndarray, dst: _Buffer, workers: Optional[int] = 0,
+                 progress: _Progress = None, *, window_bytes: int = 0) -> int: ...
+def rename_exchange(a: _Path, b: _Path) -> None: ...
+def rename_noreplace(src: _Path, dst: _Path) -> None: ...
+
+# Test hooks.
+def _inject_fault(call: str, errno: int, after: int = 0) -> None: ...
+def _clear_faults() -> None: ...
+def _f16_to_f32_portable(data: _Buffer) -> bytes: ...
