@@ -7,7 +7,7 @@ Not part of the test run (testpaths is tests/). The payload of the per-GB benchm
 PYCKPT_BENCH_MIB of output (default 1024); extra_info carries GB/s so the JSON speaks per GB.
   * archive open: the ZIP member table of a shard with many members (_core.Archive), and the
     same plus the safe unpickler (SourceFile.load), which is what pyckpt pays per input shard;
-  * plan execution: Plan.execute gathering a tensor from shuffled fragments of a source shard, as
+  * plan execution: pyckpt.execution.executor.execute gathering a tensor from shuffled fragments of a source shard, as
     a ZeRO merge does, once as a plain copy and once converting bf16 to fp32 on the way;
   * writer: one archive of many small records, where per-record overhead (headers, CRC, central
     directory) dominates instead of bandwidth.
@@ -27,9 +27,11 @@ import torch
 pytest.importorskip("pytest_benchmark")
 
 from pyckpt import _core  # noqa: E402
-from pyckpt.archive import SourceFile  # noqa: E402
-from pyckpt.plan import CONVERT_TO_F32, Piece, Plan  # noqa: E402
-from pyckpt.torch_pickle import NewTensor  # noqa: E402
+from pyckpt.formats.torch_zip import SourceFile  # noqa: E402
+from pyckpt.execution.executor import execute  # noqa: E402
+from pyckpt.native import CONVERT_TO_F32  # noqa: E402
+from pyckpt.planning.plan import Piece, Plan  # noqa: E402
+from pyckpt.formats.pickle_write import NewTensor  # noqa: E402
 
 MIB = int(os.environ.get("PYCKPT_BENCH_MIB", "1024"))
 MANY = 5000  # members of the "many members" shard: a ZeRO-3 shard of a deep model has thousands
@@ -104,7 +106,7 @@ def _execute_rounds(benchmark, plan, root):
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
 
-    return benchmark.pedantic(plan.execute, args=(str(root), ), setup=setup, rounds=ROUNDS, iterations=1)
+    return benchmark.pedantic(execute, args=(plan, str(root)), setup=setup, rounds=ROUNDS, iterations=1)
 
 
 # -- archive open ------------------------------------------------------------------------------

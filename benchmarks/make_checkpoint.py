@@ -48,9 +48,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pyckpt.plan import Piece, Plan
-from pyckpt.safe_pickle import Opaque, OpaqueEnum, TensorRef, TorchSize
-from pyckpt.torch_pickle import NewTensor
+from pyckpt.execution.executor import execute
+from pyckpt.planning.plan import Piece, Plan
+from pyckpt.formats.pickle_read import Opaque, OpaqueEnum, TensorRef, TorchSize
+from pyckpt.formats.pickle_write import NewTensor
 
 DS_VERSION = "0.19.8"
 GLOBAL_STEPS = 1
@@ -931,7 +932,7 @@ def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", la
         plan = build_plan(model, dp=dp, stage=stage, dtype=dtype, ep=ep, sub_group_size=sub_group_size,
                           data_before_expert=data_before_expert, seed=seed, noise=noise, tag=tag)
         t1 = time.perf_counter()
-        result = plan.execute(str(out), workers)
+        result = execute(plan, str(out), workers)
         for script in _recovery_scripts():  # plain files, not checkpoint archives: copied as they are
             shutil.copy2(script, out / os.path.basename(script))
     finally:

@@ -14,8 +14,8 @@ from .errors import (AutoEPError, CheckpointFormatError, MissingExpertFileError,
 _LAZY = {
     "convert_to_universal": "universal",
     "ConversionReport": "universal",
-    "read_expert_slice": "autoep",
-    "check_load_topology": "autoep",
+    "read_expert_slice": "deepspeed.autoep",
+    "check_load_topology": "deepspeed.autoep",
     "verify_universal": "verify",
     "VerifyReport": "verify",
 }

@@ -155,7 +155,7 @@ def _run(parser, args) -> int:
 
 def _clean(target: str, args) -> int:
     try:
-        from .publish import clean
+        from .execution.publish import clean
         done = clean(target, notify=_note)
     except KeyboardInterrupt:
         raise

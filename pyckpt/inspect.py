@@ -9,8 +9,8 @@ import os
 import sys
 from collections import Counter
 
-from .checkpoint import discover
-from .safe_pickle import TensorRef
+from .deepspeed.discovery import discover
+from .formats.pickle_read import TensorRef
 
 
 def describe(path) -> dict:

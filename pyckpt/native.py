@@ -1,8 +1,78 @@
-"""The one place that imports the native module, with an error that says what to do if it is missing."""
+"""The one boundary to the native module ``pyckpt._core``.
+
+It imports ``_core`` (with an error that says what to do if it is missing), holds the op-table
+schema the executor reads (column order and the dtype conversions it can apply), and turns the
+executor's typed errors into pyckpt's: a plan the executor refuses is a :class:`PlanCheckError`,
+an input that shrank under its mapping an :class:`InputChangedError`, a malformed ZIP a
+:class:`CheckpointFormatError`. Everything else in the package reaches native code through here.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from .errors import CheckpointFormatError, InputChangedError, PlanCheckError
 
 try:
-    from . import _core  # noqa: F401
+    from . import _core
 except ImportError as exc:  # most often: running from the source folder, which has no built module
     raise ImportError("pyckpt's native module pyckpt._core is not built here. Install the package "
                       "(`pip install .`, or scripts/setup.sh) and run from outside the source folder, or use an "
                       "editable install (`pip install --no-build-isolation -e .`).") from exc
+
+# One op row: bytes [src_off, src_off + nbytes) of source `src` (or zeros when src is -1), converted
+# by `kind`, land at dst_off of record `rec` of output `out`, `rows` times `stride` bytes apart.
+OP_COLUMNS = ("src", "src_off", "out", "rec", "dst_off", "nbytes", "kind", "rows", "stride")
+
+KIND_COPY = _core.KIND_COPY
+
+# What the executor can do to a source element on its way to a float32 output (Tensor.float()).
+CONVERT_TO_F32 = {
+    "float32": KIND_COPY,
+    "bfloat16": _core.KIND_BF16_TO_F32,
+    "float16": _core.KIND_F16_TO_F32,
+    "float64": _core.KIND_F64_TO_F32,
+    "int64": _core.KIND_I64_TO_F32,
+    "int32": _core.KIND_I32_TO_F32,
+    "int16": _core.KIND_I16_TO_F32,
+    "int8": _core.KIND_I8_TO_F32,
+    "uint8": _core.KIND_U8_TO_F32,
+    "bool": _core.KIND_BOOL_TO_F32,
+}
+
+
+def op_table(rows: Iterable[Sequence[int]]) -> np.ndarray:
+    """The executor's (N, 9) int64 table from rows in OP_COLUMNS order."""
+    return np.array(list(rows), dtype=np.int64).reshape(-1, len(OP_COLUMNS))
+
+
+@contextmanager
+def native_errors(root: Optional[str] = None):
+    """Turns the native module's typed errors raised inside the block into pyckpt's."""
+    try:
+        yield
+    except _core.ArchiveError as exc:
+        raise CheckpointFormatError(str(exc)) from None
+    except _core.SourceChangedError as exc:
+        raise InputChangedError(str(exc)) from None
+    except _core.PlanError as exc:
+        raise PlanCheckError(f"{root}: the copy plan failed the executor's checks: {exc}") from None
+
+
+def write_archives(sources, outputs, ops: np.ndarray, *, root: str, workers: int = 0, fsync: bool = False,
+                   progress=None) -> dict:
+    """Runs an op table into new torch.save archives below ``root``; pyckpt errors on refusal."""
+    with native_errors(root):
+        return _core.write_archives(sources, outputs, ops, workers or 0, fsync, progress, root=root)
+
+
+def gather_into(path: str, ops: np.ndarray, dst, workers: int = 0) -> int:
+    """Runs an op table over one source file into the writable buffer ``dst``."""
+    try:
+        with native_errors():
+            return _core.execute_into([path], ops, dst, workers or 0)
+    except PlanCheckError as exc:  # the ranges came from the file's own metadata
+        raise CheckpointFormatError(f"{path}: byte ranges outside the file ({exc})") from None

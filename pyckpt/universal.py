@@ -13,12 +13,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from .checkpoint import ZeroCheckpoint, discover
+from .deepspeed.discovery import ZeroCheckpoint, discover
 from .errors import CheckpointFormatError, PyckptError
-from .plan import Plan
-from .publish import Publisher
-from .zero12 import plan_zero12
-from .zero3 import plan_zero3
+from .execution.executor import execute
+from .planning.plan import Plan
+from .execution.publish import Publisher
+from .deepspeed.zero12 import plan_zero12
+from .deepspeed.zero3 import plan_zero3
 
 
 @dataclass
@@ -78,7 +79,7 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     sibling folder, renamed into place when complete, and ``latest_universal`` is replaced after that.
     An existing ``output`` is replaced only with ``overwrite=True``, by an atomic exchange; runs into
     one output take turns under a lock beside it, and each run first removes what killed runs into
-    that output left (see :mod:`pyckpt.publish`). ``output`` may not be, contain or lie inside the
+    that output left (see :mod:`pyckpt.execution.publish`). ``output`` may not be, contain or lie inside the
     checkpoint's tag folder.
     ``fsync=True`` (``--fsync``) also makes it survive a power loss: every file and folder is flushed
     before the rename and ``latest_universal`` after it. Off by default, as for ``cp`` and DeepSpeed:
@@ -98,7 +99,7 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     check_apart(input, ck.folder, output)
     with Publisher(output, overwrite=overwrite, fsync=fsync, notify=notify) as out:
         try:
-            stats = plan.execute(out.staging, workers, progress, fsync=fsync)
+            stats = execute(plan, out.staging, workers, progress, fsync=fsync)
             out.publish()
         except BaseException as exc:
             if out.published:  # tell the caller OUTPUT is in place although the run did not finish

@@ -26,10 +26,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .archive import SourceFile, open_regular, read_small_text
+from .formats.torch_zip import SourceFile, open_regular, read_small_text
 from .errors import CheckpointFormatError, PyckptError
-from .names import check_tag, name_problem
-from .safe_pickle import ITEMSIZE, Opaque, TensorRef, numel
+from .deepspeed.names import check_tag, name_problem
+from .formats.pickle_read import ITEMSIZE, Opaque, TensorRef, numel
 
 STATE_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt")
 MOMENTS = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")
@@ -421,7 +421,7 @@ def _verify_folder(folder: str, report: VerifyReport, files: _Files) -> None:
             report.add(opt_path, f"holds a {type(osd).__name__}, expected the optimizer's common state dict")
         elif osd is not None:
             if stage is None:
-                from .checkpoint_schema import zero_stage
+                from .deepspeed.schema import zero_stage
                 try:
                     stage = zero_stage(opt_path, osd.get("zero_stage"))
                 except CheckpointFormatError as exc:
@@ -486,7 +486,7 @@ def _verify_folder(folder: str, report: VerifyReport, files: _Files) -> None:
 
 def _verify_against(folder, against, report, files: _Files, inject_missing_state, dense_only, content):
     from .universal import build_plan
-    from .checkpoint import discover
+    from .deepspeed.discovery import discover
     try:
         ck = discover(against)
         with warnings.catch_warnings():
@@ -569,7 +569,7 @@ def _same_file_bytes(a: str, b: str) -> bool:
 def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: VerifyReport, reader) -> None:
     """Walk the planned object and the file's object together; tensors by dtype, shape and (with a
     ``reader``) the CRC-32 of their bytes."""
-    from .torch_pickle import NewTensor
+    from .formats.pickle_write import NewTensor
     if isinstance(expected, (NewTensor, TensorRef)):
         if not isinstance(actual, TensorRef):
             report.add(path, f"{_at(where)}expected a tensor, found a {type(actual).__name__}")
@@ -633,7 +633,7 @@ def _short(value) -> str:
 
 def _planned_crc(t, reader: "_Reader") -> Optional[int]:
     """CRC-32 of the bytes the plan would write for ``t``, or None when not worth computing."""
-    from .torch_pickle import NewTensor
+    from .formats.pickle_write import NewTensor
     if isinstance(t, TensorRef):
         sf = t.storage.source
         if not t.is_contiguous():

@@ -7,8 +7,9 @@ import shutil
 
 def rewrite(path, edit) -> None:
     """Apply ``edit(obj)``, which changes the pickled object of ``path`` in place (its return value is ignored)."""
-    from pyckpt.archive import SourceFile
-    from pyckpt.plan import Plan
+    from pyckpt.formats.torch_zip import SourceFile
+    from pyckpt.execution.executor import execute
+    from pyckpt.planning.plan import Plan
 
     sf = SourceFile(path)
     obj = sf.load()
@@ -18,6 +19,6 @@ def rewrite(path, edit) -> None:
     plan = Plan()
     name = os.path.basename(path)
     plan.add_archive(name, obj)
-    plan.execute(staging, workers=1)
+    execute(plan, staging, workers=1)
     os.replace(os.path.join(staging, name), path)
     shutil.rmtree(staging)

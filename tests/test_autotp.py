@@ -66,7 +66,7 @@ def test_zero_width_shards_are_recorded_only_by_the_affine_map(name, checkpoints
     # What makes these checkpoints special (and DeepSpeed's converter crash): TP ranks 2 and 3 hold
     # no attention heads, list no shape for their empty q/k/v/o_proj shards, and only the affine map
     # says those shards are empty.
-    from pyckpt.archive import SourceFile
+    from pyckpt.formats.torch_zip import SourceFile
     tag = checkpoints[name].tag_dir
     shapes = {}
     for m in range(4):

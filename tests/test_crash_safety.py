@@ -19,7 +19,7 @@ import time
 import pytest
 
 from compare import diff_folders, digest
-from pyckpt.publish import OutputLock, stale_entries
+from pyckpt.execution.publish import OutputLock, stale_entries
 
 NAME = "s1_fp32_dp2"
 
@@ -43,7 +43,9 @@ def reference(deepspeed_universal):
 # (the two-rename fallback), stop inside the copy at a barrier, limit the file size.
 RUNNER = textwrap.dedent("""
     import errno, os, sys, time
-    from pyckpt import convert, publish, plan
+    from pyckpt import convert
+    from pyckpt.execution import publish
+    from pyckpt.native import _core
     if os.environ.get("T_NO_RENAMEAT2"):
         def unsupported(*a):
             raise OSError(errno.EINVAL, "unsupported here")
@@ -51,14 +53,14 @@ RUNNER = textwrap.dedent("""
         publish._core.rename_noreplace = unsupported
     barrier = os.environ.get("T_BARRIER")
     if barrier:
-        real = plan._core.write_archives
+        real = _core.write_archives
         def paused(sources, outputs, ops, workers, fsync, progress, *a, **k):
             def hold(done, total):
                 open(barrier, "w").close()
                 while True:
                     time.sleep(0.05)
             return real(sources, outputs, ops, workers, fsync, hold, *a, **k)
-        plan._core.write_archives = paused
+        _core.write_archives = paused
     sys.exit(convert.main(sys.argv[1:]))
 """)
 
@@ -231,13 +233,14 @@ def test_existing_output_appearing_during_the_run_is_never_replaced(ckpt, tmp_pa
     out.parent.mkdir()
     code = textwrap.dedent(f"""
         import os, sys
-        from pyckpt import convert, plan
-        real = plan._core.write_archives
+        from pyckpt import convert
+        from pyckpt.native import _core
+        real = _core.write_archives
         def racing(*a, **k):
             result = real(*a, **k)
             os.mkdir({str(out)!r})
             return result
-        plan._core.write_archives = racing
+        _core.write_archives = racing
         sys.exit(convert.main([{str(ckpt)!r}, {str(out)!r}, "--quiet"]))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir())
@@ -325,7 +328,8 @@ def test_old_output_that_cannot_be_removed_is_reported(ckpt, reference, tmp_path
     _old_output(out)
     code = textwrap.dedent(f"""
         import sys
-        from pyckpt import convert, publish
+        from pyckpt import convert
+        from pyckpt.execution import publish
         def stuck(path):
             raise PermissionError(13, "Permission denied", path)
         publish.remove_path = stuck

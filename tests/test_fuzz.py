@@ -33,9 +33,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pyckpt
-from pyckpt.archive import SourceFile
+from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.errors import PyckptError
-from pyckpt.safe_pickle import loads_with_storages
+from pyckpt.formats.pickle_read import loads_with_storages
 from compare import digest
 
 pytestmark = pytest.mark.fuzz
@@ -311,7 +311,7 @@ def test_fuzz_tensor_references(seed_files, data):
 
 
 def _check_refs_within_records(sf, obj, depth=0):
-    from pyckpt.safe_pickle import TensorRef
+    from pyckpt.formats.pickle_read import TensorRef
     if depth > 50:
         return
     if isinstance(obj, TensorRef):
@@ -334,7 +334,7 @@ def _passed_through():
     fragment addresses, ZeroStageEnum, ...): torch's weights-only loader must allow exactly these,
     as DeepSpeed's outputs need them too; anything else in an output fails the oracle."""
     import importlib
-    from pyckpt.safe_pickle import OPAQUE_CLASSES, OPAQUE_ENUMS
+    from pyckpt.formats.pickle_read import OPAQUE_CLASSES, OPAQUE_ENUMS
     found = []
     for module, name in sorted(OPAQUE_CLASSES | OPAQUE_ENUMS):
         try:

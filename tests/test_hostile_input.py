@@ -14,8 +14,8 @@ import pytest
 
 import pyckpt
 from pyckpt import CheckpointFormatError
-from pyckpt.archive import SourceFile
-from pyckpt.plan import Plan
+from pyckpt.formats.torch_zip import SourceFile
+from pyckpt.planning.plan import Plan
 
 from compare import digest
 from edit import rewrite
@@ -190,7 +190,7 @@ def test_copied_model_file_with_corrupt_tensor_sizes_is_refused(checkpoints, tmp
 
 
 def _any_tensor(obj):
-    from pyckpt.safe_pickle import TensorRef
+    from pyckpt.formats.pickle_read import TensorRef
     stack = [obj]
     while stack:
         x = stack.pop()

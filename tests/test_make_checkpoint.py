@@ -27,7 +27,7 @@ import dsharness
 import pyckpt
 from compare import diff_folders
 from dsharness import Config
-from pyckpt.archive import SourceFile
+from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.inspect import describe
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,9 +24,9 @@ import torch
 
 import pyckpt
 from pyckpt import _core
-from pyckpt.archive import SourceFile
+from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.errors import CheckpointFormatError
-from pyckpt.publish import stale_entries
+from pyckpt.execution.publish import stale_entries
 
 from compare import diff_folders, digest
 
@@ -369,15 +369,15 @@ def test_executor_refusing_a_plan_becomes_a_pyckpt_error(checkpoints, tmp_path, 
     """A plan the executor refuses (a planner bug, or input that got past the planner's checks) is a
     one-line pyckpt error naming the staging folder, and nothing is published."""
     from pyckpt.errors import PlanCheckError
-    from pyckpt.plan import Plan
+    from pyckpt.execution import executor
 
-    real = Plan.compile
+    real = executor.compile_plan
 
-    def with_a_gap(self, root):
-        sources, outputs, ops, nbytes = real(self, root)
+    def with_a_gap(plan, root):
+        sources, outputs, ops, nbytes = real(plan, root)
         return sources, outputs, ops[1:], nbytes  # the first copy is lost: its record has a gap
 
-    monkeypatch.setattr(Plan, "compile", with_a_gap)
+    monkeypatch.setattr(executor, "compile_plan", with_a_gap)
     out = tmp_path / "out" / "u"
     with pytest.raises(PlanCheckError) as ei:
         pyckpt.convert_to_universal(checkpoints[NAME].root, out, progress=False)
@@ -392,7 +392,7 @@ def test_executor_refusing_a_plan_becomes_a_pyckpt_error(checkpoints, tmp_path, 
                          ids=["LONG_BINPUT", "PUT", "BINPUT"])
 def test_memo_index_beyond_the_stores_is_refused_before_unpickling(bomb):
     """CPython's unpickler would allocate and zero a memo array sized by the index (16 GiB for 2^30)."""
-    from pyckpt.safe_pickle import loads
+    from pyckpt.formats.pickle_read import loads
     with pytest.raises(CheckpointFormatError, match=r"^bomb\.pkl: memo index \d+ \(at byte \d+\) is beyond the"):
         loads(bomb, where="bomb.pkl")
 
@@ -417,6 +417,6 @@ def test_memo_scan_agrees_with_pickletools(protocol):
                                   b"\x80\x02X\xff\xff\xff\x7fab.", b"\x80\x02\x8b\x00\x00\x00\x40\x01."],
                          ids=["BINBYTES8", "FRAME", "BINUNICODE", "LONG4"])
 def test_length_prefix_past_the_end_is_refused_before_allocating(bomb):
-    from pyckpt.safe_pickle import loads
+    from pyckpt.formats.pickle_read import loads
     with pytest.raises(CheckpointFormatError, match=r"^bomb\.pkl: the argument of the opcode at byte 2 claims more"):
         loads(bomb, where="bomb.pkl")

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from pyckpt import CheckpointFormatError, UnsafePickleError
-from pyckpt.archive import SourceFile
-from pyckpt.plan import Piece, Plan
-from pyckpt.safe_pickle import GlobalName, Opaque, TensorRef, loads
-from pyckpt.torch_pickle import NewTensor
+from pyckpt.formats.torch_zip import SourceFile
+from pyckpt.execution.executor import execute
+from pyckpt.planning.plan import Piece, Plan
+from pyckpt.formats.pickle_read import GlobalName, Opaque, TensorRef, loads
+from pyckpt.formats.pickle_write import NewTensor
 
 
 class _RunsCode:
@@ -72,7 +73,7 @@ def test_reader_returns_references_not_data(tmp_path):
 def _write(tmp_path, obj, name="out.pt"):
     plan = Plan()
     plan.add_archive(name, obj)
-    plan.execute(str(tmp_path), workers=2)
+    execute(plan, str(tmp_path), workers=2)
     return tmp_path / name
 
 
@@ -131,7 +132,7 @@ def test_conversion_pieces_match_tensor_float(tmp_path):
     torch.save(values, src_path)
     sf = SourceFile(src_path)
     refs = sf.load()
-    from pyckpt.zero12 import _as_float32
+    from pyckpt.deepspeed.zero12 import _as_float32
     out = _write(tmp_path, {k: _as_float32(sf, k, refs[k]) for k in values})
     got = torch.load(out, weights_only=True)
     for k, v in values.items():

@@ -20,12 +20,12 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from pyckpt import _core
-from pyckpt.archive import SourceFile
-from pyckpt.plan import Piece, Segments
-from pyckpt.safe_pickle import ITEMSIZE, StorageRef, TensorRef
-from pyckpt.tp_merge import Slice, TpRules
-from pyckpt.zero12 import STATES, _fragments, _state_segments
-from pyckpt.zero3_partition import rank_pieces
+from pyckpt.formats.torch_zip import SourceFile
+from pyckpt.planning.plan import Piece, Segments
+from pyckpt.formats.pickle_read import ITEMSIZE, StorageRef, TensorRef
+from pyckpt.deepspeed.tp_merge import Slice, TpRules
+from pyckpt.deepspeed.zero12 import STATES, _fragments, _state_segments
+from pyckpt.deepspeed.zero3_partition import rank_pieces
 
 
 def props(n):

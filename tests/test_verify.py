@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 import pyckpt
-from pyckpt.archive import SourceFile
+from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.verify import VerifyInputError, verify_universal
 
 from conftest import ALL_CONFIGS

@@ -10,9 +10,9 @@ import os
 import stat
 from typing import Any, Dict, Tuple
 
-from .native import _core
-from .errors import CheckpointFormatError, InputChangedError
-from .safe_pickle import StorageRef, TensorRef, loads_with_storages
+from ..errors import CheckpointFormatError
+from ..native import _core, native_errors
+from .pickle_read import StorageRef, TensorRef, loads_with_storages
 
 # data.pkl holds only structure (names, shapes, small scalars): a few MB even for models with
 # hundreds of thousands of parameters. A larger one is refused before it is read into memory, as
@@ -34,7 +34,7 @@ class SourceFile:
         # blocking), in case the name is swapped between the two opens.
         os.close(open_regular(self.path))
         try:
-            with _core.Archive(self.path) as ar:
+            with native_errors(), _core.Archive(self.path) as ar:
                 self.size = ar.size
                 self.prefix = ar.prefix
                 self.members: Dict[str, Tuple[int, int, int]] = {
@@ -49,10 +49,6 @@ class SourceFile:
                                                 f"{cap}-byte cap for checkpoint metadata (set PYCKPT_MAX_PICKLE_BYTES "
                                                 "to raise it)")
                 self._pickle_bytes = ar.read(pkl)
-        except _core.ArchiveError as exc:
-            raise CheckpointFormatError(str(exc)) from None
-        except _core.SourceChangedError as exc:
-            raise InputChangedError(str(exc)) from None
         except FileNotFoundError:
             raise CheckpointFormatError(f"{self.path}: file not found") from None
         self._obj = None

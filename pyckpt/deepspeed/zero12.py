@@ -15,12 +15,13 @@ import warnings
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
-from .checkpoint import ZeroCheckpoint
+from .discovery import ZeroCheckpoint
 from . import autoep
-from .errors import AutoEPError, CheckpointFormatError, UnsupportedCheckpointError
-from .plan import CONVERT_TO_F32, Piece, Plan, Segments
-from .safe_pickle import ITEMSIZE, TensorRef, numel
-from .torch_pickle import NewTensor
+from ..errors import AutoEPError, CheckpointFormatError, UnsupportedCheckpointError
+from ..native import CONVERT_TO_F32
+from ..planning.plan import Piece, Plan, Segments
+from ..formats.pickle_read import ITEMSIZE, TensorRef, numel
+from ..formats.pickle_write import NewTensor
 from .tp_merge import Slice, TpMergeError, TpRules
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")

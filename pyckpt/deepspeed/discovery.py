@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-from .archive import SourceFile, read_small_text
-from .checkpoint_schema import (check_model_state, check_zero12_shard, check_zero3_shard, optimizer_state,
+from ..formats.torch_zip import SourceFile, read_small_text
+from .schema import (check_model_state, check_zero12_shard, check_zero3_shard, optimizer_state,
                                 zero_stage)
-from .errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from .names import check_tag
 
 _ZERO_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

@@ -32,8 +32,8 @@ import time
 import warnings
 from typing import Callable, List, Optional
 
-from .native import _core
-from .errors import OutputExistsError, PyckptError
+from ..native import _core
+from ..errors import OutputExistsError, PyckptError
 
 STAGING, OLD, POINTER_TMP, LOCK = "pyckpt-tmp", "pyckpt-old", "pyckpt-ptr", "pyckpt-lock"
 

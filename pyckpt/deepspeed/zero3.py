@@ -12,12 +12,12 @@ import warnings
 from typing import Dict
 
 from . import autoep
-from .checkpoint import ZeroCheckpoint
-from .errors import CheckpointFormatError, UnsupportedCheckpointError
-from .plan import Plan, Segments
+from .discovery import ZeroCheckpoint
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..planning.plan import Plan, Segments
 from .tp_merge import Slice, TpMergeError, TpRules
-from .safe_pickle import ITEMSIZE, TensorRef, numel
-from .torch_pickle import NewTensor
+from ..formats.pickle_read import ITEMSIZE, TensorRef, numel
+from ..formats.pickle_write import NewTensor
 from .zero3_partition import rank_pieces
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .safe_pickle import DTYPE_STORAGE, GlobalName, Opaque, TensorRef, TorchSize, numel
+from .pickle_read import DTYPE_STORAGE, GlobalName, Opaque, TensorRef, TorchSize, numel
 
 
 @dataclass(eq=False)
@@ -22,7 +22,7 @@ class NewTensor:
 
     dtype: str
     shape: Tuple[int, ...]
-    pieces: list = field(default_factory=list)  # pyckpt.plan.Piece
+    pieces: list = field(default_factory=list)  # pyckpt.planning.plan.Piece
     requires_grad: bool = False
     # Bytes computed in memory (the few outputs that are not copies, e.g. TP-averaged parameters);
     # when set, ``pieces`` is empty and these bytes are written as the record.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterator, Mapping, Tuple
 
-from .safe_pickle import numel
+from ..formats.pickle_read import numel
 
 
 def rank_pieces(sub_shapes: Mapping, count: int, rank: int) -> Iterator[Tuple[str, tuple, int, int, int]]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import CheckpointFormatError
+from ..errors import CheckpointFormatError
 
 NAME_MAX = 255
 _FORBIDDEN = re.compile(r"[\x00-\x1f\x7f/\\]")
@@ -61,15 +61,6 @@ def check_param_name(name, where: str, what: str = "parameter name") -> str:
 def check_param_names(keys, where: str, what: str = "parameter name") -> None:
     for key in keys:
         check_param_name(key, where, what)
-
-
-def check_relpath(relpath: str) -> str:
-    """An output path relative to the staging folder: no absolute path, no '.'/'..'/empty part."""
-    parts = relpath.split("/")
-    if (not relpath or relpath.startswith("/") or "\\" in relpath or "\x00" in relpath
-            or any(p in ("", ".", "..") for p in parts)):
-        raise CheckpointFormatError(f"refusing to write {relpath!r}: output paths must stay inside the output folder")
-    return relpath
 
 
 def check_tag(tag: str, latest_path: str) -> str:

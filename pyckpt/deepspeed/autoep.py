@@ -20,12 +20,12 @@ import os
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .errors import (AutoEPError, CheckpointFormatError, InputChangedError, MissingExpertFileError,
-                     UnsupportedCheckpointError)
+from ..errors import AutoEPError, CheckpointFormatError, MissingExpertFileError, UnsupportedCheckpointError
 from .names import check_param_name
-from .plan import CONVERT_TO_F32, Plan, Segments
-from .safe_pickle import ITEMSIZE, TensorRef, numel
-from .torch_pickle import NewTensor
+from ..native import CONVERT_TO_F32
+from ..planning.plan import Plan, Segments
+from ..formats.pickle_read import ITEMSIZE, TensorRef, numel
+from ..formats.pickle_write import NewTensor
 from .zero3_partition import rank_pieces
 
 WEIGHTS = ("w1", "w2", "w3")
@@ -140,7 +140,7 @@ def zero12_dp_ranks(ep_rank: int, dp: int, ep: int, data_before_expert: bool) ->
 
 def check_expert_files(folder: str, layers: list) -> Dict[Tuple[int, int], object]:
     """Every (layer, expert) the metadata promises has exactly one per-expert file with its keys."""
-    from .archive import SourceFile
+    from ..formats.torch_zip import SourceFile
 
     found = {}
     for entry in layers:
@@ -630,8 +630,8 @@ def read_expert_slice(path, ep_rank: int, ep_size: int, key: str = "param", out=
     import numpy as np
     import torch
 
-    from .native import _core
-    from .archive import SourceFile
+    from ..formats.torch_zip import SourceFile
+    from ..native import KIND_COPY, gather_into, op_table
 
     sf = SourceFile(path)
     obj = sf.load()
@@ -654,11 +654,5 @@ def read_expert_slice(path, ep_rank: int, ep_size: int, key: str = "param", out=
         raise ValueError(f"out must be a contiguous {t.dtype} tensor of shape {shape}")
     if nbytes:
         buf = out.view(torch.uint8).reshape(-1).numpy() if out.numel() else np.empty(0, np.uint8)
-        ops = np.array([[0, off, 0, 0, 0, nbytes, 0, 1, 0]], dtype=np.int64)
-        try:
-            _core.execute_into([sf.path], ops, buf, workers)
-        except _core.SourceChangedError as exc:
-            raise InputChangedError(str(exc)) from None
-        except _core.PlanError as exc:
-            raise CheckpointFormatError(f"{sf.path}: expert rows outside the file: {exc}") from None
+        gather_into(sf.path, op_table([(0, off, 0, 0, 0, nbytes, KIND_COPY, 1, 0)]), buf, workers)
     return out

@@ -7,7 +7,7 @@ global a pickle names. This module parses them with an allowlist instead:
   are read, so opening a 10 GB shard costs only its small ``data.pkl``;
 * plain containers are rebuilt as themselves (dict, OrderedDict, list, tuple, set, torch.Size);
 * a short list of known DeepSpeed/torch/numpy/argparse classes become :class:`Opaque` records of
-  (global, arguments, state) - inert data that :mod:`pyckpt.torch_pickle` can write back under the
+  (global, arguments, state) - inert data that :mod:`pyckpt.formats.pickle_write` can write back under the
   same global name without importing it;
 * anything else raises :class:`UnsafePickleError` naming the file and the global.
 """
@@ -20,8 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from .errors import CheckpointFormatError, UnsafePickleError
-from .native import _core
+from ..errors import CheckpointFormatError, UnsafePickleError
+from ..native import _core
 
 # Legacy storage class names in persistent ids -> (dtype name, itemsize).
 STORAGE_DTYPES: Dict[str, Tuple[str, int]] = {
@@ -54,7 +54,7 @@ def numel(shape) -> int:
 class StorageRef:
     """One tensor storage record of a torch.save archive (not read)."""
 
-    source: Any  # the object that opened the file (pyckpt.archive.SourceFile)
+    source: Any  # the object that opened the file (pyckpt.formats.torch_zip.SourceFile)
     key: str
     dtype: str
     numel: int
@@ -272,7 +272,7 @@ class _Reader(pickle.Unpickler):
             cls = self._classes.get(key)
             if cls is None:
                 base = OpaqueEnum if key in OPAQUE_ENUMS else Opaque
-                cls = type(name, (base, ), {"_global": key, "__module__": "pyckpt.safe_pickle"})
+                cls = type(name, (base, ), {"_global": key, "__module__": __name__})
                 self._classes[key] = cls
             return cls
         raise UnsafePickleError(f"{self._where}: refusing to load global {_short(f'{module}.{name}', 120)}: it is not on pyckpt's "

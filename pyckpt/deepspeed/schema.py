@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import CheckpointFormatError
+from ..errors import CheckpointFormatError
 from .names import check_param_name
-from .safe_pickle import MAX_INDEX, Opaque, TensorRef
+from ..formats.pickle_read import MAX_INDEX, Opaque, TensorRef
 
 
 class Schema:

@@ -22,10 +22,10 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .errors import CheckpointFormatError, UnsupportedCheckpointError
-from .plan import Piece, Segments
-from .safe_pickle import ITEMSIZE, Opaque, numel
-from .torch_pickle import NewTensor
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..planning.plan import Piece, Segments
+from ..formats.pickle_read import ITEMSIZE, Opaque, numel
+from ..formats.pickle_write import NewTensor
 
 PATTERN_KEYS = ("tp_replicated_parameter_patterns", "parameter_to_average_patterns",
                 "parameter_with_row_parallelism_patterns", "vocabulary_parameter_patterns",

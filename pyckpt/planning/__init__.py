@@ -1,0 +1,1 @@
+"""Plans: which output files exist and where each of their bytes comes from (plain data)."""

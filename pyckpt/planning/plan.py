@@ -1,0 +1,146 @@
+"""A conversion plan: which output files exist and where each of their bytes comes from.
+
+Format rules (ZeRO-1/2, ZeRO-3, ...) only build a Plan. It is plain data, cheap to build and to
+print (``--dry-run``); :func:`pyckpt.execution.executor.execute` hands it to the native executor,
+which copies the bytes in parallel with the GIL released and streams them into the output archives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Tuple
+
+from ..errors import CheckpointFormatError
+from ..formats.pickle_read import ITEMSIZE
+from ..formats.pickle_write import NewTensor, dumps
+
+
+def check_relpath(relpath: str) -> str:
+    """An output path relative to the staging folder: no absolute path, no '.'/'..'/empty part."""
+    parts = relpath.split("/")
+    if (not relpath or relpath.startswith("/") or "\\" in relpath or "\x00" in relpath
+            or any(p in ("", ".", "..") for p in parts)):
+        raise CheckpointFormatError(f"refusing to write {relpath!r}: output paths must stay inside the output folder")
+    return relpath
+
+
+@dataclass
+class Piece:
+    """Bytes [src_off, src_off+nbytes) of a source file land at dst_off of a new tensor."""
+
+    src: Any  # pyckpt.formats.torch_zip.SourceFile
+    src_off: int
+    nbytes: int
+    dst_off: int
+    kind: int = 0
+    rows: int = 1
+    stride: int = 0
+
+
+class Segments:
+    """A virtual flat byte string made of source ranges: a fragment concatenation not yet copied.
+
+    Conversions compose slicing and concatenation (ZeRO fragments -> an EP rank's local experts ->
+    rows of the full expert tensor) on these, and only the final pieces become copy ops.
+    """
+
+    def __init__(self, parts=()):
+        self.parts: List[Tuple[Any, int, int]] = []  # (source file, absolute offset, nbytes)
+        self.nbytes = 0
+        for sf, off, n in parts:
+            self.append(sf, off, n)
+
+    def append(self, sf, off: int, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        last = self.parts[-1] if self.parts else None
+        if last is not None and last[0] is sf and last[1] + last[2] == off:
+            self.parts[-1] = (sf, last[1], last[2] + nbytes)  # adjacent ranges merge into one copy
+        else:
+            self.parts.append((sf, off, nbytes))
+        self.nbytes += nbytes
+
+    def extend(self, other: "Segments") -> None:
+        for sf, off, n in other.parts:
+            self.append(sf, off, n)
+
+    def slice(self, start: int, nbytes: int) -> "Segments":
+        if start < 0 or nbytes < 0 or start + nbytes > self.nbytes:
+            raise ValueError(f"byte range [{start}, {start + nbytes}) outside a {self.nbytes}-byte segment list")
+        out = Segments()
+        pos = 0
+        end = start + nbytes
+        for sf, off, n in self.parts:
+            lo, hi = max(start, pos), min(end, pos + n)
+            if lo < hi:
+                out.append(sf, off + (lo - pos), hi - lo)
+            pos += n
+            if pos >= end:
+                break
+        return out
+
+    def pieces(self, dst_off: int = 0) -> List["Piece"]:
+        out = []
+        for sf, off, n in self.parts:
+            out.append(Piece(sf, off, n, dst_off))
+            dst_off += n
+        return out
+
+    def read(self) -> bytes:
+        return b"".join(sf.read_bytes(off, n) for sf, off, n in self.parts)
+
+
+@dataclass
+class ArchiveOut:
+    relpath: str
+    obj: Any
+
+
+@dataclass
+class FileCopy:
+    src: Any  # pyckpt.formats.torch_zip.SourceFile, parsed and checked like every file pyckpt reads
+    relpath: str
+
+
+@dataclass
+class Plan:
+    archives: List[ArchiveOut] = field(default_factory=list)
+    copies: List[FileCopy] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)  # what a --dry-run should tell besides the files
+
+    _relpaths: set = field(default_factory=set, repr=False)
+
+    def _claim(self, relpath: str) -> str:
+        check_relpath(relpath)
+        if relpath in self._relpaths:
+            # Two inputs (e.g. parameter names that differ only in ways a path does not show) would
+            # silently land in one file; the second would replace the first.
+            raise CheckpointFormatError(f"two outputs map to the same file {relpath!r}: refusing to let one replace "
+                                        "the other")
+        self._relpaths.add(relpath)
+        return relpath
+
+    def add_archive(self, relpath: str, obj: Any) -> None:
+        self.archives.append(ArchiveOut(self._claim(relpath), obj))
+
+    def add_copy(self, src, relpath: str) -> None:
+        src.load()  # a file copied verbatim passes the same checks as one pyckpt parses
+        self.copies.append(FileCopy(src, self._claim(relpath)))
+
+    # -- describing ----------------------------------------------------------------------------
+    def describe(self, limit: int = 40) -> str:
+        lines = []
+        total = 0
+        for arc in self.archives:
+            _, storages = dumps(arc.obj)
+            nbytes = sum(st.numel * ITEMSIZE[st.dtype] for st in storages)
+            npieces = sum(len(st.source.pieces) if isinstance(st.source, NewTensor) else 1 for st in storages)
+            total += nbytes
+            if len(lines) < limit:
+                lines.append(f"  {arc.relpath}: {nbytes} bytes from {npieces} piece(s)")
+        if len(self.archives) > limit:
+            lines.append(f"  ... and {len(self.archives) - limit} more archive(s)")
+        for c in self.copies:
+            lines.append(f"  {c.relpath}: copy of {c.src.path}")
+        head = [f"{len(self.archives)} archive(s), {total} tensor bytes; {len(self.copies)} file copies"]
+        return "\n".join(head + self.notes + lines)
