@@ -17,6 +17,7 @@
 #include "crc32.hpp"
 #include "errors.hpp"
 #include "fault_injection.hpp"
+#include "fd.hpp"
 #include "gather.hpp"
 #include "parallel.hpp"
 #include "sources.hpp"
@@ -57,7 +58,7 @@ void pwrite_all(int fd, const uint8_t* p, uint64_t len, uint64_t off, const std:
 
 struct OutputState {
     std::mutex mu;
-    int fd = -1;
+    UniqueFd fd;
     bool created = false;
     std::atomic<uint64_t> windows_left{0};
 };
@@ -84,19 +85,19 @@ struct WriteJob {
     int open_output(std::size_t o) {
         OutputState& st = state[o];
         std::lock_guard<std::mutex> lk(st.mu);
-        if (st.fd >= 0) return st.fd;
+        if (st.fd) return st.fd.get();
         const std::string& path = outputs[o].path;
         // O_EXCL | O_NOFOLLOW: an output is always a new file in a fresh folder, so anything
         // already there (a planted symlink above all) is refused rather than written through.
         if (int e = fi::next_failure(fi::Call::Open)) throw_errno_code(e, "open", path);
-        int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-        if (fd < 0) throw_errno("open", path);
+        UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
+        if (!fd) throw_errno("open", path);
         st.created = true;
-        st.fd = fd;
+        st.fd = std::move(fd);
         // Sizing the file up front lets windows land in any order and leaves all-zero windows
         // as holes that read back as zeros.
-        if (::ftruncate(fd, static_cast<off_t>(layouts[o].file_size)) != 0) throw_errno("truncate", path);
-        return fd;
+        if (::ftruncate(st.fd.get(), static_cast<off_t>(layouts[o].file_size)) != 0) throw_errno("truncate", path);
+        return st.fd.get();
     }
 
     void run_window(uint64_t wi, uint8_t* staging, SourceDrops& drops) {
@@ -194,10 +195,9 @@ struct WriteJob {
         {
             std::lock_guard<std::mutex> lk(state[o].mu);
             int injected = fi::next_failure(fi::Call::Close);
-            int rc = ::close(fd);
-            state[o].fd = -1;
+            int err = state[o].fd.close();
             if (injected) throw_errno_code(injected, "close", out.path);
-            if (rc != 0 && errno != EINTR) throw_errno("close", out.path);
+            if (err) throw_errno_code(err, "close", out.path);
         }
         uint64_t window_bytes = 0;
         for (uint64_t w = plan.target_first[output_first_target[o]];
@@ -209,8 +209,7 @@ struct WriteJob {
     void cleanup_after_failure() noexcept {
         for (std::size_t o = 0; o < outputs.size(); ++o) {
             OutputState& st = state[o];
-            if (st.fd >= 0) ::close(st.fd);
-            st.fd = -1;
+            st.fd.reset();
             if (st.created) ::unlink(outputs[o].path.c_str());
         }
     }
