@@ -58,8 +58,14 @@ inline std::vector<OpRow> convert_ops(const py::handle& obj) {
     if (!arr) throw py::type_error("ops must be a numpy array");
     char k = arr.dtype().kind();
     if (k != 'i' && k != 'u') throw py::type_error("ops must be an integer array (int64)");
-    if (arr.ndim() != 2 || arr.shape(1) != 9)
-        throw py::value_error("ops must have shape (N, 9): [src, src_off, out, rec, dst_off, nbytes, kind, rows, stride]");
+    if (arr.ndim() != 2 || arr.shape(1) != static_cast<py::ssize_t>(kOpColumns.size())) {
+        std::string msg = "ops must have shape (N, " + std::to_string(kOpColumns.size()) + "): [";
+        for (std::size_t c = 0; c < kOpColumns.size(); ++c) {
+            if (c) msg += ", ";
+            msg += kOpColumns[c];
+        }
+        throw py::value_error(msg + "]");
+    }
     auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
     if (!a) throw py::error_already_set();
     std::vector<OpRow> rows(static_cast<std::size_t>(a.shape(0)));
@@ -95,6 +101,7 @@ struct ProgressHook {
         }
     }
 };
+
 // Runs `fn` without the GIL; a Cancelled from the core becomes the parked Python exception.
 template <class Fn>
 auto run_released(ProgressHook& hook, Fn&& fn) {

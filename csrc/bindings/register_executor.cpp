@@ -50,6 +50,9 @@ void register_executor(py::module_& m) {
         m.attr(names[k]) = k;
     }
     m.attr("DEFAULT_WINDOW_BYTES") = kDefaultWindowBytes;
+    py::tuple columns(kOpColumns.size());
+    for (std::size_t c = 0; c < kOpColumns.size(); ++c) columns[c] = py::str(kOpColumns[c].data(), kOpColumns[c].size());
+    m.attr("OP_COLUMNS") = columns;
 
     m.def(
         "write_archives",
