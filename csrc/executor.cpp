@@ -161,6 +161,8 @@ private:
 struct OutputState {
     std::mutex mu;
     UniqueFd fd;
+    // fd's number once open, read without the mutex: a window writes in many slices.
+    std::atomic<int> open_fd{-1};
     bool created = false;
 };
 
@@ -185,7 +187,8 @@ public:
     void prepare(std::size_t o) override { open_output(o); }
     uint8_t* memory(std::size_t, uint64_t, uint64_t) override { return nullptr; }
     void write(std::size_t o, const uint8_t* p, uint64_t len, uint64_t offset) override {
-        pwrite_all(open_output(o), p, len, offset, outputs_[o].path);
+        int fd = state_[o].open_fd.load(std::memory_order_acquire);
+        pwrite_all(fd >= 0 ? fd : open_output(o), p, len, offset, outputs_[o].path);
     }
 
     // Headers can only be written once every window's CRC is known; adjacent header/inline
@@ -231,6 +234,7 @@ public:
         {
             std::lock_guard<std::mutex> lk(state_[o].mu);
             int injected = fi::next_failure(fi::Call::Close);
+            state_[o].open_fd.store(-1, std::memory_order_release);
             int err = state_[o].fd.close();
             if (injected) throw_errno_code(injected, "close", out.path);
             if (err) throw_errno_code(err, "close", out.path);
@@ -245,6 +249,7 @@ public:
     void abandon() noexcept override {
         for (std::size_t o = 0; o < outputs_.size(); ++o) {
             OutputState& st = state_[o];
+            st.open_fd.store(-1, std::memory_order_relaxed);
             st.fd.reset();
             if (st.created) ::unlink(outputs_[o].path.c_str());
         }
@@ -266,6 +271,7 @@ private:
         // Sizing the file up front lets windows land in any order and leaves all-zero windows
         // as holes that read back as zeros.
         if (::ftruncate(st.fd.get(), static_cast<off_t>(layouts_[o].file_size)) != 0) throw_errno("truncate", path);
+        st.open_fd.store(st.fd.get(), std::memory_order_release);
         return st.fd.get();
     }
 
