@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -17,6 +18,7 @@
 #include "crc32.hpp"
 #include "errors.hpp"
 #include "fault_injection.hpp"
+#include "fd.hpp"
 #include "gather.hpp"
 #include "parallel.hpp"
 #include "sources.hpp"
@@ -55,68 +57,62 @@ void pwrite_all(int fd, const uint8_t* p, uint64_t len, uint64_t off, const std:
     }
 }
 
-struct OutputState {
-    std::mutex mu;
-    int fd = -1;
-    bool created = false;
-    std::atomic<uint64_t> windows_left{0};
+// Where an executor's bytes go, kept apart from how windows are scheduled and filled, so a new
+// kind of output (a raw file, a safetensors file, ...) is one more implementation of this and
+// needs no change to WindowRunner or the task loop. Offsets are absolute within an output;
+// every call may come from any worker thread, for different windows at once.
+class Destination {
+public:
+    virtual ~Destination() = default;
+    // Whether finish() needs each window's CRC-32 (the runner then computes it while the bytes
+    // are cache-hot; otherwise it skips the work).
+    virtual bool wants_crc() const noexcept = 0;
+    // Runs before a window of `output` is filled; creating the output lazily here keeps files
+    // that are never reached (a failure earlier on) from existing at all.
+    virtual void prepare(std::size_t output) = 0;
+    // Memory a window may be gathered into in place, or null: then its bytes go to write(), and
+    // windows that are one zero-fill run are skipped, which requires unwritten bytes to read as
+    // zeros.
+    virtual uint8_t* memory(std::size_t output, uint64_t offset, uint64_t len) = 0;
+    // Stores `len` bytes at `offset` of `output`. `p` may point into a mapped source, so an
+    // EFAULT from the kernel can mean that source shrank; the runner translates it.
+    virtual void write(std::size_t output, const uint8_t* p, uint64_t len, uint64_t offset) = 0;
+    // After the last window of `output` (at once if it has none). Returns how many bytes of the
+    // output's total lie outside its windows (headers and such), for progress.
+    virtual uint64_t finish(std::size_t output, const std::vector<uint32_t>& window_crc) = 0;
+    // After a failure: removes everything this destination created.
+    virtual void abandon() noexcept = 0;
 };
 
-// Everything a write_archives call shares between its workers.
-struct WriteJob {
-    const std::vector<OutputSpec>& outputs;
-    const WriteOptions& options;
-    SourceSet sources;
-    std::vector<Target> targets;
-    std::vector<uint64_t> output_first_target;  // size outputs+1
-    std::vector<zip::ArchiveLayout> layouts;
-    std::vector<std::vector<std::string>> names;  // full member names per output
-    std::vector<Piece> pieces;
-    WindowPlan plan;
-    std::vector<uint32_t> window_crc;
-    std::unique_ptr<OutputState[]> state;
-    std::atomic<uint64_t> done{0};
-    uint64_t total = 0;
+// Fills one window into a destination: in place where it offers memory, else zero-copy from a
+// source that holds the window verbatim, a hole for all zeros, or gathered through `staging`.
+struct WindowRunner {
+    SourceSet& sources;
+    const std::vector<Target>& targets;
+    const std::vector<Piece>& pieces;
+    const WindowPlan& plan;
+    Destination& dest;
 
-    WriteJob(const std::vector<std::string>& srcs, const std::vector<OutputSpec>& outs, const WriteOptions& opt)
-        : outputs(outs), options(opt), sources(srcs) {}
-
-    int open_output(std::size_t o) {
-        OutputState& st = state[o];
-        std::lock_guard<std::mutex> lk(st.mu);
-        if (st.fd >= 0) return st.fd;
-        const std::string& path = outputs[o].path;
-        // O_EXCL | O_NOFOLLOW: an output is always a new file in a fresh folder, so anything
-        // already there (a planted symlink above all) is refused rather than written through.
-        if (int e = fi::next_failure(fi::Call::Open)) throw_errno_code(e, "open", path);
-        int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-        if (fd < 0) throw_errno("open", path);
-        st.created = true;
-        st.fd = fd;
-        // Sizing the file up front lets windows land in any order and leaves all-zero windows
-        // as holes that read back as zeros.
-        if (::ftruncate(fd, static_cast<off_t>(layouts[o].file_size)) != 0) throw_errno("truncate", path);
-        return fd;
-    }
-
-    void run_window(uint64_t wi, uint8_t* staging, SourceDrops& drops) {
+    // Returns the window's CRC-32 (0 if the destination does not want it).
+    uint32_t run(uint64_t wi, std::size_t o, uint8_t* staging, uint64_t staging_len, SourceDrops& drops) {
         const Window& w = plan.windows[wi];
-        const uint32_t t = w.target;
-        std::size_t o = output_of_target(t);
-        int fd = open_output(o);
-        const std::string& path = outputs[o].path;
+        dest.prepare(o);
         const uint64_t len = w.end - w.begin;
-        const uint64_t file_off = targets[t].base + w.begin;
+        const uint64_t off = targets[w.target].base + w.begin;
+        const bool want_crc = dest.wants_crc();
         uint32_t crc = 0;
         int64_t src = -1;
         uint64_t src_off = 0;
-        if (const uint8_t* run = window_as_source_run(w, plan, pieces, sources, src, src_off)) {
+        if (uint8_t* mem = dest.memory(o, off, len)) {
+            gather_window(w, plan, pieces, sources, mem, drops);
+            if (want_crc) crc = crc32(0, mem, len);
+        } else if (const uint8_t* run = window_as_source_run(w, plan, pieces, sources, src, src_off)) {
             sources.map(static_cast<std::size_t>(src)).prefetch(src_off, len);
             for (uint64_t at = 0; at < len; at += kDirectSlice) {
                 uint64_t n = std::min(kDirectSlice, len - at);
-                crc = crc32(crc, run + at, n);
+                if (want_crc) crc = crc32(crc, run + at, n);
                 try {
-                    pwrite_all(fd, run + at, n, file_off + at, path);
+                    dest.write(o, run + at, n, off + at);
                 } catch (const std::system_error& e) {
                     // The kernel reads the mapped source itself here; pages past a new end of
                     // file give EFAULT instead of SIGBUS. Our own buffers never fault.
@@ -126,37 +122,81 @@ struct WriteJob {
             }
             drops.add(src, src_off, len);
         } else if (window_is_zero_fill(w, plan, pieces)) {
-            crc = crc32_zeros(0, len);  // left as a hole by ftruncate
+            if (want_crc) crc = crc32_zeros(0, len);
         } else {
             // Gather/CRC/write slice by slice so the staging bytes are still cache-hot for the
             // CRC and the copy into the page cache.
-            for (uint64_t at = 0; at < len; at += kStagingBytes) {
+            for (uint64_t at = 0; at < len; at += staging_len) {
                 Window part = w;
                 part.begin = w.begin + at;
-                part.end = std::min(w.end, part.begin + kStagingBytes);
+                part.end = std::min(w.end, part.begin + staging_len);
                 const uint64_t n = part.end - part.begin;
                 gather_window(part, plan, pieces, sources, staging, drops);
-                crc = crc32(crc, staging, n);
-                pwrite_all(fd, staging, n, file_off + at, path);
+                if (want_crc) crc = crc32(crc, staging, n);
+                dest.write(o, staging, n, off + at);
             }
         }
         drops.release(sources);
-        window_crc[wi] = crc;
-        done.fetch_add(len, std::memory_order_relaxed);
-        if (state[o].windows_left.fetch_sub(1, std::memory_order_acq_rel) == 1) finalize(o);
+        return crc;
     }
+};
 
-    std::size_t output_of_target(uint32_t t) const {
-        auto it = std::upper_bound(output_first_target.begin(), output_first_target.end(), uint64_t{t});
-        return static_cast<std::size_t>(it - output_first_target.begin()) - 1;
+// The caller's buffer of execute_into: windows are gathered straight into it.
+class BufferDestination final : public Destination {
+public:
+    explicit BufferDestination(uint8_t* dst) : dst_(dst) {}
+    bool wants_crc() const noexcept override { return false; }
+    void prepare(std::size_t) override {}
+    uint8_t* memory(std::size_t, uint64_t offset, uint64_t) override { return dst_ + offset; }
+    void write(std::size_t, const uint8_t* p, uint64_t len, uint64_t offset) override {
+        std::memcpy(dst_ + offset, p, len);
+    }
+    uint64_t finish(std::size_t, const std::vector<uint32_t>&) override { return 0; }
+    void abandon() noexcept override {}
+
+private:
+    uint8_t* dst_;
+};
+
+struct OutputState {
+    std::mutex mu;
+    UniqueFd fd;
+    // fd's number once open, read without the mutex: a window writes in many slices.
+    std::atomic<int> open_fd{-1};
+    bool created = false;
+};
+
+// torch.save ZIP archives (stored members): each file is created new and sized up front,
+// windows land at their members' data offsets, and the headers and central directory, which
+// carry the CRCs, are written once an archive's last window is done.
+class ZipArchiveDestination final : public Destination {
+public:
+    ZipArchiveDestination(const std::vector<OutputSpec>& outputs, const WriteOptions& options,
+                          const std::vector<zip::ArchiveLayout>& layouts,
+                          const std::vector<std::vector<std::string>>& names,
+                          const std::vector<uint64_t>& output_first_target, const WindowPlan& plan)
+        : outputs_(outputs),
+          options_(options),
+          layouts_(layouts),
+          names_(names),
+          output_first_target_(output_first_target),
+          plan_(plan),
+          state_(std::make_unique<OutputState[]>(outputs.size())) {}
+
+    bool wants_crc() const noexcept override { return true; }
+    void prepare(std::size_t o) override { open_output(o); }
+    uint8_t* memory(std::size_t, uint64_t, uint64_t) override { return nullptr; }
+    void write(std::size_t o, const uint8_t* p, uint64_t len, uint64_t offset) override {
+        int fd = state_[o].open_fd.load(std::memory_order_acquire);
+        pwrite_all(fd >= 0 ? fd : open_output(o), p, len, offset, outputs_[o].path);
     }
 
     // Headers can only be written once every window's CRC is known; adjacent header/inline
     // regions are coalesced into single writes.
-    void finalize(std::size_t o) {
+    uint64_t finish(std::size_t o, const std::vector<uint32_t>& window_crc) override {
         int fd = open_output(o);
-        const OutputSpec& out = outputs[o];
-        const zip::ArchiveLayout& L = layouts[o];
+        const OutputSpec& out = outputs_[o];
+        const zip::ArchiveLayout& L = layouts_[o];
         std::vector<uint32_t> crcs(out.records.size());
         std::string chunk;
         uint64_t chunk_off = 0;
@@ -171,48 +211,111 @@ struct WriteJob {
         };
         for (std::size_t r = 0; r < out.records.size(); ++r) {
             const RecordSpec& rec = out.records[r];
-            const uint32_t t = static_cast<uint32_t>(output_first_target[o] + r);
+            const uint32_t t = static_cast<uint32_t>(output_first_target_[o] + r);
             uint32_t crc = 0;
             if (rec.has_inline) {
                 crc = crc32(0, rec.inline_bytes.data(), rec.inline_bytes.size());
             } else {
-                for (uint64_t w = plan.target_first[t]; w < plan.target_first[t + 1]; ++w)
-                    crc = crc32_combine(crc, window_crc[w], plan.windows[w].end - plan.windows[w].begin);
+                for (uint64_t w = plan_.target_first[t]; w < plan_.target_first[t + 1]; ++w)
+                    crc = crc32_combine(crc, window_crc[w], plan_.windows[w].end - plan_.windows[w].begin);
             }
             crcs[r] = crc;
             place(L.entries[r].header_offset);
-            zip::append_local_header(chunk, names[o][r], L.entries[r], crc);
+            zip::append_local_header(chunk, names_[o][r], L.entries[r], crc);
             if (rec.has_inline) chunk.append(rec.inline_bytes);
         }
         place(L.cd_offset);
-        chunk.append(zip::build_central_directory(names[o], L, crcs));
+        chunk.append(zip::build_central_directory(names_[o], L, crcs));
         flush();
-        if (options.fsync) {
+        if (options_.fsync) {
             if (int e = fi::next_failure(fi::Call::Fsync)) throw_errno_code(e, "fsync", out.path);
             if (::fsync(fd) != 0) throw_errno("fsync", out.path);
         }
         {
-            std::lock_guard<std::mutex> lk(state[o].mu);
+            std::lock_guard<std::mutex> lk(state_[o].mu);
             int injected = fi::next_failure(fi::Call::Close);
-            int rc = ::close(fd);
-            state[o].fd = -1;
+            state_[o].open_fd.store(-1, std::memory_order_release);
+            int err = state_[o].fd.close();
             if (injected) throw_errno_code(injected, "close", out.path);
-            if (rc != 0 && errno != EINTR) throw_errno("close", out.path);
+            if (err) throw_errno_code(err, "close", out.path);
         }
         uint64_t window_bytes = 0;
-        for (uint64_t w = plan.target_first[output_first_target[o]];
-             w < plan.target_first[output_first_target[o + 1]]; ++w)
-            window_bytes += plan.windows[w].end - plan.windows[w].begin;
-        done.fetch_add(L.file_size - window_bytes, std::memory_order_relaxed);
+        for (uint64_t w = plan_.target_first[output_first_target_[o]];
+             w < plan_.target_first[output_first_target_[o + 1]]; ++w)
+            window_bytes += plan_.windows[w].end - plan_.windows[w].begin;
+        return L.file_size - window_bytes;
     }
 
-    void cleanup_after_failure() noexcept {
-        for (std::size_t o = 0; o < outputs.size(); ++o) {
-            OutputState& st = state[o];
-            if (st.fd >= 0) ::close(st.fd);
-            st.fd = -1;
-            if (st.created) ::unlink(outputs[o].path.c_str());
+    void abandon() noexcept override {
+        for (std::size_t o = 0; o < outputs_.size(); ++o) {
+            OutputState& st = state_[o];
+            st.open_fd.store(-1, std::memory_order_relaxed);
+            st.fd.reset();
+            if (st.created) ::unlink(outputs_[o].path.c_str());
         }
+    }
+
+private:
+    int open_output(std::size_t o) {
+        OutputState& st = state_[o];
+        std::lock_guard<std::mutex> lk(st.mu);
+        if (st.fd) return st.fd.get();
+        const std::string& path = outputs_[o].path;
+        // O_EXCL | O_NOFOLLOW: an output is always a new file in a fresh folder, so anything
+        // already there (a planted symlink above all) is refused rather than written through.
+        if (int e = fi::next_failure(fi::Call::Open)) throw_errno_code(e, "open", path);
+        UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
+        if (!fd) throw_errno("open", path);
+        st.created = true;
+        st.fd = std::move(fd);
+        // Sizing the file up front lets windows land in any order and leaves all-zero windows
+        // as holes that read back as zeros.
+        if (::ftruncate(st.fd.get(), static_cast<off_t>(layouts_[o].file_size)) != 0) throw_errno("truncate", path);
+        st.open_fd.store(st.fd.get(), std::memory_order_release);
+        return st.fd.get();
+    }
+
+    const std::vector<OutputSpec>& outputs_;
+    const WriteOptions& options_;
+    const std::vector<zip::ArchiveLayout>& layouts_;
+    const std::vector<std::vector<std::string>>& names_;
+    const std::vector<uint64_t>& output_first_target_;
+    const WindowPlan& plan_;
+    std::unique_ptr<OutputState[]> state_;
+};
+
+// Everything a write_archives call shares between its workers: the plan and the scheduling
+// state, independent of what kind of file the destination makes.
+struct WriteJob {
+    SourceSet sources;
+    std::vector<Target> targets;
+    std::vector<uint64_t> output_first_target;  // size outputs+1
+    std::vector<zip::ArchiveLayout> layouts;
+    std::vector<std::vector<std::string>> names;  // full member names per output
+    std::vector<Piece> pieces;
+    WindowPlan plan;
+    std::vector<uint32_t> window_crc;
+    std::unique_ptr<std::atomic<uint64_t>[]> windows_left;  // per output
+    Destination* dest = nullptr;
+    std::atomic<uint64_t> done{0};
+    uint64_t total = 0;
+
+    explicit WriteJob(const std::vector<std::string>& srcs) : sources(srcs) {}
+
+    void run_window(uint64_t wi, uint8_t* staging, uint64_t staging_len, SourceDrops& drops) {
+        const Window& w = plan.windows[wi];
+        std::size_t o = output_of_target(w.target);
+        WindowRunner runner{sources, targets, pieces, plan, *dest};
+        window_crc[wi] = runner.run(wi, o, staging, staging_len, drops);
+        done.fetch_add(w.end - w.begin, std::memory_order_relaxed);
+        if (windows_left[o].fetch_sub(1, std::memory_order_acq_rel) == 1) finalize(o);
+    }
+
+    void finalize(std::size_t o) { done.fetch_add(dest->finish(o, window_crc), std::memory_order_relaxed); }
+
+    std::size_t output_of_target(uint32_t t) const {
+        auto it = std::upper_bound(output_first_target.begin(), output_first_target.end(), uint64_t{t});
+        return static_cast<std::size_t>(it - output_first_target.begin()) - 1;
     }
 };
 
@@ -281,7 +384,7 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
                           const ProgressFn& progress) {
     const unsigned workers = resolve_workers(options.workers);
     validate_outputs(outputs, options.root);
-    WriteJob job(sources, outputs, options);
+    WriteJob job(sources);
 
     // One target per record, numbered output by output so an output's windows are contiguous.
     job.output_first_target.assign(outputs.size() + 1, 0);
@@ -329,7 +432,9 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
     const uint64_t W = resolve_window(options.window_bytes);
     job.plan = plan_windows(job.pieces, job.targets, W, /*skip_empty=*/false);
     job.window_crc.assign(job.plan.windows.size(), 0);
-    job.state = std::make_unique<OutputState[]>(outputs.size());
+    job.windows_left = std::make_unique<std::atomic<uint64_t>[]>(outputs.size());
+    ZipArchiveDestination dest(outputs, options, job.layouts, job.names, job.output_first_target, job.plan);
+    job.dest = &dest;
     job.total = stats.bytes_written;
 
     // Task list: each output's windows in order; an output without windows gets one task that
@@ -351,7 +456,7 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
         for (std::size_t o = g0; o < g1; ++o) {
             uint64_t w0 = job.plan.target_first[job.output_first_target[o]];
             uint64_t w1 = job.plan.target_first[job.output_first_target[o + 1]];
-            job.state[o].windows_left.store(w1 - w0);
+            job.windows_left[o].store(w1 - w0);
             if (w0 == w1) tasks.push_back({static_cast<uint32_t>(o), kHeadersOnly});
             longest = std::max(longest, w1 - w0);
         }
@@ -364,6 +469,7 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
         }
     }
 
+    const uint64_t staging_len = std::min(W, kStagingBytes);
     std::vector<std::unique_ptr<uint8_t[]>> staging(workers);
     std::vector<SourceDrops> drops(workers);
     auto task = [&](uint64_t i, unsigned wid) {
@@ -372,8 +478,8 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
             job.finalize(tk.output);
             return;
         }
-        if (!staging[wid]) staging[wid] = std::make_unique<uint8_t[]>(std::min(W, kStagingBytes));
-        job.run_window(tk.window, staging[wid].get(), drops[wid]);
+        if (!staging[wid]) staging[wid] = std::make_unique<uint8_t[]>(staging_len);
+        job.run_window(tk.window, staging[wid].get(), staging_len, drops[wid]);
     };
     auto tick = [&]() -> bool { return !progress || progress(job.done.load(), job.total); };
     try {
@@ -381,7 +487,7 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
         job.sources.check_unchanged();
         if (progress && !progress(job.total, job.total)) throw Cancelled();
     } catch (...) {
-        job.cleanup_after_failure();
+        dest.abandon();
         throw;
     }
     return stats;
@@ -410,10 +516,12 @@ uint64_t execute_into(const std::vector<std::string>& source_paths, const OpRow*
 
     std::atomic<uint64_t> done{0};
     std::vector<SourceDrops> drops(workers);
+    BufferDestination dest(dst);
+    WindowRunner runner{sources, targets, pieces, plan, dest};
     auto task = [&](uint64_t i, unsigned wid) {
         const Window& w = plan.windows[i];
-        gather_window(w, plan, pieces, sources, dst + w.begin, drops[wid]);
-        drops[wid].release(sources);
+        // The buffer offers memory for every window, so no staging is ever needed.
+        runner.run(i, 0, nullptr, 0, drops[wid]);
         done.fetch_add(w.end - w.begin, std::memory_order_relaxed);
     };
     // `done` counts window spans, which exceed `total` where pieces leave holes; report the

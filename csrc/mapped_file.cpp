@@ -8,6 +8,7 @@
 #include <cerrno>
 
 #include "errors.hpp"
+#include "fd.hpp"
 #include "mapping_guard.hpp"
 
 namespace pyckpt {
@@ -22,33 +23,22 @@ uint64_t page_size() {
 MappedFile::MappedFile(std::string path, bool random_access) : path_(std::move(path)) {
     // O_NONBLOCK: opening a FIFO (or a device) named like a shard must not wait for a writer;
     // fstat then refuses anything but a regular file. It has no effect on regular files.
-    int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-    if (fd < 0) throw_errno("open", path_);
+    UniqueFd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+    if (!fd) throw_errno("open", path_);
     struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-        int e = errno;
-        ::close(fd);
-        throw_errno_code(e, "stat", path_);
-    }
-    if (!S_ISREG(st.st_mode)) {
-        ::close(fd);
-        throw_errno_code(EINVAL, "read (not a regular file)", path_);
-    }
+    if (::fstat(fd.get(), &st) != 0) throw_errno("stat", path_);
+    if (!S_ISREG(st.st_mode)) throw_errno_code(EINVAL, "read (not a regular file)", path_);
     size_ = static_cast<uint64_t>(st.st_size);
     if (size_ > 0) {
-        void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
-        if (p == MAP_FAILED) {
-            int e = errno;
-            ::close(fd);
-            throw_errno_code(e, "mmap", path_);
-        }
+        void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd.get(), 0);
+        if (p == MAP_FAILED) throw_errno("mmap", path_);
         data_ = static_cast<const uint8_t*>(p);
         if (random_access) ::madvise(p, size_, MADV_RANDOM);
         guard_slot_ = mapping_guard::enroll(p, size_);
     }
     // The mapping keeps the file referenced; holding the descriptor would only cost fd slots
     // when thousands of shards are open.
-    ::close(fd);
+    fd.reset();
 }
 
 MappedFile::~MappedFile() { close(); }

@@ -5,7 +5,10 @@
 // produces immutable data that workers then read concurrently. No Python involvement.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -13,11 +16,20 @@
 
 namespace pyckpt {
 
+// The op table's column names, in order: the one definition that the binding exports as
+// OP_COLUMNS for Python to build tables by and that OpRow's layout is checked against.
+inline constexpr std::array<std::string_view, 9> kOpColumns = {"src",    "src_off", "out",  "rec",   "dst_off",
+                                                               "nbytes", "kind",    "rows", "stride"};
+
 // One row of the caller's int64 (N, 9) table, in column order.
 struct OpRow {
     int64_t src, src_off, out, rec, dst_off, nbytes, kind, rows, stride;
 };
-static_assert(sizeof(OpRow) == 9 * sizeof(int64_t), "OpRow must mirror a row of the op table");
+static_assert(sizeof(OpRow) == kOpColumns.size() * sizeof(int64_t), "OpRow must mirror a row of the op table");
+static_assert(offsetof(OpRow, stride) == 8 * sizeof(int64_t) && kOpColumns[8] == "stride" &&
+                  offsetof(OpRow, src_off) == 1 * sizeof(int64_t) && kOpColumns[1] == "src_off" &&
+                  offsetof(OpRow, dst_off) == 4 * sizeof(int64_t) && kOpColumns[4] == "dst_off",
+              "OpRow's fields must follow kOpColumns");
 
 // A validated op. Row i reads src_row bytes at src_off + i*src_row and produces dst_row bytes
 // at dst_off + i*stride within its target.

@@ -1,9 +1,14 @@
 #include "parallel.hpp"
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cfenv>
 #include <condition_variable>
+#include <deque>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -40,6 +45,99 @@ unsigned resolve_workers(int64_t requested) {
     return requested > 1024 ? 1024u : static_cast<unsigned>(requested);
 }
 
+namespace {
+
+// Process-wide worker threads that idle on a condition variable between calls, so a conversion
+// that runs thousands of small parallel_for calls does not pay thread start-up for each.
+//
+// Each submitted job gets a thread at once: the pool grows until it has as many threads as jobs
+// run or wait at the same time (the largest worker count asked for when calls do not overlap),
+// so overlapping callers never queue behind each other and a cancelled call never waits for
+// another call's work.
+//
+// The pool is never destroyed: its threads may still be finishing a daemon thread's job when
+// the interpreter exits, and joining them there could hang exit; the process ending reclaims
+// them. After fork() only the forking thread exists in the child, and the pool's mutex may be
+// held by a thread that is gone, so a child abandons the parent's pool and starts its own.
+class Pool {
+public:
+    struct Job {
+        std::function<void()> run;
+        std::function<void()> done;  // runs after the thread counts itself idle again
+    };
+
+    Pool() : pid_(::getpid()) {}
+    pid_t pid() const noexcept { return pid_; }
+
+    // Queues `jobs`, first starting threads so that every one of them runs at once. If a thread
+    // cannot be started nothing is queued and the error propagates.
+    void submit(std::vector<Job>& jobs) {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            const std::size_t spare = threads_ - busy_ - queue_.size();
+            for (std::size_t k = spare; k < jobs.size(); ++k) {
+                std::thread(&Pool::loop, this).detach();
+                ++threads_;
+            }
+            for (Job& j : jobs) queue_.push_back(std::move(j));
+        }
+        cv_.notify_all();
+    }
+
+private:
+    void loop() {
+        std::unique_lock<std::mutex> lk(mu_);
+        while (true) {
+            cv_.wait(lk, [&] { return !queue_.empty(); });
+            Job job = std::move(queue_.front());
+            queue_.pop_front();
+            ++busy_;
+            lk.unlock();
+            job.run();
+            lk.lock();
+            --busy_;
+            lk.unlock();
+            // Signalled only now, so a caller that submits again right after sees this thread
+            // as spare instead of starting another one.
+            job.done();
+            job = Job{};
+            lk.lock();
+        }
+    }
+
+    const pid_t pid_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<Job> queue_;
+    std::size_t threads_ = 0;
+    std::size_t busy_ = 0;
+};
+
+std::atomic<Pool*> g_pool{nullptr};
+
+Pool& process_pool() {
+    Pool* p = g_pool.load(std::memory_order_acquire);
+    if (p && p->pid() == ::getpid()) return *p;
+    // First use, or first use in a forked child: the parent's pool is left as it is (leaked).
+    auto fresh = std::make_unique<Pool>();
+    if (g_pool.compare_exchange_strong(p, fresh.get(), std::memory_order_acq_rel)) return *fresh.release();
+    // Another thread installed one first; `p` now holds it.
+    return *p;
+}
+
+// State shared by one parallel_for call and its jobs. Jobs hold it by shared_ptr, so their final
+// unlock and notify never touch a caller frame that has already returned.
+struct Shared {
+    std::atomic<uint64_t> next{0};
+    std::atomic<bool> stop{false};
+    std::mutex mu;
+    std::condition_variable cv;
+    unsigned running = 0;
+    std::exception_ptr first_error;
+};
+
+}  // namespace
+
 void parallel_for(uint64_t n, unsigned workers, const std::function<void(uint64_t, unsigned)>& task,
                   const std::function<bool()>& tick, std::chrono::milliseconds interval) {
     if (n == 0) {
@@ -49,51 +147,42 @@ void parallel_for(uint64_t n, unsigned workers, const std::function<void(uint64_
     if (workers == 0) workers = 1;
     if (workers > n) workers = static_cast<unsigned>(n);
 
-    std::atomic<uint64_t> next{0};
-    std::atomic<bool> stop{false};
-    std::mutex mu;
-    std::condition_variable cv;
-    unsigned running = workers;
-    std::exception_ptr first_error;
+    auto sh = std::make_shared<Shared>();
+    sh->running = workers;
+    const auto* fn = &task;  // outlives the jobs: we wait for all of them below
 
-    auto body = [&](unsigned wid) {
-        use_default_float_environment();
-        try {
-            while (!stop.load(std::memory_order_relaxed)) {
-                uint64_t i = next.fetch_add(1, std::memory_order_relaxed);
-                if (i >= n) break;
-                task(i, wid);
+    std::vector<Pool::Job> jobs;
+    jobs.reserve(workers);
+    for (unsigned wid = 0; wid < workers; ++wid) {
+        Pool::Job j;
+        j.run = [sh, fn, n, wid] {
+            use_default_float_environment();
+            try {
+                while (!sh->stop.load(std::memory_order_relaxed)) {
+                    uint64_t i = sh->next.fetch_add(1, std::memory_order_relaxed);
+                    if (i >= n) break;
+                    (*fn)(i, wid);
+                }
+            } catch (...) {
+                std::lock_guard<std::mutex> lk(sh->mu);
+                if (!sh->first_error) sh->first_error = std::current_exception();
+                sh->stop.store(true);
             }
-        } catch (...) {
-            std::lock_guard<std::mutex> lk(mu);
-            if (!first_error) first_error = std::current_exception();
-            stop.store(true);
-        }
-        std::lock_guard<std::mutex> lk(mu);
-        if (--running == 0) cv.notify_all();
-    };
-
-    std::vector<std::thread> threads;
-    threads.reserve(workers);
-    try {
-        for (unsigned w = 0; w < workers; ++w) threads.emplace_back(body, w);
-    } catch (...) {
-        // Could not start every thread: let the started ones drain and report the failure.
-        stop.store(true);
-        {
-            std::lock_guard<std::mutex> lk(mu);
-            running -= workers - static_cast<unsigned>(threads.size());
-        }
-        for (auto& t : threads) t.join();
-        throw;
+        };
+        j.done = [sh] {
+            std::lock_guard<std::mutex> lk(sh->mu);
+            if (--sh->running == 0) sh->cv.notify_all();
+        };
+        jobs.push_back(std::move(j));
     }
+    process_pool().submit(jobs);
 
     std::exception_ptr tick_error;
     bool cancelled = false;
     {
-        std::unique_lock<std::mutex> lk(mu);
-        while (running > 0) {
-            if (cv.wait_for(lk, interval, [&] { return running == 0; })) break;
+        std::unique_lock<std::mutex> lk(sh->mu);
+        while (sh->running > 0) {
+            if (sh->cv.wait_for(lk, interval, [&] { return sh->running == 0; })) break;
             if (!tick || cancelled || tick_error) continue;
             lk.unlock();
             try {
@@ -101,14 +190,13 @@ void parallel_for(uint64_t n, unsigned workers, const std::function<void(uint64_
             } catch (...) {
                 tick_error = std::current_exception();
             }
-            if (cancelled || tick_error) stop.store(true);
+            if (cancelled || tick_error) sh->stop.store(true);
             lk.lock();
         }
     }
-    for (auto& t : threads) t.join();
     if (tick_error) std::rethrow_exception(tick_error);
     if (cancelled) throw Cancelled();
-    if (first_error) std::rethrow_exception(first_error);
+    if (sh->first_error) std::rethrow_exception(sh->first_error);
 }
 
 }  // namespace pyckpt

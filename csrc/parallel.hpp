@@ -1,8 +1,9 @@
 // A one-shot parallel loop whose caller thread stays free to report progress.
 //
-// Thread/GIL contract: call from one thread. `task` runs on freshly started worker threads
-// (never on the caller) in the default floating-point environment, whatever the caller's
-// FTZ/DAZ/rounding mode; `tick` runs only on the calling thread, so a binding may reacquire the
+// Thread/GIL contract: any number of threads may call at once. `task` runs on threads of a
+// process-wide pool (never on the caller; each call's jobs start at once, whatever other calls
+// are running) in the default floating-point environment, whatever the caller's or an earlier
+// task's FTZ/DAZ/rounding mode; `tick` runs only on the calling thread, so a binding may reacquire the
 // GIL inside it. The caller must not hold the GIL while calling parallel_for itself.
 #pragma once
 

@@ -28,6 +28,8 @@ KIND_I8_TO_F32: int
 KIND_U8_TO_F32: int
 KIND_BOOL_TO_F32: int
 DEFAULT_WINDOW_BYTES: int
+OP_COLUMNS: Tuple[str, ...]
+"""Column names of the int64 (N, 9) op table, in order."""
 
 class Archive:
     """Read-only, memory-mapped view of a torch.save ZIP file (stored members only)."""

@@ -745,3 +745,8 @@ def test_type_stub_matches_the_module():
     declared -= {"_Path", "_Buffer", "_Progress"}
     exported = {n for n in dir(_core) if not n.startswith("__")}
     assert declared == exported
+
+
+def test_op_columns_come_from_the_native_schema():
+    """The op table's column order is defined once in C++ (ops.hpp) and exported as OP_COLUMNS."""
+    assert _core.OP_COLUMNS == ("src", "src_off", "out", "rec", "dst_off", "nbytes", "kind", "rows", "stride")

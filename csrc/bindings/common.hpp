@@ -1,0 +1,125 @@
+// Helpers shared by the binding files: argument conversion, buffer access, and running core
+// calls without the GIL while a progress hook reports back on the calling thread.
+//
+// GIL contract: every helper here is called with the GIL held, except what runs inside
+// run_released (without it) and ProgressHook (which reacquires it itself).
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../errors.hpp"
+#include "../ops.hpp"
+
+namespace pyckpt::bindings {
+
+namespace py = pybind11;
+
+inline std::string fspath(const py::handle& obj) {
+    // The C API rather than a cached os.fspath object: a static py::object would be released by
+    // C++ static destruction after the interpreter has finalized.
+    py::object p = py::reinterpret_steal<py::object>(PyOS_FSPath(obj.ptr()));
+    if (!p) throw py::error_already_set();
+    if (!py::isinstance<py::str>(p)) throw py::type_error("paths must be str or os.PathLike[str]");
+    return p.cast<std::string>();
+}
+
+// Read-only contiguous bytes of any buffer-protocol object, released with the view.
+struct BufferView {
+    Py_buffer view{};
+    bool held = false;
+    BufferView(const py::handle& obj, bool writable) {
+        int flags = PyBUF_ANY_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw py::error_already_set();
+        held = true;
+    }
+    ~BufferView() {
+        if (held) PyBuffer_Release(&view);
+    }
+    BufferView(const BufferView&) = delete;
+    BufferView& operator=(const BufferView&) = delete;
+    uint8_t* data() const { return static_cast<uint8_t*>(view.buf); }
+    uint64_t size() const { return static_cast<uint64_t>(view.len); }
+};
+
+// Copies the op table into OpRow structs so that Python threads mutating the array while
+// the GIL is released cannot invalidate what was validated.
+inline std::vector<OpRow> convert_ops(const py::handle& obj) {
+    py::array arr = py::array::ensure(obj);
+    if (!arr) throw py::type_error("ops must be a numpy array");
+    char k = arr.dtype().kind();
+    if (k != 'i' && k != 'u') throw py::type_error("ops must be an integer array (int64)");
+    if (arr.ndim() != 2 || arr.shape(1) != static_cast<py::ssize_t>(kOpColumns.size())) {
+        std::string msg = "ops must have shape (N, " + std::to_string(kOpColumns.size()) + "): [";
+        for (std::size_t c = 0; c < kOpColumns.size(); ++c) {
+            if (c) msg += ", ";
+            msg += kOpColumns[c];
+        }
+        throw py::value_error(msg + "]");
+    }
+    auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+    if (!a) throw py::error_already_set();
+    std::vector<OpRow> rows(static_cast<std::size_t>(a.shape(0)));
+    if (!rows.empty()) std::memcpy(rows.data(), a.data(), rows.size() * sizeof(OpRow));
+    return rows;
+}
+
+inline std::vector<std::string> convert_paths(const py::handle& seq, const char* what) {
+    std::vector<std::string> out;
+    if (!py::isinstance<py::sequence>(seq) || py::isinstance<py::str>(seq))
+        throw py::type_error(std::string(what) + " must be a list of paths");
+    for (auto item : seq.cast<py::sequence>()) out.push_back(fspath(item));
+    return out;
+}
+
+inline int64_t convert_workers(const py::object& w) { return w.is_none() ? 0 : w.cast<int64_t>(); }
+
+// Progress hook run on the calling thread: reacquires the GIL, lets pending signals
+// (Ctrl-C) surface even without a callback, and parks any Python exception for rethrow.
+struct ProgressHook {
+    py::object callback;
+    std::optional<py::error_already_set> error;
+
+    bool operator()(uint64_t done, uint64_t total) {
+        py::gil_scoped_acquire gil;
+        try {
+            if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+            if (!callback.is_none()) callback(done, total);
+            return true;
+        } catch (py::error_already_set& e) {
+            error.emplace(std::move(e));
+            return false;
+        }
+    }
+};
+
+// Runs `fn` without the GIL; a Cancelled from the core becomes the parked Python exception.
+template <class Fn>
+auto run_released(ProgressHook& hook, Fn&& fn) {
+    try {
+        py::gil_scoped_release release;
+        return fn();
+    } catch (const Cancelled&) {
+        if (hook.error) throw std::move(*hook.error);
+        throw std::runtime_error("operation cancelled");
+    }
+}
+
+// One per concern, each in its register_<concern>.cpp; module.cpp calls them all.
+void register_archive(py::module_& m);
+void register_crc(py::module_& m);
+void register_pickle(py::module_& m);
+void register_executor(py::module_& m);
+void register_fsops(py::module_& m);
+void register_testing(py::module_& m);
+
+}  // namespace pyckpt::bindings

@@ -1,0 +1,65 @@
+// pyckpt._core.Archive: the read-only view of a torch.save ZIP file.
+#include "common.hpp"
+
+#include <memory>
+
+#include "../archive.hpp"
+
+namespace pyckpt::bindings {
+
+namespace {
+
+// Owns the core archive so close() can release the mapping while Python still holds the object.
+class PyArchive {
+public:
+    explicit PyArchive(const py::object& path) {
+        std::string p = fspath(path);
+        py::gil_scoped_release release;
+        archive_ = std::make_unique<Archive>(std::move(p));
+    }
+    const Archive& get() const {
+        if (!archive_ || archive_->closed()) throw py::value_error("I/O operation on closed archive");
+        return *archive_;
+    }
+    void close() {
+        if (archive_) archive_->close();
+    }
+
+private:
+    std::unique_ptr<Archive> archive_;
+};
+
+}  // namespace
+
+void register_archive(py::module_& m) {
+    py::class_<PyArchive>(m, "Archive",
+                          "Read-only, memory-mapped view of a torch.save ZIP file (stored members only).")
+        .def(py::init<const py::object&>(), py::arg("path"))
+        .def_property_readonly("path", [](const PyArchive& a) { return a.get().path(); })
+        .def_property_readonly("size", [](const PyArchive& a) { return a.get().size(); })
+        .def_property_readonly("prefix", [](const PyArchive& a) { return a.get().prefix(); })
+        .def(
+            "members",
+            [](const PyArchive& a) {
+                py::list out;
+                for (const auto& mem : a.get().members())
+                    out.append(py::make_tuple(mem.name, mem.data_offset, mem.size, mem.crc32));
+                return out;
+            },
+            "[(name, data_offset, size, crc32)] in central-directory order; data_offset is absolute.")
+        .def(
+            "read",
+            [](const PyArchive& a, const std::string& name) {
+                const Archive& ar = a.get();
+                const ArchiveMember& mem = ar.member(name);
+                py::bytes out(reinterpret_cast<const char*>(ar.member_data(mem)), mem.size);
+                ar.check_unchanged();
+                return out;
+            },
+            py::arg("name"), "Copy of one member's bytes (meant for small members such as data.pkl).")
+        .def("close", &PyArchive::close)
+        .def("__enter__", [](py::object self) { return self; })
+        .def("__exit__", [](PyArchive& a, py::args) { a.close(); });
+}
+
+}  // namespace pyckpt::bindings

@@ -1,0 +1,107 @@
+// The executor entry points (write_archives, execute_into) and the op-table constants.
+#include "common.hpp"
+
+#include "../convert.hpp"
+#include "../executor.hpp"
+
+namespace pyckpt::bindings {
+
+namespace {
+
+std::vector<OutputSpec> convert_outputs(const py::handle& seq) {
+    if (!py::isinstance<py::sequence>(seq) || py::isinstance<py::str>(seq))
+        throw py::type_error("outputs must be a list of (path, archive_name, records) tuples");
+    std::vector<OutputSpec> outs;
+    for (auto item : seq.cast<py::sequence>()) {
+        auto t = item.cast<py::sequence>();
+        if (t.size() != 3) throw py::value_error("each output must be (path, archive_name, records)");
+        OutputSpec o;
+        o.path = fspath(t[0]);
+        o.archive_name = t[1].cast<std::string>();
+        for (auto r : t[2].cast<py::sequence>()) {
+            auto rt = r.cast<py::sequence>();
+            if (rt.size() != 3) throw py::value_error("each record must be (name, size, bytes_or_None)");
+            RecordSpec rec;
+            rec.name = rt[0].cast<std::string>();
+            int64_t size = rt[1].cast<int64_t>();
+            if (size < 0) throw py::value_error("record '" + rec.name + "' has a negative size");
+            rec.size = static_cast<uint64_t>(size);
+            py::object data = rt[2];
+            if (!data.is_none()) {
+                BufferView bv(data, false);
+                rec.has_inline = true;
+                rec.inline_bytes.assign(reinterpret_cast<const char*>(bv.data()), bv.size());
+            }
+            o.records.push_back(std::move(rec));
+        }
+        outs.push_back(std::move(o));
+    }
+    return outs;
+}
+
+}  // namespace
+
+void register_executor(py::module_& m) {
+    for (int64_t k = 0; k < KIND_COUNT; ++k) {
+        static const char* const names[] = {"KIND_COPY",        "KIND_BF16_TO_F32", "KIND_F16_TO_F32",
+                                            "KIND_F64_TO_F32",  "KIND_I64_TO_F32",  "KIND_I32_TO_F32",
+                                            "KIND_I16_TO_F32",  "KIND_I8_TO_F32",   "KIND_U8_TO_F32",
+                                            "KIND_BOOL_TO_F32"};
+        m.attr(names[k]) = k;
+    }
+    m.attr("DEFAULT_WINDOW_BYTES") = kDefaultWindowBytes;
+    py::tuple columns(kOpColumns.size());
+    for (std::size_t c = 0; c < kOpColumns.size(); ++c) columns[c] = py::str(kOpColumns[c].data(), kOpColumns[c].size());
+    m.attr("OP_COLUMNS") = columns;
+
+    m.def(
+        "write_archives",
+        [](const py::object& sources, const py::object& outputs, const py::object& ops, const py::object& workers,
+           bool fsync, const py::object& progress, bool force_zip64, uint64_t window_bytes, const py::object& root) {
+            auto src = convert_paths(sources, "sources");
+            auto outs = convert_outputs(outputs);
+            auto rows = convert_ops(ops);
+            WriteOptions opt;
+            opt.workers = convert_workers(workers);
+            opt.fsync = fsync;
+            opt.force_zip64 = force_zip64;
+            opt.window_bytes = window_bytes;
+            if (!root.is_none()) opt.root = fspath(root);
+            ProgressHook hook{progress, std::nullopt};
+            WriteStats st = run_released(hook, [&] {
+                return write_archives(src, outs, rows.data(), rows.size(), opt, std::ref(hook));
+            });
+            py::dict d;
+            d["bytes_written"] = st.bytes_written;
+            d["files"] = st.files;
+            d["records"] = st.records;
+            return d;
+        },
+        py::arg("sources"), py::arg("outputs"), py::arg("ops"), py::arg("workers") = 0, py::arg("fsync") = false,
+        py::arg("progress") = py::none(), py::kw_only(), py::arg("force_zip64") = false,
+        py::arg("window_bytes") = 0, py::arg("root") = py::none(),
+        "Write torch-loadable ZIP archives whose op-filled records are gathered from `sources`. Outputs are "
+        "created new (O_EXCL|O_NOFOLLOW); with `root`, every output path must lie strictly below it. Raises "
+        "PlanError for a bad table, OSError naming the file for I/O errors, SourceChangedError if a source shrank "
+        "while read; outputs created by a failed call are removed.");
+
+    m.def(
+        "execute_into",
+        [](const py::object& sources, const py::object& ops, const py::object& dst, const py::object& workers,
+           const py::object& progress, uint64_t window_bytes) {
+            auto src = convert_paths(sources, "sources");
+            auto rows = convert_ops(ops);
+            BufferView out(dst, true);
+            const int64_t n_workers = convert_workers(workers);  // a Python call: before the GIL is released
+            ProgressHook hook{progress, std::nullopt};
+            return run_released(hook, [&] {
+                return execute_into(src, rows.data(), rows.size(), out.data(), out.size(), n_workers, window_bytes,
+                                    std::ref(hook));
+            });
+        },
+        py::arg("sources"), py::arg("ops"), py::arg("dst"), py::arg("workers") = 0, py::arg("progress") = py::none(),
+        py::kw_only(), py::arg("window_bytes") = 0,
+        "Gather op pieces into one writable contiguous buffer; returns the bytes written.");
+}
+
+}  // namespace pyckpt::bindings

@@ -1,0 +1,36 @@
+// Test hooks: fault injection for the executor's output syscalls and the portable fp16 path.
+#include "common.hpp"
+
+#include "../convert.hpp"
+#include "../fault_injection.hpp"
+
+namespace pyckpt::bindings {
+
+void register_testing(py::module_& m) {
+    m.def(
+        "_f16_to_f32_portable",
+        [](py::object data) {
+            BufferView bv(data, false);
+            if (bv.size() % 2) throw py::value_error("fp16 data must have an even number of bytes");
+            std::string out(bv.size() * 2, '\0');
+            half_to_f32_portable(bv.data(), reinterpret_cast<uint8_t*>(out.data()), bv.size() / 2);
+            return py::bytes(out);
+        },
+        py::arg("data"), "Test hook: fp16 -> fp32 through the portable (non-F16C) code path.");
+
+    m.def(
+        "_inject_fault",
+        [](const std::string& call, int err, uint64_t after) {
+            fault_injection::Call c;
+            if (!fault_injection::parse_call(call, c))
+                throw py::value_error("call must be one of open, write, fsync, close (got '" + call + "')");
+            if (err <= 0) throw py::value_error("errno must be positive");
+            fault_injection::arm(c, err, after);
+        },
+        py::arg("call"), py::arg("errno"), py::arg("after") = 0,
+        "Test hook: the (after+1)-th next output `call` (open/write/fsync/close) of the executor fails with errno, "
+        "once.");
+    m.def("_clear_faults", &fault_injection::disarm, "Test hook: disarms every _inject_fault.");
+}
+
+}  // namespace pyckpt::bindings
