@@ -2,8 +2,11 @@
 
 Targets: the ZIP reader (whole .pt files with damaged structure), the safe unpickler (damaged
 data.pkl bytes), tensor-reference resolution (the storage key, element count, offset, sizes and
-strides of tensor records rewritten to hostile values), and whole conversions of checkpoints with
-one damaged file. The oracle is the one pyckpt promises:
+strides of tensor records rewritten to hostile values), whole conversions of checkpoints with one
+damaged file (ZeRO-2, ZeRO-3 with sub-groups, AutoTP, AutoEP; byte damage, ints and strings
+replaced by hostile values of the same type or by values of another type), and the same through
+``python -m pyckpt.convert`` in a subprocess, the one target that sees a hang or a crash by signal
+(plus a damaged ``latest``). The oracle is the one pyckpt promises:
 
 * the run ends in a pyckpt error (a ``PyckptError``) whose message is one line naming the file, or
 * it succeeds, and then every output file loads with ``torch.load(weights_only=True)``;
@@ -12,7 +15,8 @@ and in both cases nothing appears outside the output folder and the input is byt
 was. Any other exception, a crash, or a hang fails.
 
 The budget is fixed and the inputs are derandomized, so CI runs the same inputs every time:
-``PYCKPT_FUZZ_EXAMPLES`` per cheap target (default 1000), a fifth of that for whole conversions.
+``PYCKPT_FUZZ_EXAMPLES`` per cheap target (default 1000), a fifth of that for whole conversions
+and a fortieth for command-line runs (each starts a Python process).
 A longer campaign: ``PYCKPT_FUZZ_EXAMPLES=20000 pytest -m fuzz`` (tests/README.md).
 ``PYCKPT_FUZZ_REPORT=path.json`` writes how many inputs each target ran and how they ended.
 """
