@@ -393,6 +393,28 @@ def _mutate_file(draw, path: str, original: bytes, how: str) -> bytes:
     return _replace_pickle(path, original, _patch_pickle_args(draw, pkl, how == "tensor-refs"))
 
 
+RANK_NUMBERS = ["0", "1", "2", "3", "4", "00", "01", "007", "99", "4294967296", "99999999999999999999999"]
+
+
+def _mutate_folder(draw, tag_dir: str, victim: str) -> None:
+    """The set of files damaged instead of their bytes: one removed, or copied or moved under another
+    rank number (a missing, duplicated or absurdly numbered rank is what discovery must refuse)."""
+    src = os.path.join(tag_dir, victim)
+    kind = draw(st.sampled_from(["remove", "copy", "move"]))
+    if kind == "remove":
+        os.remove(src)
+        return
+    numbers = re.findall(r"\d+", victim)
+    if not numbers:
+        return
+    which = draw(st.integers(0, len(numbers) - 1))
+    parts = re.split(r"(\d+)", victim)
+    parts[2 * which + 1] = draw(st.sampled_from(RANK_NUMBERS))
+    dst = os.path.join(tag_dir, "".join(parts))
+    if dst != src:
+        (shutil.copyfile if kind == "copy" else os.replace)(src, dst)
+
+
 @pytest.fixture(scope="module")
 def e2e_seeds(checkpoints):
     return {name: checkpoints[name] for name in E2E_CONFIGS}
@@ -411,10 +433,13 @@ def test_fuzz_whole_conversion(e2e_seeds, data):
         path = os.path.join(root, ck.tag, victim)
         with open(path, "rb") as f:
             original = f.read()
-        how = data.draw(st.sampled_from(["bytes", "pickle-args", "pickle-types", "tensor-refs"]))
-        mutated = _mutate_file(data.draw, path, original, how)  # reads the file: mutate before truncating it
-        with open(path, "wb") as f:
-            f.write(mutated)
+        how = data.draw(st.sampled_from(["bytes", "pickle-args", "pickle-types", "tensor-refs", "files"]))
+        if how == "files":
+            _mutate_folder(data.draw, os.path.join(root, ck.tag), victim)
+        else:
+            mutated = _mutate_file(data.draw, path, original, how)  # reads the file: mutate before truncating it
+            with open(path, "wb") as f:
+                f.write(mutated)
         before = digest(root)
         out_parent = os.path.join(tmp, "out")
         out = os.path.join(out_parent, "u")
