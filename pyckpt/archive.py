@@ -20,6 +20,16 @@ from .safe_pickle import StorageRef, TensorRef, loads_with_storages
 # safetensors caps its header; PYCKPT_MAX_PICKLE_BYTES raises the cap for an exotic checkpoint.
 DEFAULT_MAX_PICKLE_BYTES = 256 << 20
 
+# Records torch.save writes beside data.pkl and torch.load parses: (name, rule, test of the bytes).
+METADATA_RECORDS = (
+    ("version", "a decimal version number", lambda b: b.strip().isdigit() and b.isascii()),
+    (".data/version", "a decimal version number", lambda b: b.strip().isdigit() and b.isascii()),
+    (".format_version", "a decimal version number", lambda b: b.strip().isdigit() and b.isascii()),
+    (".storage_alignment", "a decimal alignment", lambda b: b.strip().isdigit() and b.isascii()),
+    ("byteorder", "'little' or 'big'", lambda b: b in (b"little", b"big")),
+    (".data/serialization_id", "ASCII text", lambda b: b.isascii()),
+)
+
 # The opcodes torch's weights-only unpickler implements (torch/_weights_only_unpickler.py, 2.13):
 # everything torch.save emits.
 TORCH_SAVE_OPCODES = frozenset("""
@@ -90,6 +100,16 @@ class SourceFile:
             if op.name not in TORCH_SAVE_OPCODES:
                 raise CheckpointFormatError(f"{self.path}: data.pkl uses pickle opcode {op.name} (at byte {pos}), "
                                             "which torch.save never writes and torch.load(weights_only=True) refuses")
+        # torch.load parses these small records itself (a version number, the byte order, an id); a
+        # value it cannot parse fails the load of the copy.
+        for record, rule, ok in METADATA_RECORDS:
+            entry = self.members.get(f"{self.prefix}/{record}")
+            if entry is None:
+                continue
+            off, size, _ = entry
+            if size > 64 or not ok(self.read_bytes(off, size)):
+                raise CheckpointFormatError(f"{self.path}: record {self.prefix}/{record} is not {rule} "
+                                            f"({size} bytes), so torch.load would refuse the file")
 
     def storage_offset(self, storage: StorageRef) -> int:
         """Absolute byte offset of a storage record's data, checked against the record's size."""
