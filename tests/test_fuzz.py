@@ -75,6 +75,13 @@ def _report():
             if t.startswith("rule:"):
                 rules.update(c)
         report["refusals_by_rule"] = dict(rules.most_common(40))
+        # One line per target for the closing figures: conversion:* and cli:* summed over mutations.
+        totals = collections.defaultdict(collections.Counter)
+        for t, c in TALLY.items():
+            if not t.startswith("rule:"):
+                totals[t.split(":")[0]].update(c)
+        report["by_target"] = {t: {"inputs": sum(c.values()), "outcomes": dict(sorted(c.items()))}
+                               for t, c in sorted(totals.items())}
         with open(path, "w") as f:
             json.dump(report, f, indent=2, sort_keys=True)
 
