@@ -15,6 +15,8 @@ namespace {
 constexpr uint16_t kFlagEncrypted = 0x0001;
 constexpr uint16_t kFlagStrongEncryption = 0x0040;
 constexpr uint16_t kFlagDataDescriptor = 0x0008;
+constexpr uint16_t kFlagMaskedHeaders = 0x2000;  // central directory encryption
+constexpr uint32_t kDosDirectory = 0x10;         // MS-DOS attribute byte of the external attributes
 
 std::string num(uint64_t v) { return std::to_string(v); }
 
@@ -157,7 +159,10 @@ void Archive::parse() {
                                       "central directory");
         if (need64 && !got64) fail(name, "missing ZIP64 extra field in central directory");
 
-        if (flags & (kFlagEncrypted | kFlagStrongEncryption)) fail(name, "member is encrypted");
+        if (flags & (kFlagEncrypted | kFlagStrongEncryption | kFlagMaskedHeaders)) fail(name, "member is encrypted");
+        // Fields torch's own reader refuses or acts on: a copy of this file must load in torch too.
+        if (rd16(c + 34) != 0) fail(name, "member starts on disk " + num(rd16(c + 34)) + "; multi-disk archives are not supported");
+        if (rd32(c + 38) & kDosDirectory) fail(name, "member is marked as a directory");
         if (method != 0) fail(name, "member is compressed (method " + num(method) + "); only stored members are supported");
         if (csize != usize) fail(name, "stored member has compressed size " + num(csize) + " != size " + num(usize));
 

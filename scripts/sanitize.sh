@@ -39,7 +39,7 @@ export PYTHONPATH="$PWD/$BUILD/pkg${PYTHONPATH:+:$PYTHONPATH}"
 export PYCKPT_EXPECT_SANITIZED=1
 if [ $# -eq 0 ]; then
   set -- tests/test_core.py tests/test_native_faults.py tests/test_hostile_input.py \
-    $(ls tests/test_properties.py tests/test_fuzz.py 2>/dev/null)
+    $(ls tests/test_properties.py tests/test_fuzz.py tests/test_fuzz_regressions.py 2>/dev/null)
 fi
 status=0
 pytest -q -p no:cacheprovider "$@" || status=$?

@@ -2,8 +2,11 @@
 
 Targets: the ZIP reader (whole .pt files with damaged structure), the safe unpickler (damaged
 data.pkl bytes), tensor-reference resolution (the storage key, element count, offset, sizes and
-strides of tensor records rewritten to hostile values), and whole conversions of checkpoints with
-one damaged file. The oracle is the one pyckpt promises:
+strides of tensor records rewritten to hostile values), whole conversions of checkpoints with one
+damaged file (ZeRO-2, ZeRO-3 with sub-groups, AutoTP, AutoEP; byte damage, ints and strings
+replaced by hostile values of the same type or by values of another type), and the same through
+``python -m pyckpt.convert`` in a subprocess, the one target that sees a hang or a crash by signal
+(plus a damaged ``latest``). The oracle is the one pyckpt promises:
 
 * the run ends in a pyckpt error (a ``PyckptError``) whose message is one line naming the file, or
 * it succeeds, and then every output file loads with ``torch.load(weights_only=True)``;
@@ -12,7 +15,8 @@ and in both cases nothing appears outside the output folder and the input is byt
 was. Any other exception, a crash, or a hang fails.
 
 The budget is fixed and the inputs are derandomized, so CI runs the same inputs every time:
-``PYCKPT_FUZZ_EXAMPLES`` per cheap target (default 1000), a fifth of that for whole conversions.
+``PYCKPT_FUZZ_EXAMPLES`` per cheap target (default 1000), a fifth of that for whole conversions
+and a fortieth for command-line runs (each starts a Python process).
 A longer campaign: ``PYCKPT_FUZZ_EXAMPLES=20000 pytest -m fuzz`` (tests/README.md).
 ``PYCKPT_FUZZ_REPORT=path.json`` writes how many inputs each target ran and how they ended.
 """
@@ -23,8 +27,11 @@ import collections
 import json
 import os
 import pickletools
+import re
 import shutil
 import struct
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -33,6 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pyckpt
+import pyckpt.errors
 from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.errors import PyckptError
 from pyckpt.formats.pickle_read import loads_with_storages
@@ -43,7 +51,8 @@ pytestmark = pytest.mark.fuzz
 EXAMPLES = int(os.environ.get("PYCKPT_FUZZ_EXAMPLES", "1000"))
 E2E_EXAMPLES = max(1, EXAMPLES // 5)
 SEED_CONFIGS = ["s2_bf16_dp2", "s3_fp32_dp2_subgroups", "tp_s1_fp32", "ep_s3_fp32"]
-E2E_CONFIGS = ["s2_bf16_dp2", "s3_fp32_dp2_subgroups"]
+# ZeRO-1/2 and ZeRO-3 planners, AutoTP merges and AutoEP expert gathering each read other metadata.
+E2E_CONFIGS = ["s2_bf16_dp2", "s3_fp32_dp2_subgroups", "tp_s1_fp32", "ep_s3_fp32"]
 
 TALLY: dict = collections.defaultdict(collections.Counter)
 
@@ -66,6 +75,13 @@ def _report():
             if t.startswith("rule:"):
                 rules.update(c)
         report["refusals_by_rule"] = dict(rules.most_common(40))
+        # One line per target for the closing figures: conversion:* and cli:* summed over mutations.
+        totals = collections.defaultdict(collections.Counter)
+        for t, c in TALLY.items():
+            if not t.startswith("rule:"):
+                totals[t.split(":")[0]].update(c)
+        report["by_target"] = {t: {"inputs": sum(c.values()), "outcomes": dict(sorted(c.items()))}
+                               for t, c in sorted(totals.items())}
         with open(path, "w") as f:
             json.dump(report, f, indent=2, sort_keys=True)
 
@@ -227,6 +243,31 @@ def _patch_pickle_args(draw, data: bytes, tensors_only: bool) -> bytes:
     return data
 
 
+# Values of another type where the metadata has an int or a string: the schema checks must catch
+# every one before planner arithmetic or string handling meets it.
+OTHER_TYPES = [b"N", b"\x88", b"\x89", b"G" + struct.pack(">d", 1.5), b"G" + struct.pack(">d", float("nan")),
+               b"G" + struct.pack(">d", float("inf")), b"]", b"}", b")", b"C\x01x", _encode_str("7"),
+               _encode_int(2), b"K\x00"]
+
+
+def _patch_pickle_types(draw, data: bytes, tensors_only: bool = False) -> bytes:
+    """One to three int/str arguments replaced by a value of another type (None, bool, float, list,
+    dict, tuple, bytes, or an int for a string and a string for an int)."""
+    slots = [s for s in _pickle_slots(data) if s[3] or not tensors_only]
+    if not slots:
+        return data
+    for _ in range(draw(st.integers(1, 3))):
+        _, start, end, _ = slots[draw(st.integers(0, len(slots) - 1))]
+        new = draw(st.sampled_from(OTHER_TYPES))
+        data = data[:start] + new + data[end:]
+        delta = len(new) - (end - start)
+        slots = [(k, s + delta if s > start else s, e + delta if s > start else e, t) for k, s, e, t in slots
+                 if s != start]
+        if not slots:
+            break
+    return data
+
+
 def _replace_pickle(path: str, data: bytes, pkl: bytes) -> bytes:
     """The archive with its data.pkl replaced (a valid ZIP: pyckpt's reader must get to the pickle)."""
     import io
@@ -272,8 +313,11 @@ def test_fuzz_safe_unpickler(seed_files, data):
     path, original = seed_files[data.draw(st.integers(0, len(seed_files) - 1))]
     sf = SourceFile(path)
     pkl = sf._pickle_bytes
-    if data.draw(st.booleans()):
+    how = data.draw(st.sampled_from(["bytes", "args", "types"]))
+    if how == "bytes":
         mutated = _patch_bytes(data.draw, pkl)
+    elif how == "types":
+        mutated = _patch_pickle_types(data.draw, pkl)
     else:
         mutated = _patch_pickle_args(data.draw, pkl, tensors_only=False)
     where = "fuzz/archive/data.pkl"
@@ -292,7 +336,8 @@ def test_fuzz_safe_unpickler(seed_files, data):
 def test_fuzz_tensor_references(seed_files, data):
     path, original = seed_files[data.draw(st.integers(0, len(seed_files) - 1))]
     pkl = SourceFile(path)._pickle_bytes
-    mutated = _replace_pickle(path, original, _patch_pickle_args(data.draw, pkl, tensors_only=True))
+    patch = _patch_pickle_types if data.draw(st.integers(0, 3)) == 0 else _patch_pickle_args
+    mutated = _replace_pickle(path, original, patch(data.draw, pkl, tensors_only=True))
     with tempfile.TemporaryDirectory() as tmp:
         target = os.path.join(tmp, os.path.basename(path))
         with open(target, "wb") as f:
@@ -344,6 +389,39 @@ def _passed_through():
     return found
 
 
+def _mutate_file(draw, path: str, original: bytes, how: str) -> bytes:
+    if how == "bytes":
+        members, _ = _members(original, path)
+        focus = [(h, h + 96) for h, _, _ in members] + [(min(o + s for _, o, s in members), len(original))]
+        return _patch_bytes(draw, original, focus)
+    pkl = SourceFile(path)._pickle_bytes
+    if how == "pickle-types":
+        return _replace_pickle(path, original, _patch_pickle_types(draw, pkl))
+    return _replace_pickle(path, original, _patch_pickle_args(draw, pkl, how == "tensor-refs"))
+
+
+RANK_NUMBERS = ["0", "1", "2", "3", "4", "00", "01", "007", "99", "4294967296", "99999999999999999999999"]
+
+
+def _mutate_folder(draw, tag_dir: str, victim: str) -> None:
+    """The set of files damaged instead of their bytes: one removed, or copied or moved under another
+    rank number (a missing, duplicated or absurdly numbered rank is what discovery must refuse)."""
+    src = os.path.join(tag_dir, victim)
+    kind = draw(st.sampled_from(["remove", "copy", "move"]))
+    if kind == "remove":
+        os.remove(src)
+        return
+    numbers = re.findall(r"\d+", victim)
+    if not numbers:
+        return
+    which = draw(st.integers(0, len(numbers) - 1))
+    parts = re.split(r"(\d+)", victim)
+    parts[2 * which + 1] = draw(st.sampled_from(RANK_NUMBERS))
+    dst = os.path.join(tag_dir, "".join(parts))
+    if dst != src:
+        (shutil.copyfile if kind == "copy" else os.replace)(src, dst)
+
+
 @pytest.fixture(scope="module")
 def e2e_seeds(checkpoints):
     return {name: checkpoints[name] for name in E2E_CONFIGS}
@@ -362,16 +440,13 @@ def test_fuzz_whole_conversion(e2e_seeds, data):
         path = os.path.join(root, ck.tag, victim)
         with open(path, "rb") as f:
             original = f.read()
-        how = data.draw(st.sampled_from(["bytes", "pickle-args", "tensor-refs"]))
-        if how == "bytes":
-            members, _ = _members(original, path)
-            focus = [(h, h + 96) for h, _, _ in members] + [(min(o + s for _, o, s in members), len(original))]
-            mutated = _patch_bytes(data.draw, original, focus)
+        how = data.draw(st.sampled_from(["bytes", "pickle-args", "pickle-types", "tensor-refs", "files"]))
+        if how == "files":
+            _mutate_folder(data.draw, os.path.join(root, ck.tag), victim)
         else:
-            pkl = SourceFile(path)._pickle_bytes
-            mutated = _replace_pickle(path, original, _patch_pickle_args(data.draw, pkl, how == "tensor-refs"))
-        with open(path, "wb") as f:
-            f.write(mutated)
+            mutated = _mutate_file(data.draw, path, original, how)  # reads the file: mutate before truncating it
+            with open(path, "wb") as f:
+                f.write(mutated)
         before = digest(root)
         out_parent = os.path.join(tmp, "out")
         out = os.path.join(out_parent, "u")
@@ -393,3 +468,73 @@ def test_fuzz_whole_conversion(e2e_seeds, data):
             left = sorted(n for n in os.listdir(out_parent) if n not in ("u", "latest_universal", ".u.pyckpt-lock"))
             assert left == [], left
     TALLY[f"conversion:{how}"][outcome] += 1
+
+
+# -- the command line, in a subprocess ---------------------------------------------------------------
+# In-process targets cannot see a hang or a crash by signal (the latter kills pytest without a
+# verdict). Here each run is `python -m pyckpt.convert` under a timeout; --debug makes the CLI let the
+# exception through, so its class is visible as the traceback's last line.
+
+CLI_EXAMPLES = max(1, EXAMPLES // 40)
+CLI_TIMEOUT_S = 60
+_DEBUG_TAIL = re.compile(r"^(?:pyckpt\.errors\.)?(\w+): (.*)$")
+
+
+def _latest_mutation(draw) -> bytes:
+    return draw(st.one_of(st.sampled_from([s.encode("utf-8", "surrogatepass") for s in INTERESTING_STRS]),
+                          st.binary(max_size=40)))
+
+
+@_settings(CLI_EXAMPLES)
+@given(data=st.data())
+def test_fuzz_cli(e2e_seeds, data):
+    name = data.draw(st.sampled_from(E2E_CONFIGS))
+    ck = e2e_seeds[name]
+    how = data.draw(st.sampled_from(["bytes", "pickle-args", "pickle-types", "tensor-refs", "latest"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "ckpt")
+        shutil.copytree(ck.root, root)
+        if how == "latest":
+            victim = os.path.join(root, "latest")
+            mutated = _latest_mutation(data.draw)
+        else:
+            files = sorted(p.name for p in ck.tag_dir.iterdir() if p.suffix == ".pt")
+            victim = os.path.join(root, ck.tag, data.draw(st.sampled_from(files)))
+            with open(victim, "rb") as f:
+                mutated = _mutate_file(data.draw, victim, f.read(), how)
+        with open(victim, "wb") as f:
+            f.write(mutated)
+        before = digest(root)
+        out = os.path.join(tmp, "out", "u")
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pyckpt.convert", "--debug", "--quiet", "--workers", "2",
+                                   "--inject_missing_state", root, out],
+                                  capture_output=True, text=True, timeout=CLI_TIMEOUT_S, cwd=tmp)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"hang: no exit within {CLI_TIMEOUT_S} s ({how} on {victim})") from None
+        assert proc.returncode in (0, 1), f"exit status {proc.returncode} (a signal if negative):\n{proc.stderr[-3000:]}"
+        if proc.returncode == 0:
+            outcome = "ok"
+            with torch.serialization.safe_globals(_passed_through()):
+                for d, _, fs in os.walk(out):
+                    for f in fs:
+                        torch.load(os.path.join(d, f), weights_only=True, map_location="cpu")
+        else:
+            # --debug prints the traceback; its last line is "<class>: <message>", so a message that
+            # is one line leaves the exception's line last.
+            lines = proc.stderr.rstrip("\n").split("\n")
+            found = _DEBUG_TAIL.match(lines[-1])
+            assert found and "Traceback" in proc.stderr, f"no exception at the end of stderr:\n{proc.stderr[-3000:]}"
+            cls = getattr(pyckpt.errors, found.group(1), None)
+            assert isinstance(cls, type) and issubclass(cls, PyckptError), f"not a pyckpt error: {lines[-1]}"
+            assert not any(ln.startswith(found.group(1) + ":") or ln.startswith("pyckpt.errors.")
+                           for ln in lines[:-1][-5:]), f"message spans lines:\n{proc.stderr[-3000:]}"
+            outcome = _check_error(cls(found.group(2)), root, out)
+            assert not os.path.exists(out), "a failed run left an output"
+        assert digest(root) == before, "the input changed"
+        assert sorted(os.listdir(tmp)) in (["ckpt"], ["ckpt", "out"]), os.listdir(tmp)
+        if os.path.exists(os.path.dirname(out)):
+            left = sorted(n for n in os.listdir(os.path.dirname(out))
+                          if n not in ("u", "latest_universal", ".u.pyckpt-lock"))
+            assert left == [], left
+    TALLY[f"cli:{how}"][outcome] += 1

@@ -100,38 +100,40 @@ def aggregate_zero12(model_files) -> Tuple[Optional[list], bool]:
     return (list(by_prefix.values()) or None), next(iter(ordering.values()), False)
 
 
-def zero12_param_info(layers: list) -> Dict[str, dict]:
-    """DeepSpeed's ``get_autoep_zero12_expert_param_info`` (uniform placement: what ZeRO-1/2 keeps)."""
+def zero12_param_info(layers: list, where: str = "AutoEP metadata") -> Dict[str, dict]:
+    """DeepSpeed's ``get_autoep_zero12_expert_param_info`` (uniform placement: what ZeRO-1/2 keeps).
+
+    ``where`` names the model-states file the metadata came from, for the errors."""
     if not isinstance(layers, list) or not layers:
-        raise AutoEPError("AutoEP metadata must be a non-empty list for ZeRO-1/2 universal conversion.")
+        raise AutoEPError(f"{where}: AutoEP metadata must be a non-empty list for ZeRO-1/2 universal conversion.")
     out: Dict[str, dict] = {}
     for entry in layers:
         missing = [f for f in REQUIRED_FIELDS if f not in entry]
         if missing:
-            raise AutoEPError(f"AutoEP layer metadata is missing fields: {missing}")
+            raise AutoEPError(f"{where}: AutoEP layer metadata is missing fields: {missing}")
         prefix = entry["expert_key_prefix"]
         for f in ("num_experts", "ep_size"):
             if not _positive_int(entry[f]):
-                raise AutoEPError(f"AutoEP {f} must be a positive integer, got {entry[f]!r}.")
+                raise AutoEPError(f"{where}: AutoEP {f} must be a positive integer, got {entry[f]!r}.")
         nl = entry["num_local_experts"]
         if not _positive_int(nl):
-            raise AutoEPError(f"AutoEP num_local_experts must be a positive integer, got {nl!r}.")
+            raise AutoEPError(f"{where}: AutoEP num_local_experts must be a positive integer, got {nl!r}.")
         if entry["num_experts"] != nl * entry["ep_size"]:
-            raise AutoEPError(f"AutoEP expert count mismatch for {prefix}: num_experts={entry['num_experts']}, "
+            raise AutoEPError(f"{where}: AutoEP expert count mismatch for {prefix}: num_experts={entry['num_experts']}, "
                               f"num_local_experts={nl}, ep_size={entry['ep_size']}.")
         for w in WEIGHTS:
-            name = check_param_name(f"{prefix}.{w}", "AutoEP metadata (ds_autoep_layers)", "expert parameter")
+            name = check_param_name(f"{prefix}.{w}", f"{where} (ds_autoep_layers)", "expert parameter")
             if name in out:
-                raise AutoEPError(f"Duplicate AutoEP expert parameter metadata for {name}.")
+                raise AutoEPError(f"{where}: Duplicate AutoEP expert parameter metadata for {name}.")
             out[name] = {"num_experts": entry["num_experts"], "num_local_experts": nl, "ep_size": entry["ep_size"],
                          "layer": entry}
     return out
 
 
-def zero12_dp_ranks(ep_rank: int, dp: int, ep: int, data_before_expert: bool) -> range:
+def zero12_dp_ranks(ep_rank: int, dp: int, ep: int, data_before_expert: bool, where: str = "AutoEP metadata") -> range:
     """The ZeRO dp ranks holding one EP rank's expert partitions (DeepSpeed's group layout)."""
     if dp % ep != 0:
-        raise AutoEPError(f"ZeRO DP degree {dp} is not divisible by AutoEP size {ep}.")
+        raise AutoEPError(f"{where}: ZeRO DP degree {dp} is not divisible by AutoEP size {ep}.")
     if data_before_expert:
         edp = dp // ep
         return range(ep_rank * edp, (ep_rank + 1) * edp)
@@ -176,16 +178,17 @@ def check_expert_files(folder: str, layers: list) -> Dict[Tuple[int, int], objec
 def plan_zero12_experts(ck, plan: Plan, shards, fragments, shapes, layers, data_before_expert,
                         expert_files) -> set:
     """Universal expert files from the fp32 master fragments in the ZeRO shards."""
-    info = zero12_param_info(layers)
+    meta_file = ck.model[0].path  # aggregate_zero12 required the model-state files to agree
+    info = zero12_param_info(layers, meta_file)
     dp = ck.dp
     for name, meta in info.items():
         if name not in shapes:
-            raise AutoEPError(f"AutoEP expert parameter {name} is missing from checkpoint parameter shapes.")
+            raise AutoEPError(f"{meta_file}: AutoEP expert parameter {name} is missing from checkpoint parameter shapes.")
         local_shape = tuple(int(d) for d in shapes[name])
         if not local_shape:
-            raise AutoEPError(f"AutoEP local shape is empty for {name}.")
+            raise AutoEPError(f"{meta_file}: AutoEP local shape is empty for {name}.")
         if local_shape[0] != meta["num_local_experts"]:
-            raise AutoEPError(f"AutoEP local shape mismatch for {name}: shape={local_shape}, "
+            raise AutoEPError(f"{meta_file}: AutoEP local shape mismatch for {name}: shape={local_shape}, "
                               f"num_local_experts={meta['num_local_experts']}.")
         ep, n_exp = meta["ep_size"], meta["num_experts"]
         local_numel = numel(local_shape)
@@ -199,12 +202,13 @@ def plan_zero12_experts(ck, plan: Plan, shards, fragments, shapes, layers, data_
                 warnings.warn(f"AutoEP: skipped {state} of {name}: no {state} in {absent}", stacklevel=3)
                 continue
             for e in range(ep):
-                seg, requires_grad = Segments(), False
-                for r in zero12_dp_ranks(e, dp, ep, data_before_expert):
+                seg, requires_grad, paths = Segments(), False, []
+                for r in zero12_dp_ranks(e, dp, ep, data_before_expert, meta_file):
                     if r not in by_rank:
                         continue
                     g, start, count = by_rank[r]
                     sf, osd = shards[r]
+                    paths.append(sf.path)
                     src = (osd["single_partition_of_fp32_groups"][g]
                            if state == "fp32" else osd["base_optimizer_state"]["state"][g].get(state))
                     if not isinstance(src, TensorRef):
@@ -223,10 +227,10 @@ def plan_zero12_experts(ck, plan: Plan, shards, fragments, shapes, layers, data_
                     ep_parts.append(_expert_file_rows(meta, name, e, expert_files))
                     continue
                 if got == 0:
-                    raise AutoEPError(f"Missing AutoEP {state} fragments for {name}, EP rank {e}.")
+                    raise AutoEPError(f"Missing AutoEP {state} fragments for {name}, EP rank {e}{_in(paths, meta_file)}.")
                 raise AutoEPError(f"AutoEP {state} fragment size mismatch for {name}, EP rank {e}: got {got}, "
-                                  f"expected {local_numel}.")
-            plan.add_archive(f"zero/{name}/{state}.pt", _expert_dict(ep_parts, full_shape, n_exp))
+                                  f"expected {local_numel}{_in(paths, meta_file)}.")
+            plan.add_archive(f"zero/{name}/{state}.pt", _expert_dict(ep_parts, full_shape, n_exp, meta_file))
         steps = []
         for r in range(dp):
             if r in by_rank:
@@ -235,13 +239,21 @@ def plan_zero12_experts(ck, plan: Plan, shards, fragments, shapes, layers, data_
                 if "step" in group_state:
                     steps.append((sf, group_state["step"]))
         if not steps:
-            raise AutoEPError(f"Missing AutoEP optimizer step for {name}.")
+            raise AutoEPError(f"Missing AutoEP optimizer step for {name}{_in([sf.path for sf, _ in shards.values()], meta_file)}.")
         from .zero12 import step_output, step_value
         values = [step_value(sf, s) for sf, s in steps]
         if any(v != values[0] for v in values[1:]):
-            raise AutoEPError(f"Inconsistent AutoEP optimizer steps for {name}.")
+            raise AutoEPError(f"Inconsistent AutoEP optimizer steps for {name}{_in([sf.path for sf, _ in steps], meta_file)}.")
         plan.add_archive(f"zero/{name}/step.pt", step_output(*steps[0]))
     return set(info)
+
+
+def _in(paths, fallback: str) -> str:
+    """' (in FILE)' naming the files an inconsistency was found across (at most three), so a refusal
+    points at a file even when the rule spans several."""
+    paths = list(dict.fromkeys(paths)) or [fallback]
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return f" (in {shown})"
 
 
 def _absent_moment(state, name, by_rank, shards) -> Optional[str]:
@@ -264,13 +276,13 @@ def _expert_file_rows(meta, name, ep_rank, expert_files):
         sf = expert_files[(layer.get("moe_layer_id"), eid)]
         t = sf.load()[f"{layer['expert_key_prefix']}.{weight}.{eid}"]
         if dtype not in (None, t.dtype):
-            raise AutoEPError(f"per-expert files of {name} mix dtypes {dtype} and {t.dtype}")
+            raise AutoEPError(f"per-expert files of {name} mix dtypes {dtype} and {t.dtype} (at {sf.path})")
         dtype = t.dtype
         seg.append(sf, *sf.tensor_byte_range(t))
     return seg, dtype, False
 
 
-def _expert_dict(ep_parts, full_shape, num_experts):
+def _expert_dict(ep_parts, full_shape, num_experts, where: str):
     # torch.cat promotes mixed dtypes: fallback rows (bf16) next to fp32 fragments come out fp32.
     dtypes = {d for _, d, _ in ep_parts}
     out_dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
@@ -282,7 +294,7 @@ def _expert_dict(ep_parts, full_shape, num_experts):
             pieces.append(p)
         dst += seg.nbytes // ITEMSIZE[dtype] * ITEMSIZE[out_dtype]
     if dst != numel(full_shape) * ITEMSIZE[out_dtype]:
-        raise AutoEPError(f"AutoEP consolidated expert count mismatch: got {dst // ITEMSIZE[out_dtype]} elements for "
+        raise AutoEPError(f"{where}: AutoEP consolidated expert count mismatch: got {dst // ITEMSIZE[out_dtype]} elements for "
                           f"shape {full_shape}")
     tensor = NewTensor(out_dtype, full_shape, pieces, any(rg for _, _, rg in ep_parts))
     return {"param": tensor, "cat_dim": 0, "is_expert_param": True, "ep_num_experts": num_experts}
@@ -473,13 +485,13 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
                     ep_rank = e["ep_rank"]
                     placement = placement_of(e, mf.path)
                     if placement_of_param.setdefault(name, placement) != placement:
-                        raise AutoEPError(f"AutoEP expert placement disagrees across ranks for {name}.")
+                        raise AutoEPError(f"AutoEP expert placement disagrees across ranks for {name} (at {mf.path}).")
                     layer_of.setdefault(name, e)
                     expected = (len({x["rank"]: x["experts"] for x in placement["ranks"]}[ep_rank]), ) + tuple(
                         int(d) for d in shape)[1:]
                     if tuple(int(d) for d in shape) != expected:
                         raise AutoEPError(f"AutoEP expert shard shape mismatch for {name}, EP rank {ep_rank}: got "
-                                          f"{tuple(shape)}, expected {expected}.")
+                                          f"{tuple(shape)}, expected {expected} (in {mf.path}).")
                     local_shape_of[(name, ep_rank)] = tuple(int(d) for d in shape)
                     for state, t in flats.items():
                         if not isinstance(t, TensorRef):
@@ -490,7 +502,7 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
                             continue
                         seg = Segments([(sf, *sf.tensor_byte_range(t, offset, real))])
                         frags.setdefault((name, state), {}).setdefault(ep_rank, []).append(
-                            (prank, seg, t.requires_grad, e["expert_data_parallel_world_size"], t.dtype))
+                            (prank, seg, t.requires_grad, e["expert_data_parallel_world_size"], t.dtype, sf.path))
 
     for (name, state), path in sorted(skipped.items()):
         warnings.warn(f"AutoEP: skipped {state} of {name}: no {state} in {path}", stacklevel=3)
@@ -502,7 +514,8 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
         held = {x["rank"]: x["experts"] for x in placement["ranks"]}
         missing = sorted(r for r in set(held) - set(by_ep) if held[r])
         if missing:
-            raise AutoEPError(f"Missing AutoEP universal fragments for {name}/{state} EP ranks: {missing}")
+            raise AutoEPError(f"Missing AutoEP universal fragments for {name}/{state} EP ranks: {missing}"
+                              f"{_in([it[5] for items in by_ep.values() for it in items], ck.folder)}")
         locals_: Dict[int, Tuple[Segments, str, bool]] = {}
         for ep_rank, items in sorted(by_ep.items()):
             items.sort(key=lambda it: it[0])
@@ -510,10 +523,10 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
             world = items[0][3]
             if len(pranks) != len(set(pranks)):
                 raise AutoEPError(f"Duplicate AutoEP expert-DP partition ranks for {name}/{state} EP rank {ep_rank}: "
-                                  f"{pranks}")
+                                  f"{pranks}{_in([it[5] for it in items], ck.folder)}")
             if set(pranks) != set(range(world)):
                 raise AutoEPError(f"Incomplete AutoEP expert-DP fragments for {name}/{state} EP rank {ep_rank}: got "
-                                  f"{sorted(pranks)}, expected {list(range(world))}")
+                                  f"{sorted(pranks)}, expected {list(range(world))}{_in([it[5] for it in items], ck.folder)}")
             seg = Segments()
             for it in items:
                 seg.extend(it[1])
@@ -521,7 +534,8 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
             shape = local_shape_of[(name, ep_rank)]
             locals_[ep_rank] = (seg.slice(0, numel(shape) * ITEMSIZE[dtype]), dtype, any(it[2] for it in items))
         plan.add_archive(f"zero/{name}/{state}.pt",
-                         _placed_expert_dict(name, state, placement, locals_, local_shape_of, e0["num_experts"]))
+                         _placed_expert_dict(name, state, placement, locals_, local_shape_of, e0["num_experts"],
+                                             _in([it[5] for items in by_ep.values() for it in items], ck.folder)))
 
     for sf in ck.model_files:
         plan.add_archive(os.path.basename(sf.path), _resaved_zero3_state(sf))
@@ -538,7 +552,7 @@ def _resaved_zero3_state(sf):
     return state
 
 
-def _placed_expert_dict(name, state, placement, locals_, local_shape_of, num_experts):
+def _placed_expert_dict(name, state, placement, locals_, local_shape_of, num_experts, files: str):
     """Rows of each EP rank's packed local tensor land at their global expert ids."""
     any_rank = next(iter(locals_))
     dtype = locals_[any_rank][1]
@@ -553,7 +567,7 @@ def _placed_expert_dict(name, state, placement, locals_, local_shape_of, num_exp
                 again = locals_[r][0].slice(row * row_bytes, row_bytes).read()
                 if first != again:
                     raise AutoEPError(f"Failed to rebuild AutoEP universal tensor for {name}/{state}: ranks "
-                                      f"{owner[eid][0]} and {r} hold different data for replicated expert {eid}")
+                                      f"{owner[eid][0]} and {r} hold different data for replicated expert {eid}{files}")
                 continue
             owner[eid] = (r, row)
     pieces = []

@@ -23,9 +23,10 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
-from ..planning.plan import Piece, Segments
 from ..formats.pickle_read import ITEMSIZE, Opaque, numel
 from ..formats.pickle_write import NewTensor
+from ..planning.plan import Piece, Segments
+from .schema import Schema
 
 PATTERN_KEYS = ("tp_replicated_parameter_patterns", "parameter_to_average_patterns",
                 "parameter_with_row_parallelism_patterns", "vocabulary_parameter_patterns",
@@ -67,10 +68,14 @@ def _field(sub, name):
 class TpRules:
     """The pattern lists of one checkpoint, with DeepSpeed's used-pattern bookkeeping."""
 
-    def __init__(self, uc_info: dict, tp: int, where: str):
+    def __init__(self, uc_info: dict, tp: int, where: str, source: Optional[str] = None):
         self.info = uc_info or {}
         self.tp = tp
         self.where = where
+        # The model-states file the rules come from: what a refusal of the rules themselves names.
+        self.source = source or where
+        _check_rules(self.info, self.source)
+        self._affine_checked = set()
         unsupported = self.info.get("autotp_unsupported_parameter_patterns") or {}
         if unsupported:
             details = ", ".join(f"{p}: {r}" for p, r in sorted(unsupported.items()))
@@ -95,7 +100,14 @@ class TpRules:
         found = [p for p in self.affine if re.match(p, name)]
         if len(found) > 1:
             raise TpMergeError(f"{self.where}: Got more than one matching affine map patterns={found} for {name}")
-        return self.affine[found[0]] if found else None
+        if not found:
+            return None
+        if found[0] not in self._affine_checked:
+            amap = self.affine[found[0]]
+            _check_affine(name, amap, self.source)
+            _check_tiling(name, amap["logical_shape"], amap["ranks"], self.source)
+            self._affine_checked.add(found[0])
+        return self.affine[found[0]]
 
     def empty_shard_shape(self, name: str, rank: int) -> Optional[tuple]:
         """The shape of ``rank``'s shard of ``name`` when the affine map records it as empty, else None.
@@ -488,3 +500,103 @@ def _affine_computed(name, logical, ranks, slices, dtype, power) -> NewTensor:
     t = _tensor(dtype, logical, [], slices)
     t.data = full.tobytes()
     return t
+
+
+# -- checks of the metadata the rules come from --------------------------------------------------------
+# universal_checkpoint_info is read from a pickle like any other input: the planner below indexes and
+# multiplies its fields freely, so every one is checked first, with the file named.
+
+def _check_rules(info, path: str) -> None:
+    s = Schema(path)
+    s.dict(info, "universal_checkpoint_info")
+    for key in PATTERN_KEYS:
+        for i, p in enumerate(s.list(info.get(key), f"universal_checkpoint_info[{key!r}]", optional=True) or ()):
+            _check_pattern(s, p, f"universal_checkpoint_info[{key!r}][{i}]")
+    affine = s.dict(info.get("affine_map"), "universal_checkpoint_info['affine_map']", optional=True) or {}
+    version = affine.get("version", 1)
+    if not isinstance(version, (int, float)) or isinstance(version, bool) or version != version:
+        s.fail("universal_checkpoint_info['affine_map']['version']", f"must be a number, got {type(version).__name__}")
+    params = s.dict(affine.get("params"), "universal_checkpoint_info['affine_map']['params']", optional=True) or {}
+    for p in params:
+        _check_pattern(s, p, "universal_checkpoint_info['affine_map']['params'] key")
+    for i, sub in enumerate(s.list(info.get("parameter_with_sub_params"),
+                                   "universal_checkpoint_info['parameter_with_sub_params']", optional=True) or ()):
+        where = f"universal_checkpoint_info['parameter_with_sub_params'][{i}]"
+        try:
+            patterns = _field(sub, "patterns")
+        except (KeyError, AttributeError, TypeError):
+            s.fail(where, "has no patterns")
+        for j, p in enumerate(s.list(patterns, f"{where}.patterns")):
+            _check_pattern(s, p, f"{where}.patterns[{j}]")
+
+
+def _check_pattern(s: Schema, pattern, where: str) -> None:
+    if not isinstance(pattern, str):
+        s.fail(where, f"must be a regular expression (a string), got {type(pattern).__name__}")
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        s.fail(where, f"is not a valid regular expression ({exc})")
+
+
+def _check_affine(name: str, amap, path: str) -> None:
+    """Types and bounds of one affine map entry: every piece's source view inside the logical tensor
+    and its dest view inside its rank's shard (the tiling is checked where the pieces are used)."""
+    s = Schema(path)
+    w = f"affine map of {name}:"
+    s.dict(amap, w)
+    logical = numel(s.shape(amap.get("logical_shape"), f"{w} logical_shape"))
+    for r, v in s.dict(amap.get("ranks"), f"{w} ranks").items():
+        s.int(r, f"{w} rank key")
+        rw = f"{w} ranks[{r}]"
+        s.dict(v, rw)
+        shard = numel(s.shape(v.get("shard_shape"), f"{rw}['shard_shape']"))
+        for i, pc in enumerate(s.list(v.get("pieces"), f"{rw}['pieces']")):
+            pw = f"{rw}['pieces'][{i}]"
+            s.dict(pc, pw)
+            shape = s.shape(pc.get("shape"), f"{pw}['shape']")
+            for key, bound, what in (("source", logical, "logical tensor"), ("dest", shard, "rank's shard")):
+                view = s.list(pc.get(key), f"{pw}['{key}']")
+                if len(view) != 2:
+                    s.fail(f"{pw}['{key}']", f"must be (offset, strides), got {len(view)} items")
+                off = s.int(view[0], f"{pw}['{key}'] offset")
+                strides = s.shape(view[1], f"{pw}['{key}'] strides")
+                if len(strides) != len(shape):
+                    s.fail(f"{pw}['{key}']", f"has {len(strides)} strides for a {len(shape)}-dimensional piece")
+                if numel(shape):
+                    last = off + sum((n - 1) * st for n, st in zip(shape, strides))
+                    if last >= bound:
+                        s.fail(f"{pw}['{key}']", f"reaches element {last}, past the {bound} elements of the {what}")
+            for j, loc in enumerate(s.list(pc.get("locations"), f"{pw}['locations']")):
+                s.int(loc, f"{pw}['locations'][{j}]")
+            scale = pc.get("scale", 1.0)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or not scale:
+                s.fail(f"{pw}['scale']", f"must be a finite non-zero number, got {scale!r}")
+
+
+def _check_tiling(name: str, logical, ranks, where: str) -> None:
+    """The pieces must write every element of the logical tensor exactly once (a replicated piece,
+    listed by each rank holding it, counts once): a gap would publish bytes nobody wrote, an overlap
+    a tensor that depends on the order of the copies."""
+    runs = []
+    seen = set()
+    for v in ranks.values():
+        for pc in v["pieces"]:
+            shape = [int(d) for d in pc["shape"]]
+            (s_off, s_str), (d_off, d_str) = pc["source"], pc["dest"]
+            if len(pc["locations"]) > 1:
+                if int(s_off) in seen:
+                    continue
+                seen.add(int(s_off))
+            runs += [(f, n) for f, _, n in _runs(shape, int(s_off), [int(x) for x in s_str], int(d_off),
+                                                 [int(x) for x in d_str])]
+    runs.sort()
+    at = 0
+    for f, n in runs:
+        if f != at:
+            problem = f"overlap at element {f}" if f < at else f"no piece writes elements [{at}, {f})"
+            raise TpMergeError(f"{where}: affine map of {name}: pieces do not tile the logical tensor: {problem}")
+        at = f + n
+    if at != numel(logical):
+        raise TpMergeError(f"{where}: affine map of {name}: pieces cover {at} of the {numel(logical)} elements of "
+                           "the logical tensor")

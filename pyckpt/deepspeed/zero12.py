@@ -110,7 +110,7 @@ def _state_segments(name, state_name, frags, shards) -> Tuple[Segments, str, boo
 def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = False,
                 dense_only: bool = False, strict: bool = True) -> Dict[str, int]:
     info = universal_checkpoint_info(ck, inject_missing_state)
-    rules = TpRules(info, ck.tp, ck.folder)
+    rules = TpRules(info, ck.tp, ck.folder, ck.model[0].path)
     per_mp_shapes = [flatten_param_shapes(mf) for mf in ck.model]
     layers, data_before_expert = autoep.aggregate_zero12(ck.model)
     expert_file_names = autoep.expert_files_in(ck.folder)

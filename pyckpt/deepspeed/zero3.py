@@ -74,7 +74,8 @@ def plan_zero3(ck: ZeroCheckpoint, plan: Plan, strict: bool = True) -> Dict[str,
                                          "(tensor parallel) ZeRO-3 checkpoint is not supported (nor by DeepSpeed)")
     rules = None
     if ck.tp > 1:
-        rules = TpRules(ck.model[0].load().get("universal_checkpoint_info") or {}, ck.tp, ck.folder)
+        rules = TpRules(ck.model[0].load().get("universal_checkpoint_info") or {}, ck.tp, ck.folder,
+                        ck.model[0].path)
     experts = autoep.plan_zero3_experts(ck, plan)
     shapes_by_tp = [_sub_group_shapes(row[0]) for row in ck.model_grid]
     extracted = [_extract(ck, t, shapes_by_tp[t], experts) for t in range(ck.tp)]

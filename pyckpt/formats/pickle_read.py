@@ -179,7 +179,16 @@ class TorchSize(tuple):
     __slots__ = ()
 
     def __new__(cls, dims=()):
-        return super().__new__(cls, (int(d) for d in dims))
+        # torch.Size takes a sequence of ints and nothing else (no str, float or bytes that int()
+        # would coerce): a file copied verbatim must load in torch as it parsed here.
+        if not isinstance(dims, (tuple, list)):
+            raise _BadData(f"torch.Size built from {type(dims).__name__}, expected a tuple of integers")
+        for d in dims:
+            if isinstance(d, bool) or not isinstance(d, int):
+                raise _BadData(f"torch.Size entry {_short(d)} is a {type(d).__name__}, not an integer")
+            if not -(1 << 63) <= d < (1 << 63):
+                raise _BadData(f"torch.Size entry {d} does not fit in 64 bits")
+        return super().__new__(cls, dims)
 
     def numel(self) -> int:
         return numel(self)

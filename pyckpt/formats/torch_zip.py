@@ -7,6 +7,7 @@ the executor copies them.
 from __future__ import annotations
 
 import os
+import pickletools
 import stat
 from typing import Any, Dict, Tuple
 
@@ -18,6 +19,23 @@ from .pickle_read import StorageRef, TensorRef, loads_with_storages
 # hundreds of thousands of parameters. A larger one is refused before it is read into memory, as
 # safetensors caps its header; PYCKPT_MAX_PICKLE_BYTES raises the cap for an exotic checkpoint.
 DEFAULT_MAX_PICKLE_BYTES = 256 << 20
+
+# Records torch.save writes beside data.pkl and torch.load parses: (name, rule, test of the bytes).
+METADATA_RECORDS = (
+    ("version", "a decimal version number", lambda b: b.strip().isdigit() and b.isascii()),
+    (".data/version", "a decimal version number", lambda b: b.strip().isdigit() and b.isascii()),
+    (".format_version", "a decimal version number", lambda b: b.strip().isdigit() and b.isascii()),
+    (".storage_alignment", "a decimal alignment", lambda b: b.strip().isdigit() and b.isascii()),
+    ("byteorder", "'little' or 'big'", lambda b: b in (b"little", b"big")),
+    (".data/serialization_id", "ASCII text", lambda b: b.isascii()),
+)
+
+# The opcodes torch's weights-only unpickler implements (torch/_weights_only_unpickler.py, 2.13):
+# everything torch.save emits.
+TORCH_SAVE_OPCODES = frozenset("""
+    APPEND APPENDS BINFLOAT BINGET BININT BININT1 BININT2 BINPERSID BINPUT BINUNICODE BUILD EMPTY_DICT EMPTY_LIST
+    EMPTY_SET EMPTY_TUPLE GLOBAL LONG1 LONG_BINGET LONG_BINPUT MARK NEWFALSE NEWOBJ NEWTRUE NONE PROTO REDUCE
+    SETITEM SETITEMS SHORT_BINSTRING STOP TUPLE TUPLE1 TUPLE2 TUPLE3""".split())
 
 
 def max_pickle_bytes() -> int:
@@ -66,6 +84,28 @@ class SourceFile:
             self._obj = obj
             self._loaded = True
         return self._obj
+
+    def check_copyable(self) -> None:
+        """Refuse a pickle that parses here but that torch's own weights-only loader would refuse.
+
+        A file copied verbatim (model states) must load downstream as it did here. torch.save writes
+        protocol 2 with a fixed set of opcodes, and torch.load(weights_only=True) reads only those;
+        the allowlist reader above is CPython's unpickler and takes any opcode, so a crafted
+        SHORT_BINBYTES (say) would otherwise pass through into the output."""
+        for op, _, pos in pickletools.genops(self._pickle_bytes):
+            if op.name not in TORCH_SAVE_OPCODES:
+                raise CheckpointFormatError(f"{self.path}: data.pkl uses pickle opcode {op.name} (at byte {pos}), "
+                                            "which torch.save never writes and torch.load(weights_only=True) refuses")
+        # torch.load parses these small records itself (a version number, the byte order, an id); a
+        # value it cannot parse fails the load of the copy.
+        for record, rule, ok in METADATA_RECORDS:
+            entry = self.members.get(f"{self.prefix}/{record}")
+            if entry is None:
+                continue
+            off, size, _ = entry
+            if size > 64 or not ok(self.read_bytes(off, size)):
+                raise CheckpointFormatError(f"{self.path}: record {self.prefix}/{record} is not {rule} "
+                                            f"({size} bytes), so torch.load would refuse the file")
 
     def storage_offset(self, storage: StorageRef) -> int:
         """Absolute byte offset of a storage record's data, checked against the record's size."""

@@ -125,6 +125,7 @@ class Plan:
 
     def add_copy(self, src, relpath: str) -> None:
         src.load()  # a file copied verbatim passes the same checks as one pyckpt parses
+        src.check_copyable()
         self.copies.append(FileCopy(src, self._claim(relpath)))
 
     # -- describing ----------------------------------------------------------------------------
