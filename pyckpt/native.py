@@ -24,8 +24,9 @@ except ImportError as exc:  # most often: running from the source folder, which 
                       "editable install (`pip install --no-build-isolation -e .`).") from exc
 
 # One op row: bytes [src_off, src_off + nbytes) of source `src` (or zeros when src is -1), converted
-# by `kind`, land at dst_off of record `rec` of output `out`, `rows` times `stride` bytes apart.
-OP_COLUMNS = ("src", "src_off", "out", "rec", "dst_off", "nbytes", "kind", "rows", "stride")
+# by `kind`, land at dst_off of record `rec` of output `out`, `rows` times `stride` bytes apart. The
+# column order is defined once, next to the C++ row type (csrc/ops.hpp), and exported from there.
+OP_COLUMNS = tuple(_core.OP_COLUMNS)
 
 KIND_COPY = _core.KIND_COPY
 
