@@ -216,6 +216,14 @@ def _pickle_slots(data: bytes):
     return slots
 
 
+def _splice(data: bytes, slots, start: int, end: int, new: bytes):
+    """``data`` with [start, end) replaced by ``new``; the other slots shifted to match, this one gone."""
+    delta = len(new) - (end - start)
+    moved = [(k, s + delta if s > start else s, e + delta if s > start else e, t) for k, s, e, t in slots
+             if s != start]
+    return data[:start] + new + data[end:], moved
+
+
 def _patch_pickle_args(draw, data: bytes, tensors_only: bool) -> bytes:
     slots = [s for s in _pickle_slots(data) if s[3] or not tensors_only]
     if not slots:
@@ -234,10 +242,7 @@ def _patch_pickle_args(draw, data: bytes, tensors_only: bool) -> bytes:
             new = _encode_int(value)
         else:
             new = _encode_str(draw(st.sampled_from(INTERESTING_STRS)))
-        data = data[:start] + new + data[end:]
-        delta = len(new) - (end - start)
-        slots = [(k, s + delta if s > start else s, e + delta if s > start else e, t) for k, s, e, t in slots
-                 if s != start]
+        data, slots = _splice(data, slots, start, end, new)
         if not slots:
             break
     return data
@@ -259,10 +264,7 @@ def _patch_pickle_types(draw, data: bytes, tensors_only: bool = False) -> bytes:
     for _ in range(draw(st.integers(1, 3))):
         _, start, end, _ = slots[draw(st.integers(0, len(slots) - 1))]
         new = draw(st.sampled_from(OTHER_TYPES))
-        data = data[:start] + new + data[end:]
-        delta = len(new) - (end - start)
-        slots = [(k, s + delta if s > start else s, e + delta if s > start else e, t) for k, s, e, t in slots
-                 if s != start]
+        data, slots = _splice(data, slots, start, end, new)
         if not slots:
             break
     return data
