@@ -148,13 +148,24 @@ def test_kill_at_every_step_leaves_old_or_new_and_no_orphan_after_next_run(point
     assert digest(ckpt) == before
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_signal_mid_copy_cleans_up_and_says_so(sig, ckpt, tmp_path):
+def _start_paused(ckpt, tmp_path):
+    """A conversion into tmp_path/out/u held inside its copy: staging exists, nothing is published."""
     out = tmp_path / "out" / "u"
     out.parent.mkdir()
     barrier = tmp_path / "barrier"
     proc = _start(ckpt, out, env={"T_BARRIER": str(barrier)})
-    _wait_for(barrier, proc)
+    try:
+        _wait_for(barrier, proc)
+    except BaseException:
+        proc.kill()
+        proc.communicate(timeout=60)
+        raise
+    return proc, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_mid_copy_cleans_up_and_says_so(sig, ckpt, tmp_path):
+    proc, out = _start_paused(ckpt, tmp_path)
     assert stale_entries(str(out.parent), "u"), "staging exists while copying"
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -165,11 +176,7 @@ def test_signal_mid_copy_cleans_up_and_says_so(sig, ckpt, tmp_path):
 
 
 def test_sigkill_mid_copy_orphan_is_removed_by_next_run(ckpt, reference, tmp_path):
-    out = tmp_path / "out" / "u"
-    out.parent.mkdir()
-    barrier = tmp_path / "barrier"
-    proc = _start(ckpt, out, env={"T_BARRIER": str(barrier)})
-    _wait_for(barrier, proc)
+    proc, out = _start_paused(ckpt, tmp_path)
     proc.kill()
     proc.communicate(timeout=60)
     orphans = stale_entries(str(out.parent), "u")
@@ -195,12 +202,8 @@ def test_clean_removes_orphans_of_any_host_and_legacy_names(tmp_path):
 
 
 def test_clean_does_not_touch_a_live_run(ckpt, tmp_path):
-    out = tmp_path / "out" / "u"
-    out.parent.mkdir()
-    barrier = tmp_path / "barrier"
-    proc = _start(ckpt, out, env={"T_BARRIER": str(barrier)})
+    proc, out = _start_paused(ckpt, tmp_path)
     try:
-        _wait_for(barrier, proc)
         staging = stale_entries(str(out.parent), "u")
         cleaner = _start("--clean", out)
         time.sleep(1.0)  # give it the chance to do harm; it must be waiting for the lock instead
