@@ -14,8 +14,8 @@ from .errors import (AutoEPError, CheckpointFormatError, MissingExpertFileError,
 _LAZY = {
     "convert_to_universal": "universal",
     "ConversionReport": "universal",
-    "read_expert_slice": "deepspeed.autoep",
-    "check_load_topology": "deepspeed.autoep",
+    "read_expert_slice": "deepspeed.autoep.load",
+    "check_load_topology": "deepspeed.autoep.load",
     "verify_universal": "verify",
     "VerifyReport": "verify",
 }

@@ -485,18 +485,16 @@ def _verify_folder(folder: str, report: VerifyReport, files: _Files) -> None:
 # -- against the ZeRO checkpoint ---------------------------------------------------------------
 
 def _verify_against(folder, against, report, files: _Files, inject_missing_state, dense_only, content):
-    from .universal import build_plan
+    from .universal import build_plan, metadata_errors
     from .deepspeed.discovery import discover
     try:
-        ck = discover(against)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # unused-pattern warnings are the converter's business
-            plan, _ = build_plan(ck, inject_missing_state, dense_only, strict=False)
+        with metadata_errors(against):
+            ck = discover(against)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # unused-pattern warnings are the converter's business
+                plan, _ = build_plan(ck, inject_missing_state, dense_only, strict=False)
     except (PyckptError, OSError) as exc:
         raise VerifyInputError(f"cannot plan the conversion of {os.fspath(against)}: {exc}") from None
-    except (KeyError, IndexError, TypeError, AttributeError, ZeroDivisionError, OverflowError, ValueError) as exc:
-        raise VerifyInputError(f"{os.fspath(against)}: malformed checkpoint metadata ({type(exc).__name__}: "
-                               f"{' '.join(str(exc).split())[:300]})") from None
     planned = {}
     for arc in plan.archives:
         planned[arc.relpath] = ("archive", arc.obj)

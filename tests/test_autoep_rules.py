@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pyckpt import CheckpointFormatError
-from pyckpt.deepspeed.autoep import check_load_topology, expert_rows, read_expert_slice
+from pyckpt.deepspeed.autoep.load import check_load_topology, expert_rows, read_expert_slice
 
 LAYERS = [
     {"module_path": "model.layers.0.mlp", "expert_key_prefix": "model.layers.0.mlp.experts", "num_experts": 8},

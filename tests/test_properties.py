@@ -23,10 +23,12 @@ from hypothesis import strategies as st
 
 from pyckpt import _core
 from pyckpt.formats.torch_zip import SourceFile
-from pyckpt.planning.plan import Piece, Segments
+from pyckpt.planning.plan import Segments
 from pyckpt.formats.pickle_read import ITEMSIZE, StorageRef, TensorRef
 from pyckpt.deepspeed.tp_merge import Slice, TpRules
-from pyckpt.deepspeed.zero12 import STATES, _fragments, _state_segments
+from pyckpt.deepspeed.optimizer_state import STATES
+from pyckpt.deepspeed.zero12 import _fragments, _state_segments
+from pyckpt.deepspeed.zero_shards import zero_shard_of
 from pyckpt.deepspeed.zero3_partition import rank_pieces
 
 
@@ -197,22 +199,24 @@ def test_zero12_fragments_reassemble_each_parameter(workdir, groups, dp, dtype, 
         refs = iter(tensor_ref(sf, k, dtype, len(rec) // isz) for k, rec in enumerate(records))
         per_group = [dict(zip(STATES, (next(refs) for _ in STATES))) for _ in layout]
         osd = {
-            "param_slice_mappings": [ranks[r] for _, ranks in layout],
+            "param_slice_mappings": [{n: {"start": f.start, "numel": f.numel} for n, f in ranks[r].items()}
+                                     for _, ranks in layout],
             "single_partition_of_fp32_groups": [grp["fp32"] for grp in per_group],
-            "base_optimizer_state": {"state": [{"exp_avg": grp["exp_avg"], "exp_avg_sq": grp["exp_avg_sq"]}
-                                               for grp in per_group]},
+            "base_optimizer_state": {"state": {g: {"exp_avg": grp["exp_avg"], "exp_avg_sq": grp["exp_avg_sq"]}
+                                               for g, grp in enumerate(per_group)},
+                                     "param_groups": [{} for _ in per_group]},
         }
-        shards.append((sf, osd))
+        shards.append(zero_shard_of(sf, osd, r, dp))
 
     frags = _fragments(shards)
     assert set(frags) == {n for ns in numels_by_group for n in ns}
     for g, numels in enumerate(numels_by_group):
         pos = 0
         for name, n in numels.items():
-            ranks_in_order = [rank for rank, _, _, _ in frags[name]]
+            ranks_in_order = [shard.dp_rank for shard, _, _ in frags[name]]
             assert ranks_in_order == sorted(ranks_in_order)
             for state in STATES:
-                seg, got_dtype, _ = _state_segments(name, state, frags[name], shards)
+                seg, got_dtype, _ = _state_segments(name, state, frags[name])
                 assert got_dtype == dtype
                 assert_exact(seg.pieces(), flat[(g, state)][pos:pos + n].tobytes())
             pos += n

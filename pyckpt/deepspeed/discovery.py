@@ -12,11 +12,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List
 
-from ..formats.torch_zip import SourceFile, read_small_text
-from .schema import (check_model_state, check_zero12_shard, check_zero3_shard, optimizer_state,
-                                zero_stage)
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..formats.torch_zip import SourceFile, read_small_text
+from .model_states import ModelStates, read_model_states
 from .names import check_tag
+from .zero_shards import ZeroShard, read_zero_shard, read_zero_stage
 
 _ZERO_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -27,7 +27,12 @@ def natural_key(text: str):
 
 
 def is_expert_model_file(name: str) -> bool:
-    return name.startswith("layer_") and "_expert_" in name
+    """A per-expert weight file (``layer_L_expert_E_mp_rank_NN_model_states.pt``) of DeepSpeed-MoE or AutoEP."""
+    return name.startswith("layer_") and "_expert_" in name and name.endswith("_model_states.pt")
+
+
+def expert_files_in(folder: str) -> List[str]:
+    return sorted(n for n in os.listdir(folder) if is_expert_model_file(n))
 
 
 def resolve_tag_folder(path) -> str:
@@ -71,33 +76,26 @@ def _refuse_megatron_lm(path: str, names) -> None:
 
 @dataclass
 class ZeroCheckpoint:
-    """The files of one tag folder and the topology they imply."""
+    """The files of one tag folder, read into validated records, and the topology they imply."""
 
     folder: str
     stage: int
     dp: int
     tp: int = 1
     pp: int = 1
-    # optim[dp] of mp rank 0; optim_grid[mp][dp] for all mp ranks (mp = pp * tp_degree + tp)
-    optim: List[SourceFile] = field(default_factory=list)
-    # ZeRO-1/2: the mp_rank_* files; ZeRO-3: zero_pp_rank_*_model_states.pt by dp rank
-    model: List[SourceFile] = field(default_factory=list)
-    # every non-expert *_model_states.pt, parsed and checked, copied to the universal folder
-    model_files: List[SourceFile] = field(default_factory=list)
+    # optim_grid[mp][dp]: the ZeRO shards (mp = pp_rank * tp_degree + tp_rank; ZeRO-3: the tp rank)
+    optim_grid: List[List[ZeroShard]] = field(default_factory=list)
+    # ZeRO-1/2: the mp_rank_* model states, by mp rank; ZeRO-3: model_grid[tp][dp]
+    model: List[ModelStates] = field(default_factory=list)
+    model_grid: List[List[ModelStates]] = field(default_factory=list)
+    # every non-expert *_model_states.pt, read and checked: each is copied to the universal folder
+    model_files: List[ModelStates] = field(default_factory=list)
     bf16_prefix: bool = False
-    optim_grid: List[List[SourceFile]] = field(default_factory=list)
-    model_grid: List[List[SourceFile]] = field(default_factory=list)  # ZeRO-3: [tp][dp]
 
-
-
-def _optim_state(sf: SourceFile):
-    return optimizer_state(sf.path, sf.load())
-
-
-def _model_state(sf: SourceFile):
-    obj = sf.load()
-    check_model_state(sf.path, obj)
-    return obj
+    @property
+    def optim(self) -> List[ZeroShard]:
+        """The shards of mp rank 0, by dp rank."""
+        return self.optim_grid[0]
 
 
 def discover(path) -> ZeroCheckpoint:
@@ -111,7 +109,7 @@ def discover(path) -> ZeroCheckpoint:
                                         "(zero_pp_rank_*): only ZeRO stage 1/2/3 checkpoints can be converted")
         raise CheckpointFormatError(f"{folder}: can't find *_optim_states.pt files")
     first = SourceFile(os.path.join(folder, zero_names[0]))
-    stage = zero_stage(first.path, _optim_state(first).get("zero_stage"))
+    stage = read_zero_stage(first)
     if stage <= 2:
         return _discover_zero12(folder, names, zero_names, first, stage)
     return _discover_zero3(folder, names, zero_names, first)
@@ -159,48 +157,47 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
                                     "files")
     grid = _rank_table(folder, zero_names)
     dp = _check_complete(folder, grid, "ZeRO optimizer shards")
-    model = [SourceFile(os.path.join(folder, n)) for n in mp_names]
-    for mf in model:
-        _model_state(mf)
+    model = [read_model_states(SourceFile(os.path.join(folder, n))) for n in mp_names]
     pp, tp = _parallel_dims(folder, model, names, sum(len(r) for r in grid.values()))
     if sorted(grid) != list(range(pp * tp)):
         raise CheckpointFormatError(f"{folder}: ZeRO shards exist for mp ranks {sorted(grid)}, but the model states "
                                     f"say pp={pp} x tp={tp}")
-    opened = {os.path.basename(first.path): first}
-    optim_grid = [[opened.get(grid[m][r]) or SourceFile(os.path.join(folder, grid[m][r])) for r in range(dp)]
-                  for m in range(pp * tp)]
-    optim = optim_grid[0]
-    for sf in (sf for row in optim_grid for sf in row):
-        osd = _optim_state(sf)
-        check_zero12_shard(sf.path, osd)
-        counts = osd.get("partition_count")
+    optim_grid = _read_shards(folder, grid, first, range(pp * tp), dp, stage)
+    for shard in (shard for row in optim_grid for shard in row):
+        counts = shard.partition_counts
         # Dense groups are partitioned over all dp ranks; expert groups over their expert-data-parallel
         # group, a divisor of dp. A missing top rank file shows up as a largest count != files present.
-        if isinstance(counts, list) and counts and (max(int(c) for c in counts) != dp
-                                                    or any(dp % int(c) for c in counts)):
-            raise CheckpointFormatError(f"{sf.path}: partition_count {counts} disagrees with the {dp} optimizer "
+        if counts and (max(counts) != dp or any(dp % c for c in counts)):
+            raise CheckpointFormatError(f"{shard.path}: partition_count {counts} disagrees with the {dp} optimizer "
                                         "shards present in the folder (a rank file is missing or foreign)")
-    return ZeroCheckpoint(folder, stage, dp, tp, pp, optim, model, list(model),
-                          bf16_prefix=zero_names[0].startswith("bf16_"), optim_grid=optim_grid)
+    return ZeroCheckpoint(folder, stage, dp, tp, pp, optim_grid, model, model_files=list(model),
+                          bf16_prefix=zero_names[0].startswith("bf16_"))
+
+
+def _read_shards(folder, grid, first, mp_ranks, dp, stage) -> List[List[ZeroShard]]:
+    """Every shard read into its record, by mp rank then dp rank; all of one ZeRO stage."""
+    opened = {os.path.basename(first.path): first}
+    rows = []
+    for m in mp_ranks:
+        row = [read_zero_shard(opened.get(grid[m][r]) or SourceFile(os.path.join(folder, grid[m][r])), r, dp)
+               for r in range(dp)]
+        for shard in row:
+            if shard.stage != stage:
+                raise CheckpointFormatError(f"{shard.path}: a ZeRO stage {shard.stage} shard beside stage {stage} "
+                                            f"ones ({first.path})")
+        rows.append(row)
+    return rows
 
 
 def _parallel_dims(folder, model, names, n_zero):
     """(pp, tp) as DeepSpeed derives them: checkpoint_parallel_dimensions, else the legacy file counts."""
-    dims = [mf.load().get("checkpoint_parallel_dimensions") for mf in model]
+    dims = [mf.parallel_dims for mf in model]
     given = [d for d in dims if d is not None]
     if given:
         if len(given) != len(dims):
             raise CheckpointFormatError(f"{folder}: checkpoint_parallel_dimensions is missing from some model-state "
                                         "files")
-        pairs = set()
-        for mf, d in zip(model, dims):
-            if not isinstance(d, dict):
-                raise CheckpointFormatError(f"{mf.path}: checkpoint_parallel_dimensions must be a dictionary")
-            vals = (d.get("pp_degree"), d.get("tp_degree"))
-            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
-                raise CheckpointFormatError(f"{mf.path}: checkpoint_parallel_dimensions must hold positive "
-                                            f"pp_degree/tp_degree, got {d}")
-            pairs.add(vals)
+        pairs = set(given)
         if len(pairs) != 1:
             raise CheckpointFormatError(f"{folder}: checkpoint_parallel_dimensions disagrees across model-state "
                                         f"files: {sorted(pairs)}")
@@ -238,17 +235,10 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
         if missing:
             raise CheckpointFormatError(f"{folder}: ZeRO-3 model-state files for dp rank(s) {missing} of tp rank {t} "
                                         f"are missing (expected zero_pp_rank_{missing[0]}_mp_rank_{t:02d}_model_states.pt)")
-    opened = {os.path.basename(first.path): first}
-    optim_grid = [[opened.get(grid[t][r]) or SourceFile(os.path.join(folder, grid[t][r])) for r in range(dp)]
-                  for t in range(tp)]
-    model_grid = [[SourceFile(os.path.join(folder, by_rank[(t, r)])) for r in range(dp)] for t in range(tp)]
-    for sf in (sf for row in optim_grid for sf in row):
-        check_zero3_shard(sf.path, _optim_state(sf))
-    # Every model-state file is copied into the output, so every one is parsed and checked, not
-    # only the ones the plan reads.
-    opened = {mf.path: mf for row in model_grid for mf in row}
-    model_files = [opened.get(os.path.join(folder, n)) or SourceFile(os.path.join(folder, n)) for n in model_names]
-    for mf in model_files:
-        _model_state(mf)
-    return ZeroCheckpoint(folder, 3, dp, tp, 1, optim_grid[0], model_grid[0], model_files,
-                          bf16_prefix=zero3[0].startswith("bf16_"), optim_grid=optim_grid, model_grid=model_grid)
+    optim_grid = _read_shards(folder, grid, first, range(tp), dp, 3)
+    # Every model-state file is copied into the output, so every one is read and checked, not only
+    # the ones the plan reads.
+    model_files = {n: read_model_states(SourceFile(os.path.join(folder, n))) for n in model_names}
+    model_grid = [[model_files[by_rank[(t, r)]] for r in range(dp)] for t in range(tp)]
+    return ZeroCheckpoint(folder, 3, dp, tp, 1, optim_grid, model_grid[0], model_grid, list(model_files.values()),
+                          bf16_prefix=zero3[0].startswith("bf16_"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -128,6 +129,17 @@ class TpRules:
 
     def unused(self) -> List[str]:
         return sorted(self.all_patterns - self.used)
+
+    def check_unused(self, strict: bool) -> None:
+        """After the merge: a pattern no parameter matched is an error (DeepSpeed's ``--no_strict``
+        turns it into a warning), since a misspelt rule would silently merge by the default."""
+        unused = self.unused()
+        if not unused:
+            return
+        if strict:
+            raise TpMergeError(f"{self.where}: Unused patterns={unused} while merging tp slices (no parameter "
+                               "matches them; pass --no_strict to only warn)")
+        warnings.warn(f"Unused patterns={unused} while merging tp slices", stacklevel=3)
 
     def _match(self, key: str, name: str) -> Optional[str]:
         found = [p for p in self.lists[key] if re.match(p, name)]

@@ -11,39 +11,23 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
-from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
-from .discovery import ZeroCheckpoint
-from . import autoep
 from ..errors import AutoEPError, CheckpointFormatError, UnsupportedCheckpointError
-from ..native import CONVERT_TO_F32
-from ..planning.plan import Piece, Plan, Segments
 from ..formats.pickle_read import ITEMSIZE, TensorRef, numel
 from ..formats.pickle_write import NewTensor
-from .tp_merge import Slice, TpMergeError, TpRules
-
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
-# ds_to_universal drops these from rank 0's optimizer state when it writes zero/optimizer_state.pt:
-# they are per-rank and are rebuilt by the loader from the per-parameter files.
-SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
-
-
-
-def flatten_param_shapes(model_file) -> "OrderedDict[str, tuple]":
-    groups = model_file.load().get("param_shapes")
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
-        raise CheckpointFormatError(f"{model_file.path}: param_shapes must be a list of dicts (is this a ZeRO "
-                                    "checkpoint?)")
-    out = OrderedDict()
-    for g in groups:
-        out.update(g)
-    return out
+from ..native import CONVERT_TO_F32
+from ..planning.plan import Piece, Plan, Segments
+from .autoep.layers import ZERO12_PATTERNS, aggregate_zero12, check_expert_files, resaved_model_states
+from .autoep.zero12 import Holding, plan_zero12_experts
+from .discovery import ZeroCheckpoint, expert_files_in
+from .optimizer_state import STATES, agreed_step, universal_optimizer_state
+from .tp_merge import Slice, TpRules
+from .zero_shards import ZeroShard
 
 
 def universal_checkpoint_info(ck: ZeroCheckpoint, inject_missing_state: bool):
-    info = ck.model[0].load().get("universal_checkpoint_info")
+    info = ck.model[0].universal_info
     if info is None:
         if not inject_missing_state:
             raise CheckpointFormatError(
@@ -54,56 +38,29 @@ def universal_checkpoint_info(ck: ZeroCheckpoint, inject_missing_state: bool):
     return info
 
 
-def step_value(sf, step):
-    """A comparable value of an Adam step (0-d tensor or number)."""
-    if isinstance(step, TensorRef):
-        off, nbytes = sf.tensor_byte_range(step)
-        return (step.dtype, sf.read_bytes(off, nbytes))
-    return step
-
-
-def step_output(sf, step):
-    """The step as step.pt holds it: a copy of the 0-d tensor, or the number itself."""
-    if isinstance(step, TensorRef):
-        off, nbytes = sf.tensor_byte_range(step)
-        return NewTensor(step.dtype, step.shape, [Piece(sf, off, nbytes, 0)], step.requires_grad)
-    return step
-
-
-def _fragments(shards) -> Dict[str, List[Tuple[int, int, int, int]]]:
-    """name -> [(dp rank, group, start, numel)] in dp order, from one mp rank's shards."""
-    out: Dict[str, List[Tuple[int, int, int, int]]] = {}
-    for rank, (sf, osd) in enumerate(shards):
-        mappings = osd.get("param_slice_mappings")
-        state = osd["base_optimizer_state"].get("state")
-        fp32 = osd.get("single_partition_of_fp32_groups")
-        if mappings is None or state is None or fp32 is None:
-            raise CheckpointFormatError(f"{sf.path}: ZeRO-1/2 optimizer shard lacks param_slice_mappings, "
-                                        "base_optimizer_state['state'] or single_partition_of_fp32_groups")
-        for g in range(len(state)):
-            if g >= len(mappings) or g >= len(fp32):
-                raise CheckpointFormatError(f"{sf.path}: optimizer state has group {g} but the shard has only "
-                                            f"{len(mappings)} slice mappings / {len(fp32)} fp32 partitions")
-            for name, frag in mappings[g].items():
-                out.setdefault(name, []).append((rank, g, int(frag.start), int(frag.numel)))
+def _fragments(shards: List[ZeroShard]) -> Dict[str, List[Holding]]:
+    """name -> [(shard, group, fragment)] in dp order, from one mp rank's shards."""
+    out: Dict[str, List[Holding]] = {}
+    for shard in shards:
+        for group in shard.groups:
+            for name, frag in shard.slice_mappings[group.index].items():
+                out.setdefault(name, []).append((shard, group, frag))
     return out
 
 
-def _state_segments(name, state_name, frags, shards) -> Tuple[Segments, str, bool]:
+def _state_segments(name, state_name, held: List[Holding]) -> Tuple[Segments, str, bool]:
     seg, dtype, requires_grad = Segments(), None, False
-    for rank, g, start, count in frags:
-        sf, osd = shards[rank]
-        src = (osd["single_partition_of_fp32_groups"][g]
-               if state_name == "fp32" else osd["base_optimizer_state"]["state"][g].get(state_name))
-        if not isinstance(src, TensorRef):
-            raise CheckpointFormatError(f"{sf.path}: group {g} has no {state_name} tensor for {name}")
+    for shard, group, frag in held:
+        src = group.tensor(state_name)
+        if src is None:
+            raise CheckpointFormatError(f"{shard.path}: group {group.index} has no {state_name} tensor for {name}")
         if dtype is None:
             dtype = src.dtype
         elif src.dtype != dtype:
-            raise CheckpointFormatError(f"{sf.path}: {state_name} of {name} is {src.dtype} here but {dtype} on a "
+            raise CheckpointFormatError(f"{shard.path}: {state_name} of {name} is {src.dtype} here but {dtype} on a "
                                         "lower dp rank")
         requires_grad |= src.requires_grad
-        seg.append(sf, *sf.tensor_byte_range(src, start, count))
+        seg.append(shard.file, *shard.file.tensor_byte_range(src, frag.start, frag.numel))
     return seg, dtype, requires_grad
 
 
@@ -111,9 +68,8 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
                 dense_only: bool = False, strict: bool = True) -> Dict[str, int]:
     info = universal_checkpoint_info(ck, inject_missing_state)
     rules = TpRules(info, ck.tp, ck.folder, ck.model[0].path)
-    per_mp_shapes = [flatten_param_shapes(mf) for mf in ck.model]
-    layers, data_before_expert = autoep.aggregate_zero12(ck.model)
-    expert_file_names = autoep.expert_files_in(ck.folder)
+    layers, data_before_expert = aggregate_zero12(ck.model)
+    expert_file_names = expert_files_in(ck.folder)
     if layers is None and expert_file_names and not dense_only:
         raise AutoEPError(
             f"{ck.folder}: found {len(expert_file_names)} per-expert files (e.g. {expert_file_names[0]}) but no AutoEP "
@@ -123,32 +79,28 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
     if layers is not None and ck.tp * ck.pp != 1:
         raise UnsupportedCheckpointError(f"{ck.folder}: ZeRO-1/2 Universal Checkpoint conversion for AutoEP with "
                                          f"tensor or pipeline parallelism (tp={ck.tp}, pp={ck.pp}) is not supported.")
-    grid = [[(sf, sf.load()["optimizer_state_dict"]) for sf in row] for row in ck.optim_grid]
-    frags_by_mp = [_fragments(shards) for shards in grid]
+    frags_by_mp = [_fragments(shards) for shards in ck.optim_grid]
     replicated_pp = list(info.get("pipeline_replicated_parameter_patterns") or [])
 
     # name -> per-tp shape (pipeline stages of one tp rank must agree), in DeepSpeed's union
     per_tp: Dict[str, List[Optional[tuple]]] = {}
-    for m, shapes in enumerate(per_mp_shapes):
+    for m, ms in enumerate(ck.model):
         pp, t = divmod(m, ck.tp)
-        for name, shape in shapes.items():
+        for name, shape in ms.shapes.items():
             lst = per_tp.setdefault(name, [None] * ck.tp)
-            shape = tuple(int(d) for d in shape)
             if lst[t] is not None and lst[t] != shape:
                 raise CheckpointFormatError(f"{ck.folder}: Pipeline replicas of {name} on tp rank {t} disagree on "
                                             f"shape: {lst[t]} vs {shape}.")
             lst[t] = shape
 
-    shards0 = grid[0]
     written = set()
     experts = set()
     if layers is not None:
-        expert_files = autoep.check_expert_files(ck.folder, layers)
-        experts = autoep.plan_zero12_experts(ck, plan, shards0, frags_by_mp[0], per_mp_shapes[0], layers,
-                                             data_before_expert, expert_files)
+        expert_files = check_expert_files(ck.folder, layers)
+        experts = plan_zero12_experts(ck, plan, frags_by_mp[0], layers, data_before_expert, expert_files)
         written |= experts
     elif expert_file_names:  # dense_only: leave out what lives in expert-parallel param groups
-        experts = _expert_group_params([osd for row in grid for _, osd in row], ck.dp)
+        experts = _expert_group_params([shard for row in ck.optim_grid for shard in row], ck.dp)
         written |= experts
         plan.notes.append(f"  dense only: {len(experts)} expert parameter(s) and {len(expert_file_names)} native "
                           "MoE expert files left out")
@@ -182,7 +134,7 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
                                                     f"recorded shape {shape} is not empty.")
                     slices.append(Slice(Segments(), shape, "float32"))
                     continue
-                segs = [(_state_segments(name, state_name, fr, grid[m]), m) for m, fr in holders]
+                segs = [(_state_segments(name, state_name, fr), m) for m, fr in holders]
                 (seg, dtype, rg), m0 = segs[0]
                 for (other, _, _), m in segs[1:]:
                     if other.read() != seg.read():
@@ -200,61 +152,45 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
             merged = rules.merge(name, slices, state_name)
             if merged is not None:
                 plan.add_archive(f"zero/{name}/{state_name}.pt", merged)
-        steps = []
-        for holders in sources:
-            tp_steps = []
-            for m, fr in holders[:1]:
-                for rank, g, _, _ in fr:
-                    sf, osd = grid[m][rank]
-                    group_state = osd["base_optimizer_state"]["state"][g]
-                    if "step" in group_state:
-                        tp_steps.append((sf, group_state["step"]))
-            if tp_steps:
-                values = [step_value(sf, s) for sf, s in tp_steps]
-                if any(v != values[0] for v in values[1:]):
-                    raise CheckpointFormatError(f"{ck.folder}: dp ranks disagree on the Adam step of {name}")
-                steps.append(tp_steps[0])
-        if steps:
-            plan.add_archive(f"zero/{name}/step.pt", step_output(*steps[0]))
+        # On each tp rank the dp ranks of the first stage holding the parameter must agree on its
+        # step; DeepSpeed writes the first tp rank's.
+        steps = [agreed_step([g.step for _, g, _ in holders[0][1] if g.step is not None],
+                             lambda _: CheckpointFormatError(f"{ck.folder}: dp ranks disagree on the Adam step of "
+                                                             f"{name}"))
+                 for holders in sources if holders]
+        step = next((s for s in steps if s is not None), None)
+        if step is not None:
+            plan.add_archive(f"zero/{name}/step.pt", step.output())
 
-    unused = rules.unused()
-    if unused:
-        if strict:
-            raise TpMergeError(f"{ck.folder}: Unused patterns={unused} while merging tp slices (no parameter "
-                               "matches them; pass --no_strict to only warn)")
-        warnings.warn(f"Unused patterns={unused} while merging tp slices", stacklevel=2)
+    rules.check_unused(strict)
 
     # DeepSpeed 0.19.8 writes {'param': module[name].float()} for every module entry that got no fp32.pt:
     # frozen parameters, tied aliases, buffers, parameters without optimizer fragments.
     fallback = 0
     for mf in ck.model:
-        module = mf.load().get("module")
-        if module is None:
-            continue
-        for name, t in module.items():
-            if name in written or not isinstance(t, TensorRef):
+        for name, t in mf.module.items():
+            if name in written:
                 continue
             written.add(name)
             fallback += 1
-            plan.add_archive(f"zero/{name}/fp32.pt", {"param": _as_float32(mf, name, t)})
+            plan.add_archive(f"zero/{name}/fp32.pt", {"param": _as_float32(mf.file, name, t)})
 
-    plan.add_archive("zero/optimizer_state.pt", _common_optimizer_state(shards0[0][1], ck.dp))
+    plan.add_archive("zero/optimizer_state.pt", universal_optimizer_state(ck.optim[0], ck.dp))
     for mf in ck.model:
         if layers is not None:
-            autoep.resave_with_expert_patterns(plan, mf, autoep.ZERO12_PATTERNS, layers)
+            plan.add_archive(os.path.basename(mf.path), resaved_model_states(mf, ZERO12_PATTERNS, layers))
         else:
-            plan.add_copy(mf, os.path.basename(mf.path))
+            plan.add_copy(mf.file, os.path.basename(mf.path))
     return {"params": params, "fallback_params": fallback, "experts": len(experts)}
 
 
-def _expert_group_params(shard_states, dp: int) -> set:
+def _expert_group_params(shards: List[ZeroShard], dp: int) -> set:
     """Parameters of param groups partitioned over fewer ranks than dp: DeepSpeed-MoE expert groups."""
     names = set()
-    for osd in shard_states:
-        counts = osd.get("partition_count") or []
-        for g, mapping in enumerate(osd.get("param_slice_mappings") or []):
-            if g < len(counts) and int(counts[g]) != dp:
-                names.update(mapping.keys())
+    for shard in shards:
+        for g, mapping in enumerate(shard.slice_mappings):
+            if g < len(shard.partition_counts) and shard.partition_counts[g] != dp:
+                names.update(mapping)
     return names
 
 
@@ -266,18 +202,3 @@ def _as_float32(sf, name: str, t: TensorRef) -> NewTensor:
     off, nbytes = sf.tensor_byte_range(t)
     pieces = [Piece(sf, off, nbytes, 0, kind)] if nbytes else []
     return NewTensor("float32", t.shape, pieces, t.requires_grad)
-
-
-def _common_optimizer_state(osd, dp: int):
-    out = {}
-    for key, value in osd.items():
-        if key in SHARDED_KEYS:
-            continue
-        if key == "partition_count" and value:
-            value = [dp] * len(value)
-        elif key == "group_paddings" and value:
-            value = [0] * len(value)
-        out[key] = value
-    out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
-    return out
-

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Iterator, Mapping, Tuple
 
+from ..errors import CheckpointFormatError
 from ..formats.pickle_read import numel
+from .model_states import ModelStates
+from .zero_shards import FlatGroup, ZeroShard
 
 
 def rank_pieces(sub_shapes: Mapping, count: int, rank: int) -> Iterator[Tuple[str, tuple, int, int, int]]:
@@ -21,3 +24,14 @@ def rank_pieces(sub_shapes: Mapping, count: int, rank: int) -> Iterator[Tuple[st
         q = -(-n // count)
         yield name, shape, n, offset, max(0, min(q, n - rank * q))
         offset += q
+
+
+def shard_pieces(model: ModelStates, shard: ZeroShard) -> Iterator[Tuple[FlatGroup, str, tuple, int, int, int]]:
+    """(sub-group, name, shape, numel, offset, real elements) of every parameter in one rank's
+    shard, the sub-groups' shapes taken from the model states saved beside it."""
+    if len(shard.groups) != len(model.groups):
+        raise CheckpointFormatError(f"{shard.path}: {len(shard.groups)} fp32 sub-groups, but param_shapes lists "
+                                    f"{len(model.groups)}")
+    for group, sub_shapes in zip(shard.groups, model.groups):
+        for piece in rank_pieces(sub_shapes, group.partition_count, group.partition_rank):
+            yield (group, ) + piece

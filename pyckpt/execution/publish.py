@@ -28,7 +28,6 @@ import shutil
 import signal
 import socket
 import stat
-import time
 import warnings
 from typing import Callable, List, Optional
 

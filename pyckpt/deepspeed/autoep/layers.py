@@ -1,0 +1,289 @@
+"""AutoEP (DeepSpeed's automatic expert parallelism): the layer metadata and expert placement.
+
+An AutoEP layer keeps its routed experts as three fused parameters ``<prefix>.w1/w2/w3`` whose
+first dimension is the expert. Each EP rank trains its own ``num_local_experts`` rows, and ZeRO
+partitions them again over the ranks of its expert-data-parallel (EDP) group. The model states
+list the layers in ``ds_autoep_layers``; this module checks that list the way DeepSpeed 0.19.8's
+``ds_to_universal`` does (``_aggregate_autoep_zero12_metadata``,
+``validate_autoep_zero3_partitioned_metadata``), finds the per-expert files it promises, and says
+which ranks hold which experts. The ZeRO-1/2 and ZeRO-3 consolidations and the load side are
+its siblings.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from ...errors import AutoEPError, MissingExpertFileError, UnsupportedCheckpointError
+from ...formats.torch_zip import SourceFile
+from ..model_states import ModelStates
+from ..names import check_param_name
+
+WEIGHTS = ("w1", "w2", "w3")
+# Fields DeepSpeed keeps of each layer entry when it aggregates ZeRO-1/2 metadata (and writes back).
+ZERO12_FIELDS = ("moe_layer_id", "module_path", "expert_key_prefix", "num_experts", "num_local_experts", "ep_size")
+REQUIRED_FIELDS = ("expert_key_prefix", "num_experts", "num_local_experts", "ep_size")
+ZERO3_REQUIRED = {"moe_layer_id", "module_path", "num_experts", "num_local_experts", "ep_size", "expert_key_prefix"}
+ZERO3_PARTITIONED_REQUIRED = {"checkpoint_format_version", "ep_group_name", "ep_rank", "expert_data_parallel_rank",
+                              "expert_data_parallel_world_size", "global_expert_start", "global_expert_end"}
+# The expert_parameter_patterns DeepSpeed's converter adds to universal_checkpoint_info.
+ZERO12_PATTERNS = [r"\.experts\.w[123]$"]
+ZERO3_PATTERNS = [r".*\.experts\.w[123]$"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which global experts each EP rank holds, in its local row order."""
+
+    num_experts: int
+    ep_size: int
+    experts_by_rank: Tuple[Tuple[int, ...], ...]
+
+    def experts_of(self, ep_rank: int) -> Tuple[int, ...]:
+        return self.experts_by_rank[ep_rank]
+
+
+def positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+
+def aggregate_zero12(model_files: List[ModelStates]) -> Tuple[Optional[list], bool]:
+    """DeepSpeed's ``_aggregate_autoep_zero12_metadata`` over the mp_rank files: the layer entries
+    (the fields it keeps, one per prefix) and ``use_data_before_expert_parallelism``."""
+    by_prefix: Dict[str, dict] = {}
+    source: Dict[str, str] = {}
+    ordering: Dict[str, bool] = {}
+    for mf in model_files:
+        meta = mf.autoep_layers
+        if meta is not None:
+            if not isinstance(meta, list):
+                raise AutoEPError(f"AutoEP metadata must be a list in {mf.path}.")
+            for entry in meta:
+                if not isinstance(entry, dict):
+                    raise AutoEPError(f"AutoEP layer metadata must contain dictionaries in {mf.path}.")
+                light = {k: entry[k] for k in ZERO12_FIELDS if k in entry}
+                prefix = light.get("expert_key_prefix")
+                if not isinstance(prefix, str) or not prefix:
+                    raise AutoEPError(f"AutoEP expert_key_prefix must be a non-empty string in {mf.path}.")
+                if prefix in by_prefix and by_prefix[prefix] != light:
+                    raise AutoEPError(f"Conflicting AutoEP metadata for expert_key_prefix {prefix!r} in "
+                                      f"{source[prefix]} and {mf.path}.")
+                if prefix not in by_prefix:
+                    by_prefix[prefix] = light
+                    source[prefix] = mf.path
+        flag = mf.ds_config.get("use_data_before_expert_parallelism", False)
+        if not isinstance(flag, bool):
+            raise AutoEPError(f"DeepSpeed checkpoint use_data_before_expert_parallelism must be a boolean in "
+                              f"{mf.path}.")
+        ordering[mf.path] = flag
+    if len(set(ordering.values())) > 1:
+        raise AutoEPError(f"DeepSpeed checkpoint use_data_before_expert_parallelism disagrees across model-state "
+                          f"files: {ordering}")
+    return (list(by_prefix.values()) or None), next(iter(ordering.values()), False)
+
+
+def zero12_param_info(layers: list, where: str = "AutoEP metadata") -> Dict[str, dict]:
+    """DeepSpeed's ``get_autoep_zero12_expert_param_info`` (uniform placement: what ZeRO-1/2 keeps).
+
+    ``where`` names the model-states file the metadata came from, for the errors."""
+    if not isinstance(layers, list) or not layers:
+        raise AutoEPError(f"{where}: AutoEP metadata must be a non-empty list for ZeRO-1/2 universal conversion.")
+    out: Dict[str, dict] = {}
+    for entry in layers:
+        missing = [f for f in REQUIRED_FIELDS if f not in entry]
+        if missing:
+            raise AutoEPError(f"{where}: AutoEP layer metadata is missing fields: {missing}")
+        prefix = entry["expert_key_prefix"]
+        for f in ("num_experts", "ep_size"):
+            if not positive_int(entry[f]):
+                raise AutoEPError(f"{where}: AutoEP {f} must be a positive integer, got {entry[f]!r}.")
+        nl = entry["num_local_experts"]
+        if not positive_int(nl):
+            raise AutoEPError(f"{where}: AutoEP num_local_experts must be a positive integer, got {nl!r}.")
+        if entry["num_experts"] != nl * entry["ep_size"]:
+            raise AutoEPError(f"{where}: AutoEP expert count mismatch for {prefix}: num_experts={entry['num_experts']}, "
+                              f"num_local_experts={nl}, ep_size={entry['ep_size']}.")
+        for w in WEIGHTS:
+            name = check_param_name(f"{prefix}.{w}", f"{where} (ds_autoep_layers)", "expert parameter")
+            if name in out:
+                raise AutoEPError(f"{where}: Duplicate AutoEP expert parameter metadata for {name}.")
+            out[name] = {"num_experts": entry["num_experts"], "num_local_experts": nl, "ep_size": entry["ep_size"],
+                         "layer": entry}
+    return out
+
+
+def zero12_dp_ranks(ep_rank: int, dp: int, ep: int, data_before_expert: bool, where: str = "AutoEP metadata") -> range:
+    """The ZeRO dp ranks holding one EP rank's expert partitions (DeepSpeed's group layout)."""
+    if dp % ep != 0:
+        raise AutoEPError(f"{where}: ZeRO DP degree {dp} is not divisible by AutoEP size {ep}.")
+    if data_before_expert:
+        edp = dp // ep
+        return range(ep_rank * edp, (ep_rank + 1) * edp)
+    return range(ep_rank, dp, ep)
+
+
+def check_expert_files(folder: str, layers: list) -> Dict[Tuple[int, int], SourceFile]:
+    """Every (layer, expert) the metadata promises has exactly one per-expert file with its keys."""
+    found = {}
+    for entry in layers:
+        layer_id = entry.get("moe_layer_id")
+        prefix = entry["expert_key_prefix"]
+        for eid in range(entry["num_experts"]):
+            matches = sorted(glob.glob(os.path.join(glob.escape(folder),
+                                                    f"layer_{layer_id}_expert_{eid}_mp_rank_*_model_states.pt")))
+            if not matches:
+                raise MissingExpertFileError(f"Expert checkpoint file not found: layer_{layer_id} expert_{eid} in "
+                                             f"{folder} (the AutoEP metadata of {prefix} promises {entry['num_experts']} "
+                                             "experts)")
+            if len(matches) > 1:
+                folded = any(isinstance(SourceFile(m).load(), dict) and "folding" in SourceFile(m).load()
+                             for m in matches)
+                if folded:
+                    raise UnsupportedCheckpointError(
+                        f"Universal checkpoint conversion for folded AutoEP+AutoTP expert shards is not supported: "
+                        f"{[os.path.basename(m) for m in matches]}")
+                raise UnsupportedCheckpointError(
+                    f"Multiple expert checkpoint files found for layer_{layer_id} expert_{eid}: "
+                    f"{[os.path.basename(m) for m in matches]}. Multi-mp_rank expert files are not supported.")
+            sf = SourceFile(matches[0])
+            state = sf.load()
+            for w in WEIGHTS:
+                key = f"{prefix}.{w}.{eid}"
+                if not isinstance(state, dict) or key not in state:
+                    raise AutoEPError(f"Expected key '{key}' not found in {sf.path}")
+            found[(layer_id, eid)] = sf
+    return found
+
+
+def in_files(paths, fallback: str) -> str:
+    """' (in FILE)' naming the files an inconsistency was found across (at most three), so a refusal
+    points at a file even when the rule spans several."""
+    paths = list(dict.fromkeys(paths)) or [fallback]
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return f" (in {shown})"
+
+
+def resaved_model_states(ms: ModelStates, patterns, layers) -> dict:
+    """A model-state file as the universal folder holds it: ``universal_checkpoint_info`` extended
+    with the expert patterns and layers, as DeepSpeed's converter re-saves it."""
+    state = dict(ms.raw())
+    info = dict(ms.universal_info or {})
+    info["expert_parameter_patterns"] = list(patterns)
+    info["ds_autoep_layers"] = layers
+    state["universal_checkpoint_info"] = info
+    return state
+
+
+
+
+def is_partitioned(entry) -> bool:
+    return isinstance(entry, dict) and entry.get("checkpoint_format") == "zero3_partitioned"
+
+
+def validate_zero3(meta, where: str, require_partitioned: bool) -> List[Placement]:
+    """DeepSpeed's ``validate_autoep_zero3_partitioned_metadata``; returns each entry's placement."""
+    if not isinstance(meta, list):
+        raise AutoEPError(f"{where}: ds_autoep_layers metadata is malformed: expected list, got "
+                          f"{type(meta).__name__}")
+    seen_ids, seen_prefixes, placements, partitioned = set(), set(), [], 0
+    for entry in meta:
+        if not isinstance(entry, dict):
+            raise AutoEPError(f"{where}: ds_autoep_layers entry is malformed: expected dict, got "
+                              f"{type(entry).__name__}")
+        missing = ZERO3_REQUIRED - entry.keys()
+        if missing:
+            raise AutoEPError(f"{where}: ds_autoep_layers entry is invalid: missing fields {sorted(missing)}")
+        if entry["moe_layer_id"] in seen_ids:
+            raise AutoEPError(f"{where}: ds_autoep_layers metadata has duplicate moe_layer_id: {entry['moe_layer_id']}")
+        seen_ids.add(entry["moe_layer_id"])
+        if entry["expert_key_prefix"] in seen_prefixes:
+            raise AutoEPError(f"{where}: ds_autoep_layers metadata has duplicate expert_key_prefix: "
+                              f"{entry['expert_key_prefix']}")
+        seen_prefixes.add(entry["expert_key_prefix"])
+        for w in WEIGHTS:
+            check_param_name(f"{entry['expert_key_prefix']}.{w}", where, "AutoEP expert parameter")
+        placement = placement_of(entry, where)
+        placements.append(placement)
+        ep_rank = entry.get("ep_rank")
+        if ep_rank is not None:
+            if not isinstance(ep_rank, int) or isinstance(ep_rank, bool) or not 0 <= ep_rank < placement.ep_size:
+                raise AutoEPError(f"{where}: AutoEP placement metadata does not contain current ep_rank {ep_rank}")
+            held = placement.experts_of(ep_rank)
+            if len(held) != entry["num_local_experts"]:
+                raise AutoEPError(f"{where}: AutoEP placement metadata current-rank expert count does not match "
+                                  f"num_local_experts: {len(held)} != {entry['num_local_experts']}")
+        if not is_partitioned(entry):
+            continue
+        missing = ZERO3_PARTITIONED_REQUIRED - entry.keys()
+        if missing:
+            raise AutoEPError(f"{where}: AutoEP ZeRO-3 checkpoint metadata is invalid: missing fields "
+                              f"{sorted(missing)}")
+        if entry["checkpoint_format_version"] != 1:
+            raise AutoEPError(f"{where}: Unsupported AutoEP ZeRO-3 checkpoint format version: "
+                              f"{entry['checkpoint_format_version']}. pyckpt supports version 1.")
+        if "expert_placement" not in entry:
+            nl, ep, n = entry["num_local_experts"], entry["ep_size"], entry["num_experts"]
+            if nl * ep != n:
+                raise AutoEPError(f"{where}: AutoEP ZeRO-3 checkpoint metadata is inconsistent: "
+                                  f"num_local_experts={nl}, ep_size={ep}, num_experts={n}")
+            start = entry["ep_rank"] * nl
+            if entry["global_expert_start"] != start or entry["global_expert_end"] != start + nl:
+                raise AutoEPError(f"{where}: AutoEP ZeRO-3 checkpoint metadata has inconsistent global expert range: "
+                                  f"got [{entry['global_expert_start']}, {entry['global_expert_end']}), expected "
+                                  f"[{start}, {start + nl})")
+        partitioned += 1
+    if require_partitioned and partitioned == 0:
+        raise AutoEPError(f"{where}: AutoEP ZeRO-3 partition-native checkpoint metadata was expected but no "
+                          "partitioned AutoEP layer entries were found")
+    return placements
+
+
+def placement_of(entry: dict, where: str) -> Placement:
+    """The versioned expert placement descriptor, or the legacy uniform one it implies."""
+    if "expert_placement" in entry:
+        p = _placement(entry["expert_placement"], where)
+    else:
+        n, nl, ep = entry["num_experts"], entry["num_local_experts"], entry["ep_size"]
+        if not all(positive_int(v) for v in (n, nl, ep)) or nl * ep != n:
+            raise AutoEPError(f"{where}: AutoEP placement metadata is invalid: inconsistent legacy AutoEP metadata "
+                              f"(num_local_experts={nl!r}, ep_size={ep!r}, num_experts={n!r})")
+        p = Placement(n, ep, tuple(tuple(range(r * nl, (r + 1) * nl)) for r in range(ep)))
+    if p.num_experts != entry["num_experts"] or p.ep_size != entry["ep_size"]:
+        raise AutoEPError(f"{where}: AutoEP placement metadata disagrees with its layer entry "
+                          f"(num_experts {p.num_experts} vs {entry['num_experts']}, ep_size {p.ep_size} vs "
+                          f"{entry['ep_size']})")
+    return p
+
+
+def _placement(p, where: str) -> Placement:
+    def bad(msg):
+        raise AutoEPError(f"{where}: AutoEP placement metadata is invalid: {msg}")
+
+    if not isinstance(p, dict):
+        bad("AutoEP placement descriptor must be a dict.")
+    if p.get("version") != 1:
+        bad(f"Unsupported AutoEP placement descriptor version {p.get('version')!r}; expected 1.")
+    n, ep, ranks = p.get("num_experts"), p.get("ep_size"), p.get("ranks")
+    if not positive_int(n) or not positive_int(ep):
+        bad(f"num_experts and ep_size must be positive integers; got {n!r}, {ep!r}.")
+    if not isinstance(ranks, list) or len(ranks) != ep:
+        bad(f"ranks must be a list of exactly {ep} entries.")
+    by_rank: Dict[int, Tuple[int, ...]] = {}
+    for r in ranks:
+        if not isinstance(r, dict) or not isinstance(r.get("rank"), int) or not 0 <= r["rank"] < ep:
+            bad(f"placement rank entry {r!r} is invalid")
+        if r["rank"] in by_rank:
+            bad(f"AutoEP placement rank {r['rank']} appears more than once.")
+        experts = r.get("experts")
+        if not isinstance(experts, list) or any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < n
+                                                for x in experts) or len(set(experts)) != len(experts):
+            bad(f"experts of rank {r['rank']} must be distinct ids in [0, {n})")
+        by_rank[r["rank"]] = tuple(experts)
+    missing = sorted(set(range(n)).difference(*by_rank.values()))
+    if missing:
+        bad(f"AutoEP placement descriptor does not cover global expert IDs {missing}.")
+    return Placement(n, ep, tuple(by_rank[r] for r in range(ep)))
