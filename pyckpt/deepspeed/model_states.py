@@ -102,3 +102,26 @@ def _parallel_dims(s: Schema, dims) -> Optional[Tuple[int, int]]:
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (pp, tp)):
         s.fail("checkpoint_parallel_dimensions", f"must hold positive pp_degree/tp_degree, got {dims}")
     return pp, tp
+
+
+@dataclass
+class ExpertWeights:
+    """A per-expert ``layer_L_expert_E_mp_rank_NN_model_states.pt``: that expert's weights by name."""
+
+    file: SourceFile
+    tensors: "OrderedDict[str, TensorRef]"
+    # AutoEP+AutoTP folded expert shards carry a 'folding' record
+    folded: bool
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+
+def read_expert_weights(sf: SourceFile) -> ExpertWeights:
+    obj = sf.load()
+    s = Schema(sf.path)
+    s.dict(obj, "the top-level object")
+    # keys are only looked up, never made into paths: no name check
+    tensors = OrderedDict((name, value) for name, value in obj.items() if isinstance(value, TensorRef))
+    return ExpertWeights(sf, tensors, "folding" in obj)

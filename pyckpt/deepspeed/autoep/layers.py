@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ...errors import AutoEPError, MissingExpertFileError, UnsupportedCheckpointError
 from ...formats.torch_zip import SourceFile
-from ..model_states import ModelStates
+from ..model_states import ExpertWeights, ModelStates, read_expert_weights
 from ..names import check_param_name
 
 WEIGHTS = ("w1", "w2", "w3")
@@ -126,8 +126,8 @@ def zero12_dp_ranks(ep_rank: int, dp: int, ep: int, data_before_expert: bool, wh
     return range(ep_rank, dp, ep)
 
 
-def check_expert_files(folder: str, layers: list) -> Dict[Tuple[int, int], SourceFile]:
-    """Every (layer, expert) the metadata promises has exactly one per-expert file with its keys."""
+def check_expert_files(folder: str, layers: list) -> Dict[Tuple[int, int], ExpertWeights]:
+    """Every (layer, expert) the metadata promises has exactly one per-expert file with its weights."""
     found = {}
     for entry in layers:
         layer_id = entry.get("moe_layer_id")
@@ -140,22 +140,19 @@ def check_expert_files(folder: str, layers: list) -> Dict[Tuple[int, int], Sourc
                                              f"{folder} (the AutoEP metadata of {prefix} promises {entry['num_experts']} "
                                              "experts)")
             if len(matches) > 1:
-                folded = any(isinstance(SourceFile(m).load(), dict) and "folding" in SourceFile(m).load()
-                             for m in matches)
-                if folded:
+                if any(read_expert_weights(SourceFile(m)).folded for m in matches):
                     raise UnsupportedCheckpointError(
                         f"Universal checkpoint conversion for folded AutoEP+AutoTP expert shards is not supported: "
                         f"{[os.path.basename(m) for m in matches]}")
                 raise UnsupportedCheckpointError(
                     f"Multiple expert checkpoint files found for layer_{layer_id} expert_{eid}: "
                     f"{[os.path.basename(m) for m in matches]}. Multi-mp_rank expert files are not supported.")
-            sf = SourceFile(matches[0])
-            state = sf.load()
+            weights = read_expert_weights(SourceFile(matches[0]))
             for w in WEIGHTS:
                 key = f"{prefix}.{w}.{eid}"
-                if not isinstance(state, dict) or key not in state:
-                    raise AutoEPError(f"Expected key '{key}' not found in {sf.path}")
-            found[(layer_id, eid)] = sf
+                if key not in weights.tensors:
+                    raise AutoEPError(f"Expected key '{key}' not found in {weights.path}")
+            found[(layer_id, eid)] = weights
     return found
 
 

@@ -107,12 +107,12 @@ def _expert_file_rows(meta, name, ep_rank, expert_files):
     nl = meta["num_local_experts"]
     seg, dtype = Segments(), None
     for eid in range(ep_rank * nl, (ep_rank + 1) * nl):
-        sf = expert_files[(layer.get("moe_layer_id"), eid)]
-        t = sf.load()[f"{layer['expert_key_prefix']}.{weight}.{eid}"]
+        weights = expert_files[(layer.get("moe_layer_id"), eid)]
+        t = weights.tensors[f"{layer['expert_key_prefix']}.{weight}.{eid}"]
         if dtype not in (None, t.dtype):
-            raise AutoEPError(f"per-expert files of {name} mix dtypes {dtype} and {t.dtype} (at {sf.path})")
+            raise AutoEPError(f"per-expert files of {name} mix dtypes {dtype} and {t.dtype} (at {weights.path})")
         dtype = t.dtype
-        seg.append(sf, *sf.tensor_byte_range(t))
+        seg.append(weights.file, *weights.file.tensor_byte_range(t))
     return seg, dtype, False
 
 
