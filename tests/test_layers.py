@@ -44,3 +44,40 @@ def test_only_the_native_boundary_imports_the_native_module():
     direct = [module for path, module in _modules()
               if re.search(r"^\s*from \.+ import _core|^\s*import pyckpt\._core", path.read_text(), re.M)]
     assert direct == ["native"]
+
+
+def _cycle(graph):
+    """One import cycle in ``graph`` (module -> modules it imports), or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycles_between_modules():
+    """Lazy imports inside functions count: a cycle hidden in a function is still a cycle of concerns."""
+    modules = {module for _, module in _modules() if module}
+    graph = {module: {t for t in _imports(path, module) if t in modules and t != module}
+             for path, module in _modules() if module}
+    assert _cycle(graph) is None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
