@@ -18,7 +18,7 @@ exactly as ZeRO splits the group, so a converter that takes a fragment from the 
 rank produces visibly different values. No tensor is built in memory: the generator stays near
 100 MB of RSS at any size (most of it the noise file's pages).
 
-The layouts this reproduces (the format notes, deepspeed-formats.md sections A, B, A.5, D):
+The layouts this reproduces (as DeepSpeed 0.19.8's engine and ZeRO optimizers save them):
 * ZeRO-1/2: ``mp_rank_00_model_states.pt`` (module = views of the padded bit16 flat group) and one
   optimizer shard per dp rank: flat groups padded to ``2*W``, partition ``P = N_pad/W``,
   ``single_partition_of_fp32_groups`` with padding stripped (a view of the P-long storage),

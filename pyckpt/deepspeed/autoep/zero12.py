@@ -50,7 +50,8 @@ def plan_zero12_experts(ck, plan: Plan, fragments: Dict[str, List[Holding]], lay
             ep_parts = []  # per EP rank: (Segments, dtype, requires_grad)
             absent = _absent_moment(state, by_rank)
             if absent:
-                # The seed's policy: expert optimizer state is best effort; fp32 is still written.
+                # Expert optimizer state is best effort: a loader can start the moments afresh,
+                # but not the weights, so fp32 is still written.
                 warnings.warn(f"AutoEP: skipped {state} of {name}: no {state} in {absent}", stacklevel=3)
                 continue
             for e in range(ep):
