@@ -1,6 +1,7 @@
 #include "pickle_scan.hpp"
 
 #include <cstring>
+#include <iterator>
 
 namespace pyckpt {
 
@@ -8,7 +9,6 @@ namespace {
 
 // How an opcode's argument is laid out (pickletools' argument descriptors).
 enum class Arg : uint8_t {
-    Unknown,   // not a pickle opcode
     None,      // no argument
     Fixed,     // `size` bytes
     Len1,      // 1-byte length, then that many bytes
@@ -18,44 +18,103 @@ enum class Arg : uint8_t {
     TwoLines,  // two '\n'-terminated lines (GLOBAL, INST)
 };
 
-struct Op {
-    Arg arg = Arg::Unknown;
-    uint8_t size = 0;
+// One pickle opcode: pickletools' name, its argument layout, and whether torch's weights-only
+// unpickler (as of torch 2.13) implements it. That unpickler refuses every opcode it does not
+// implement, so `torch` is the allowlist for files copied verbatim; the tests check it against
+// the installed torch.
+struct OpDef {
+    uint8_t code;
+    const char* name;
+    Arg arg;
+    uint8_t size;  // of a Fixed argument
+    bool torch;
 };
 
+constexpr OpDef kOpcodes[] = {
+    {'I', "INT", Arg::Line, 0, false},
+    {'J', "BININT", Arg::Fixed, 4, true},
+    {'K', "BININT1", Arg::Fixed, 1, true},
+    {'M', "BININT2", Arg::Fixed, 2, true},
+    {'L', "LONG", Arg::Line, 0, false},
+    {0x8a, "LONG1", Arg::Len1, 0, true},
+    {0x8b, "LONG4", Arg::Len4, 0, false},
+    {'S', "STRING", Arg::Line, 0, false},
+    {'T', "BINSTRING", Arg::Len4, 0, false},
+    {'U', "SHORT_BINSTRING", Arg::Len1, 0, true},
+    {'B', "BINBYTES", Arg::Len4, 0, false},
+    {'C', "SHORT_BINBYTES", Arg::Len1, 0, false},
+    {0x8e, "BINBYTES8", Arg::Len8, 0, false},
+    {0x96, "BYTEARRAY8", Arg::Len8, 0, false},
+    {0x97, "NEXT_BUFFER", Arg::None, 0, false},
+    {0x98, "READONLY_BUFFER", Arg::None, 0, false},
+    {'N', "NONE", Arg::None, 0, true},
+    {0x88, "NEWTRUE", Arg::None, 0, true},
+    {0x89, "NEWFALSE", Arg::None, 0, true},
+    {'V', "UNICODE", Arg::Line, 0, false},
+    {0x8c, "SHORT_BINUNICODE", Arg::Len1, 0, false},
+    {'X', "BINUNICODE", Arg::Len4, 0, true},
+    {0x8d, "BINUNICODE8", Arg::Len8, 0, false},
+    {'F', "FLOAT", Arg::Line, 0, false},
+    {'G', "BINFLOAT", Arg::Fixed, 8, true},
+    {']', "EMPTY_LIST", Arg::None, 0, true},
+    {'a', "APPEND", Arg::None, 0, true},
+    {'e', "APPENDS", Arg::None, 0, true},
+    {'l', "LIST", Arg::None, 0, false},
+    {')', "EMPTY_TUPLE", Arg::None, 0, true},
+    {'t', "TUPLE", Arg::None, 0, true},
+    {0x85, "TUPLE1", Arg::None, 0, true},
+    {0x86, "TUPLE2", Arg::None, 0, true},
+    {0x87, "TUPLE3", Arg::None, 0, true},
+    {'}', "EMPTY_DICT", Arg::None, 0, true},
+    {'d', "DICT", Arg::None, 0, false},
+    {'s', "SETITEM", Arg::None, 0, true},
+    {'u', "SETITEMS", Arg::None, 0, true},
+    {0x8f, "EMPTY_SET", Arg::None, 0, true},
+    {0x90, "ADDITEMS", Arg::None, 0, false},
+    {0x91, "FROZENSET", Arg::None, 0, false},
+    {'0', "POP", Arg::None, 0, false},
+    {'2', "DUP", Arg::None, 0, false},
+    {'(', "MARK", Arg::None, 0, true},
+    {'1', "POP_MARK", Arg::None, 0, false},
+    {'g', "GET", Arg::Line, 0, false},
+    {'h', "BINGET", Arg::Fixed, 1, true},
+    {'j', "LONG_BINGET", Arg::Fixed, 4, true},
+    {'p', "PUT", Arg::Line, 0, false},
+    {'q', "BINPUT", Arg::Fixed, 1, true},
+    {'r', "LONG_BINPUT", Arg::Fixed, 4, true},
+    {0x94, "MEMOIZE", Arg::None, 0, false},
+    {0x82, "EXT1", Arg::Fixed, 1, false},
+    {0x83, "EXT2", Arg::Fixed, 2, false},
+    {0x84, "EXT4", Arg::Fixed, 4, false},
+    {'c', "GLOBAL", Arg::TwoLines, 0, true},
+    {0x93, "STACK_GLOBAL", Arg::None, 0, false},
+    {'R', "REDUCE", Arg::None, 0, true},
+    {'b', "BUILD", Arg::None, 0, true},
+    {'i', "INST", Arg::TwoLines, 0, false},
+    {'o', "OBJ", Arg::None, 0, false},
+    {0x81, "NEWOBJ", Arg::None, 0, true},
+    {0x92, "NEWOBJ_EX", Arg::None, 0, false},
+    {0x80, "PROTO", Arg::Fixed, 1, true},
+    {'.', "STOP", Arg::None, 0, true},
+    {0x95, "FRAME", Arg::Fixed, 8, false},  // its opcodes follow inline
+    {'P', "PERSID", Arg::Line, 0, false},
+    {'Q', "BINPERSID", Arg::None, 0, true},
+};
+
+// A byte listed twice would silently take the later entry's layout and allowlist flag.
+constexpr bool codes_unique() {
+    for (std::size_t i = 0; i < std::size(kOpcodes); ++i)
+        for (std::size_t j = i + 1; j < std::size(kOpcodes); ++j)
+            if (kOpcodes[i].code == kOpcodes[j].code) return false;
+    return true;
+}
+static_assert(codes_unique(), "each opcode byte is defined once");
+
+// kOpcodes indexed by byte; `def` is null for a byte that is no opcode.
 struct Table {
-    Op ops[256];
-    constexpr Table() : ops() {
-        for (unsigned char c : "(.012NQRabd}elot)su]\x81\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x97\x98")
-            if (c) ops[c] = {Arg::None, 0};
-        ops[static_cast<unsigned char>('J')] = {Arg::Fixed, 4};     // BININT
-        ops[static_cast<unsigned char>('K')] = {Arg::Fixed, 1};     // BININT1
-        ops[static_cast<unsigned char>('M')] = {Arg::Fixed, 2};     // BININT2
-        ops[static_cast<unsigned char>('G')] = {Arg::Fixed, 8};     // BINFLOAT
-        ops[static_cast<unsigned char>('h')] = {Arg::Fixed, 1};     // BINGET
-        ops[static_cast<unsigned char>('j')] = {Arg::Fixed, 4};     // LONG_BINGET
-        ops[static_cast<unsigned char>('q')] = {Arg::Fixed, 1};     // BINPUT
-        ops[static_cast<unsigned char>('r')] = {Arg::Fixed, 4};     // LONG_BINPUT
-        ops[0x80] = {Arg::Fixed, 1};                                // PROTO
-        ops[0x82] = {Arg::Fixed, 1};                                // EXT1
-        ops[0x83] = {Arg::Fixed, 2};                                // EXT2
-        ops[0x84] = {Arg::Fixed, 4};                                // EXT4
-        ops[0x95] = {Arg::Fixed, 8};                                // FRAME: its opcodes follow inline
-        ops[static_cast<unsigned char>('U')] = {Arg::Len1, 0};      // SHORT_BINSTRING
-        ops[static_cast<unsigned char>('C')] = {Arg::Len1, 0};      // SHORT_BINBYTES
-        ops[0x8a] = {Arg::Len1, 0};                                 // LONG1
-        ops[0x8c] = {Arg::Len1, 0};                                 // SHORT_BINUNICODE
-        ops[static_cast<unsigned char>('T')] = {Arg::Len4, 0};      // BINSTRING
-        ops[static_cast<unsigned char>('X')] = {Arg::Len4, 0};      // BINUNICODE
-        ops[static_cast<unsigned char>('B')] = {Arg::Len4, 0};      // BINBYTES
-        ops[0x8b] = {Arg::Len4, 0};                                 // LONG4
-        ops[0x8d] = {Arg::Len8, 0};                                 // BINUNICODE8
-        ops[0x8e] = {Arg::Len8, 0};                                 // BINBYTES8
-        ops[0x96] = {Arg::Len8, 0};                                 // BYTEARRAY8
-        for (unsigned char c : "FILPSVgp")                          // protocol-0 text arguments
-            if (c) ops[c] = {Arg::Line, 0};
-        ops[static_cast<unsigned char>('c')] = {Arg::TwoLines, 0};  // GLOBAL
-        ops[static_cast<unsigned char>('i')] = {Arg::TwoLines, 0};  // INST
+    const OpDef* def[256];
+    constexpr Table() : def() {
+        for (const OpDef& d : kOpcodes) def[d.code] = &d;
     }
 };
 
@@ -69,8 +128,8 @@ uint64_t le(const uint8_t* p, unsigned n) {
 
 }  // namespace
 
-PickleMemoScan scan_pickle_memo(const uint8_t* data, std::size_t len) noexcept {
-    PickleMemoScan out;
+PickleScan scan_pickle(const uint8_t* data, std::size_t len) noexcept {
+    PickleScan out;
     std::size_t pos = 0;
     auto record = [&](uint64_t index, std::size_t at) {
         ++out.stores;
@@ -82,15 +141,21 @@ PickleMemoScan scan_pickle_memo(const uint8_t* data, std::size_t len) noexcept {
     };
     while (pos < len) {
         const uint8_t code = data[pos];
-        const Op op = kTable.ops[code];
+        const OpDef* const def = kTable.def[code];
+        if (out.disallowed_at < 0 && !(def && def->torch)) {
+            out.disallowed_at = static_cast<int64_t>(pos);
+            out.disallowed_op = code;
+        }
+        if (!def) {
+            out.scanned = pos;
+            return out;
+        }
+        const OpDef& op = *def;
         const std::size_t at = pos;
         const std::size_t left = len - pos - 1;
         const uint8_t* a = data + pos + 1;
         std::size_t arg = 0;
         switch (op.arg) {
-            case Arg::Unknown:
-                out.scanned = pos;
-                return out;
             case Arg::None:
                 break;
             case Arg::Fixed:
@@ -161,6 +226,16 @@ PickleMemoScan scan_pickle_memo(const uint8_t* data, std::size_t len) noexcept {
     }
     out.scanned = pos;
     return out;
+}
+
+const char* pickle_opcode_name(uint8_t code) noexcept {
+    const OpDef* def = kTable.def[code];
+    return def ? def->name : nullptr;
+}
+
+bool torch_load_reads(uint8_t code) noexcept {
+    const OpDef* def = kTable.def[code];
+    return def && def->torch;
 }
 
 }  // namespace pyckpt

@@ -45,6 +45,18 @@ CONVERT_TO_F32 = {
 }
 
 
+# The opcodes torch's weights-only unpickler implements (everything torch.save writes); defined in
+# the native opcode table (csrc/pickle_scan.cpp) that scan_pickle walks with.
+TORCH_SAVE_OPCODES = frozenset(_core.TORCH_SAVE_OPCODES)
+
+
+def scan_pickle(data) -> "_core.PickleScan":
+    """One native opcode walk over pickle bytes, nothing unpickled: memo stores and the largest
+    explicit memo index, a length prefix running past the end, and the first opcode outside
+    TORCH_SAVE_OPCODES with its byte offset."""
+    return _core.scan_pickle(data)
+
+
 def op_table(rows: Iterable[Sequence[int]]) -> np.ndarray:
     """The executor's (N, 9) int64 table from rows in OP_COLUMNS order."""
     return np.array(list(rows), dtype=np.int64).reshape(-1, len(OP_COLUMNS))

@@ -175,6 +175,82 @@ def test_real_model_states_pass_the_opcode_check(checkpoints):
             SourceFile(model).check_copyable()
 
 
+
+def _le8(n):
+    return n.to_bytes(8, "little")
+
+
+# Every opcode torch.save never writes, spliced in right after PROTO 2 of a real torch.save pickle:
+# (name, allowed bytes before it, the opcode with its argument, bytes after it, whether the result
+# still parses in pyckpt's reader). Where it parses, the splice leaves the stack as it found it, so
+# only the opcode check stands between the file and a verbatim copy torch.load refuses.
+FOREIGN_OPCODES = [
+    ("INT", b"", b"I1\n", b"0", True),
+    ("LONG", b"", b"L1L\n", b"0", True),
+    ("LONG4", b"", b"\x8b\x01\x00\x00\x00\x01", b"0", True),
+    ("STRING", b"", b"S'x'\n", b"0", True),
+    ("BINSTRING", b"", b"T\x01\x00\x00\x00x", b"0", True),
+    ("BINBYTES", b"", b"B\x01\x00\x00\x00x", b"0", True),
+    ("SHORT_BINBYTES", b"", b"C\x01x", b"0", True),
+    ("BINBYTES8", b"", b"\x8e" + _le8(1) + b"x", b"0", True),
+    ("BYTEARRAY8", b"", b"\x96" + _le8(1) + b"x", b"0", True),
+    ("NEXT_BUFFER", b"", b"\x97", b"0", False),  # no out-of-band buffers to take
+    ("READONLY_BUFFER", b"N", b"\x98", b"0", False),  # None is no buffer; anything that is needs a foreign op
+    ("UNICODE", b"", b"Vx\n", b"0", True),
+    ("SHORT_BINUNICODE", b"", b"\x8c\x01x", b"0", True),
+    ("BINUNICODE8", b"", b"\x8d" + _le8(1) + b"x", b"0", True),
+    ("FLOAT", b"", b"F1.5\n", b"0", True),
+    ("LIST", b"(", b"l", b"0", True),
+    ("DICT", b"(", b"d", b"0", True),
+    ("ADDITEMS", b"\x8f(", b"\x90", b"0", True),
+    ("FROZENSET", b"(", b"\x91", b"0", True),
+    ("POP", b"N", b"0", b"", True),
+    ("DUP", b"N", b"2", b"00", True),
+    ("POP_MARK", b"(", b"1", b"", True),
+    ("GET", b"Nq\x00", b"g0\n", b"00", True),
+    ("PUT", b"N", b"p0\n", b"0", True),
+    ("MEMOIZE", b"N", b"\x94", b"0", True),
+    ("EXT1", b"", b"\x82\x01", b"0", False),  # no extension registry entry
+    ("EXT2", b"", b"\x83\x01\x00", b"0", False),
+    ("EXT4", b"", b"\x84\x01\x00\x00\x00", b"0", False),
+    ("STACK_GLOBAL", b"X\x0b\x00\x00\x00collectionsX\x0b\x00\x00\x00OrderedDict", b"\x93", b"0", True),
+    ("INST", b"(", b"icollections\nOrderedDict\n", b"0", True),
+    ("OBJ", b"(ccollections\nOrderedDict\n", b"o", b"0", True),
+    ("NEWOBJ_EX", b"ccollections\nOrderedDict\n)}", b"\x92", b"0", True),
+    ("FRAME", b"", b"\x95" + _le8(0), b"", True),
+    ("PERSID", b"", b"P0\n", b"0", False),  # not a torch storage id
+]
+
+
+def test_the_foreign_opcode_cases_cover_every_opcode_torch_refuses():
+    from pyckpt.native import TORCH_SAVE_OPCODES
+    names = [case[0] for case in FOREIGN_OPCODES]
+    assert sorted(names) == sorted({op.name for op in pickletools.opcodes} - TORCH_SAVE_OPCODES)
+
+
+@pytest.mark.parametrize("name, before, op, after, parses", FOREIGN_OPCODES, ids=[c[0] for c in FOREIGN_OPCODES])
+def test_every_opcode_torch_save_never_writes_is_not_copied(tmp_path, name, before, op, after, parses):
+    import torch
+    path = _saved(tmp_path)
+    _with_pickle(path, lambda pkl: pkl[:2] + before + op + after + pkl[2:])
+    if parses:
+        SourceFile(path).load()
+    with pytest.raises(CheckpointFormatError) as err:
+        SourceFile(path).check_copyable()
+    assert str(err.value) == (f"{path}: data.pkl uses pickle opcode {name} (at byte {2 + len(before)}), which "
+                              "torch.save never writes and torch.load(weights_only=True) refuses")
+    with pytest.raises(Exception):  # the premise: torch's loader refuses the copy
+        torch.load(path, weights_only=True)
+
+
+def test_a_byte_that_is_no_opcode_is_refused_by_the_opcode_check_too(tmp_path):
+    path = _saved(tmp_path)
+    _with_pickle(path, lambda pkl: pkl[:2] + b"\xff" + pkl[2:])
+    with pytest.raises(CheckpointFormatError, match=rf"^{path}: data\.pkl has byte 0xff at byte 2, which is no "
+                                                    "pickle opcode"):
+        SourceFile(path).check_copyable()
+
+
 # -- AutoEP: every refusal names a file -----------------------------------------------------------------
 
 LAYER = {"moe_layer_id": 0, "expert_key_prefix": "model.layers.0.mlp.experts", "num_experts": 8,

@@ -409,8 +409,8 @@ def test_memo_scan_agrees_with_pickletools(protocol):
     ops = list(pickletools.genops(data))
     stores = sum(op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE") for op, _, _ in ops)
     explicit = [arg for op, arg, _ in ops if op.name in ("PUT", "BINPUT", "LONG_BINPUT")]
-    got = _core.pickle_memo_scan(data)
-    assert got[:2] == (stores, max(explicit, default=-1)) and got[3] == -1
+    got = _core.scan_pickle(data)
+    assert (got.stores, got.max_index, got.overlong_at) == (stores, max(explicit, default=-1), -1)
     assert stores > 0
 
 

@@ -503,12 +503,23 @@ def test_write_archives_refuses_gap_or_overlap(workdir, plan, data):
     assert os.listdir(out_dir) == []  # not even a temporary file is left behind
 
 
-# 5. The native pickle pre-scan (memo bombs, overlong length prefixes), against pickletools
+# 5. The native pickle pre-scan (memo bombs, overlong length prefixes, opcodes torch refuses),
+# against pickletools
 
 # Opcodes whose argument is a 4- or 8-byte length and then that many bytes: the ones whose claimed
 # length CPython would allocate before reading.
 LENGTH_PREFIXED = {"BINUNICODE": 4, "BINBYTES": 4, "BINSTRING": 4, "LONG4": 4, "BINUNICODE8": 8, "BINBYTES8": 8,
                    "BYTEARRAY8": 8, "FRAME": 8}
+
+
+def _torch_reads():
+    # Independent of the native table: torch's weights-only unpickler imports from `pickle` exactly
+    # the opcode constants it dispatches on, and refuses every other opcode.
+    import torch._weights_only_unpickler as w
+    return frozenset(op.name for op in pickletools.opcodes if getattr(w, op.name, None) == op.code.encode("latin-1"))
+
+
+TORCH_READS = _torch_reads()
 
 pickle_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=300),
@@ -525,15 +536,129 @@ def _memo_reference(data: bytes):
     return stores, max(explicit, default=-1)
 
 
+def _first_disallowed(data: bytes):
+    """(name, byte offset) of the first opcode pickletools walks that torch does not read, or (None, -1)."""
+    for op, _, pos in pickletools.genops(data):
+        if op.name not in TORCH_READS:
+            return op.name, pos
+    return None, -1
+
+
+def _scan_reference(data: bytes):
+    return _memo_reference(data) + _first_disallowed(data)
+
+
+def _scan_result(scan):
+    return scan.stores, scan.max_index, scan.disallowed_opcode, scan.disallowed_at
+
+
+def test_native_allowlist_is_what_torch_reads():
+    assert set(_core.TORCH_SAVE_OPCODES) == TORCH_READS
+    assert len(TORCH_READS) == 34 and {"BINPUT", "GLOBAL", "REDUCE", "STOP"} <= TORCH_READS
+
+
 @props(300)
 @given(obj=pickle_values, shared=st.booleans(), protocol=st.integers(0, 5))
-def test_memo_scan_agrees_with_pickletools_on_any_pickle(obj, shared, protocol):
+def test_scan_agrees_with_pickletools_on_any_pickle(obj, shared, protocol):
     if shared:  # the same object twice: the pickler memoizes it and GETs it back
         obj = [obj, obj, [obj]]
     data = pickle.dumps(obj, protocol=protocol)
-    stores, max_index, _, overlong = _core.pickle_memo_scan(data)
-    assert (stores, max_index) == _memo_reference(data)
-    assert overlong == -1
+    scan = _core.scan_pickle(data)
+    assert _scan_result(scan) == _scan_reference(data)
+    assert scan.overlong_at == -1
+
+
+_IDENT = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12)
+_TEXT = st.text(max_size=20)
+
+
+def _sized(width):
+    return lambda b: len(b).to_bytes(width, "little") + b
+
+
+# One argument encoder per pickletools argument layout: the bytes pickletools (and CPython) parse.
+ARGUMENTS = {
+    "uint1": st.binary(min_size=1, max_size=1),
+    "uint2": st.binary(min_size=2, max_size=2),
+    "int4": st.binary(min_size=4, max_size=4),
+    "uint4": st.binary(min_size=4, max_size=4),
+    "uint8": st.just(bytes(8)),  # FRAME: the length is set to fit once the stream is complete
+    "float8": st.binary(min_size=8, max_size=8),
+    "decimalnl_short": st.integers(0, 10**6).map(lambda n: b"%d\n" % n),
+    "decimalnl_long": st.tuples(st.integers(-10**30, 10**30), st.booleans()).map(
+        lambda t: b"%d%s\n" % (t[0], b"L" if t[1] else b"")),
+    "floatnl": st.floats(allow_nan=False, allow_infinity=False).map(lambda f: repr(f).encode() + b"\n"),
+    "stringnl": _IDENT.map(lambda t: b"'" + t.encode() + b"'\n"),
+    "stringnl_noescape": _IDENT.map(lambda t: t.encode() + b"\n"),
+    "stringnl_noescape_pair": st.tuples(_IDENT, _IDENT).map(lambda t: f"{t[0]}\n{t[1]}\n".encode()),
+    "unicodestringnl": _IDENT.map(lambda t: t.encode() + b"\n"),
+    "string1": st.binary(max_size=20).map(_sized(1)),
+    "string4": st.binary(max_size=20).map(_sized(4)),
+    "bytes1": st.binary(max_size=20).map(_sized(1)),
+    "bytes4": st.binary(max_size=20).map(_sized(4)),
+    "bytes8": st.binary(max_size=20).map(_sized(8)),
+    "bytearray8": st.binary(max_size=20).map(_sized(8)),
+    "unicodestring1": _TEXT.map(lambda t: _sized(1)(t.encode("utf-8", "surrogatepass"))),
+    "unicodestring4": _TEXT.map(lambda t: _sized(4)(t.encode("utf-8", "surrogatepass"))),
+    "unicodestring8": _TEXT.map(lambda t: _sized(8)(t.encode("utf-8", "surrogatepass"))),
+    "long1": st.binary(max_size=9).map(_sized(1)),
+    "long4": st.binary(max_size=9).map(_sized(4)),
+}
+
+
+@st.composite
+def opcode_streams(draw):
+    """Any sequence of opcodes, each with an argument pickletools parses, ended by STOP.
+
+    No stack discipline: pickletools and the native walk read only the byte layout, so this reaches
+    every opcode (INST, EXT4, NEXT_BUFFER, ...) that pickle.dumps never writes, in any order."""
+    ops = draw(st.lists(st.sampled_from(pickletools.opcodes), max_size=30))
+    pieces = [op.code.encode("latin-1") + (draw(ARGUMENTS[op.arg.name]) if op.arg else b"") for op in ops]
+    pieces.append(b".")
+    # A FRAME may claim no more than what follows it (the walk refuses that as overlong, which
+    # pickletools does not check).
+    for i, op in enumerate(ops):
+        if op.name == "FRAME":
+            after = sum(map(len, pieces[i + 1:]))
+            pieces[i] = b"\x95" + draw(st.integers(0, after)).to_bytes(8, "little")
+    return b"".join(pieces)
+
+
+@props(500)
+@given(data=opcode_streams())
+@example(data=b"".join(op.code.encode("latin-1") for op in pickletools.opcodes if op.arg is None and op.name != "STOP")
+         + b".")
+def test_scan_agrees_with_pickletools_on_any_opcode_stream(data):
+    scan = _core.scan_pickle(data)
+    assert _scan_result(scan) == _scan_reference(data), (scan, data)
+    assert scan.overlong_at == -1
+
+
+@props(300)
+@given(obj=pickle_values, protocol=st.integers(0, 5), data=st.data())
+def test_scan_finds_what_pickletools_finds_in_damaged_pickles(obj, protocol, data):
+    # Overwritten bytes: pickletools may stop with an error the native walk does not share (it
+    # leaves text arguments to the unpickler), but never after passing an opcode torch refuses
+    # that the walk missed.
+    full = bytearray(pickle.dumps([obj, obj], protocol=protocol))
+    for _ in range(data.draw(st.integers(1, 3))):
+        full[data.draw(st.integers(0, len(full) - 1))] = data.draw(st.integers(0, 255))
+    full = bytes(full)
+    scan = _core.scan_pickle(full)
+    seen = []
+    try:
+        for op, _, pos in pickletools.genops(full):
+            seen.append((op.name, pos))
+            if op.name not in TORCH_READS:
+                break
+    except Exception:  # pickletools' complaint about the damage; compare what it read before it
+        first = next(((name, pos) for name, pos in seen if name not in TORCH_READS), None)
+        if first is not None:
+            assert (scan.disallowed_opcode, scan.disallowed_at) == first
+        else:  # nothing refused before the damage: the walk names nothing, or something at or after it
+            assert scan.disallowed_at == -1 or scan.disallowed_at >= (seen[-1][1] if seen else 0)
+        return
+    assert (scan.disallowed_opcode, scan.disallowed_at) == _first_disallowed(full)
 
 
 @props(300)
@@ -554,7 +679,7 @@ def test_memo_scan_finds_the_first_length_prefix_past_the_end(obj, protocol, dat
             if pos + 1 + width + length > cut:
                 expected = pos
                 break
-    got = _core.pickle_memo_scan(truncated)[3]
+    got = _core.scan_pickle(truncated).overlong_at
     if expected >= 0:
         assert got == expected, (got, expected, cut)
     else:

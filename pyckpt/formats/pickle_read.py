@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from ..errors import CheckpointFormatError, UnsafePickleError
-from ..native import _core
+from ..native import scan_pickle
 
 # Legacy storage class names in persistent ids -> (dtype name, itemsize).
 STORAGE_DTYPES: Dict[str, Tuple[str, int]] = {
@@ -393,18 +393,22 @@ def loads(data: bytes, source=None, where: str = "<pickle>") -> Any:
     return obj
 
 
-def loads_with_storages(data: bytes, source=None, where: str = "<pickle>") -> Tuple[Any, Dict[str, StorageRef]]:
-    """``loads``, plus every storage record the pickle names (for checking them against the archive)."""
-    stores, max_index, at, overlong = _core.pickle_memo_scan(data)
-    if overlong >= 0:
+def loads_with_storages(data: bytes, source=None, where: str = "<pickle>",
+                        scan=None) -> Tuple[Any, Dict[str, StorageRef]]:
+    """``loads``, plus every storage record the pickle names (for checking them against the archive).
+
+    ``scan`` is ``native.scan_pickle(data)`` when the caller already has it (SourceFile keeps one
+    per file for its opcode check too)."""
+    scan = scan_pickle(data) if scan is None else scan
+    if scan.overlong_at >= 0:
         # The unpickler would allocate the claimed length before noticing the data ends.
-        raise CheckpointFormatError(f"{where}: the argument of the opcode at byte {overlong} claims more bytes "
-                                    f"than the {len(data)}-byte pickle holds: truncated or corrupt pickle")
-    if max_index >= stores:
+        raise CheckpointFormatError(f"{where}: the argument of the opcode at byte {scan.overlong_at} claims more "
+                                    f"bytes than the {len(data)}-byte pickle holds: truncated or corrupt pickle")
+    if scan.max_index >= scan.stores:
         # CPython's unpickler would size its memo array from this index (a 5-byte edit can make it
         # allocate and zero gigabytes); a real pickler numbers its stores 0, 1, 2, ...
-        raise CheckpointFormatError(f"{where}: memo index {max_index} (at byte {at}) is beyond the {stores} "
-                                    "objects the pickle stores: corrupt or crafted pickle")
+        raise CheckpointFormatError(f"{where}: memo index {scan.max_index} (at byte {scan.max_index_at}) is beyond "
+                                    f"the {scan.stores} objects the pickle stores: corrupt or crafted pickle")
     reader = _Reader(data, source, where)
     try:
         return reader.load(), reader.storages()

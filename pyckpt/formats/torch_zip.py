@@ -7,12 +7,11 @@ the executor copies them.
 from __future__ import annotations
 
 import os
-import pickletools
 import stat
 from typing import Any, Dict, Tuple
 
 from ..errors import CheckpointFormatError
-from ..native import _core, native_errors
+from ..native import _core, native_errors, scan_pickle
 from .pickle_read import StorageRef, TensorRef, loads_with_storages
 
 # data.pkl holds only structure (names, shapes, small scalars): a few MB even for models with
@@ -29,14 +28,6 @@ METADATA_RECORDS = (
     ("byteorder", "'little' or 'big'", lambda b: b in (b"little", b"big")),
     (".data/serialization_id", "ASCII text", lambda b: b.isascii()),
 )
-
-# The opcodes torch's weights-only unpickler implements (torch/_weights_only_unpickler.py, 2.13):
-# everything torch.save emits.
-TORCH_SAVE_OPCODES = frozenset("""
-    APPEND APPENDS BINFLOAT BINGET BININT BININT1 BININT2 BINPERSID BINPUT BINUNICODE BUILD EMPTY_DICT EMPTY_LIST
-    EMPTY_SET EMPTY_TUPLE GLOBAL LONG1 LONG_BINGET LONG_BINPUT MARK NEWFALSE NEWOBJ NEWTRUE NONE PROTO REDUCE
-    SETITEM SETITEMS SHORT_BINSTRING STOP TUPLE TUPLE1 TUPLE2 TUPLE3""".split())
-
 
 def max_pickle_bytes() -> int:
     value = os.environ.get("PYCKPT_MAX_PICKLE_BYTES")
@@ -71,6 +62,14 @@ class SourceFile:
             raise CheckpointFormatError(f"{self.path}: file not found") from None
         self._obj = None
         self._loaded = False
+        self._scan = None
+
+    def _pickle_scan(self):
+        """The native opcode walk over data.pkl (native.scan_pickle), made once and shared by load()
+        and check_copyable()."""
+        if self._scan is None:
+            self._scan = scan_pickle(self._pickle_bytes)
+        return self._scan
 
     def load(self) -> Any:
         """The unpickled top-level object (parsed once, tensors as TensorRef).
@@ -78,7 +77,8 @@ class SourceFile:
         Every storage the pickle names is checked against its record here, so a file that parses
         has no tensor reaching outside its bytes, whether pyckpt later reads it or copies it whole."""
         if not self._loaded:
-            obj, storages = loads_with_storages(self._pickle_bytes, source=self, where=self.path)
+            obj, storages = loads_with_storages(self._pickle_bytes, source=self, where=self.path,
+                                                scan=self._pickle_scan())
             for storage in storages.values():
                 self.storage_offset(storage)
             self._obj = obj
@@ -91,11 +91,17 @@ class SourceFile:
         A file copied verbatim (model states) must load downstream as it did here. torch.save writes
         protocol 2 with a fixed set of opcodes, and torch.load(weights_only=True) reads only those;
         the allowlist reader above is CPython's unpickler and takes any opcode, so a crafted
-        SHORT_BINBYTES (say) would otherwise pass through into the output."""
-        for op, _, pos in pickletools.genops(self._pickle_bytes):
-            if op.name not in TORCH_SAVE_OPCODES:
-                raise CheckpointFormatError(f"{self.path}: data.pkl uses pickle opcode {op.name} (at byte {pos}), "
-                                            "which torch.save never writes and torch.load(weights_only=True) refuses")
+        SHORT_BINBYTES (say) would otherwise pass through into the output. The allowlist is
+        native.TORCH_SAVE_OPCODES, checked by the same native walk that guards load()."""
+        scan = self._pickle_scan()
+        pos = scan.disallowed_at
+        if pos >= 0:
+            if scan.disallowed_opcode is None:  # load() refuses this first; here for callers that skip it
+                raise CheckpointFormatError(f"{self.path}: data.pkl has byte 0x{self._pickle_bytes[pos]:02x} at byte "
+                                            f"{pos}, which is no pickle opcode: corrupt pickle")
+            raise CheckpointFormatError(f"{self.path}: data.pkl uses pickle opcode {scan.disallowed_opcode} (at byte "
+                                        f"{pos}), which torch.save never writes and torch.load(weights_only=True) "
+                                        "refuses")
         # torch.load parses these small records itself (a version number, the byte order, an id); a
         # value it cannot parse fails the load of the copy.
         for record, rule, ok in METADATA_RECORDS:
