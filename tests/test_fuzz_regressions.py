@@ -4,7 +4,6 @@ native executor's plan check caught, an output torch refused to load, a message 
 Each is now refused where the data enters, naming the file and the rule."""
 
 import io
-import os
 import pickletools
 import shutil
 import struct
