@@ -27,6 +27,12 @@ KIND_I16_TO_F32: int
 KIND_I8_TO_F32: int
 KIND_U8_TO_F32: int
 KIND_BOOL_TO_F32: int
+KIND_F32_TO_BF16: int
+KIND_F32_TO_F16: int
+KIND_BF16_TO_F16: int
+KIND_F16_TO_BF16: int
+KIND_F64_TO_BF16: int
+KIND_F64_TO_F16: int
 DEFAULT_WINDOW_BYTES: int
 OP_COLUMNS: Tuple[str, ...]
 """Column names of the int64 (N, 9) op table, in order."""
@@ -88,3 +94,4 @@ def rename_noreplace(src: _Path, dst: _Path) -> None: ...
 def _inject_fault(call: str, errno: int, after: int = 0) -> None: ...
 def _clear_faults() -> None: ...
 def _f16_to_f32_portable(data: _Buffer) -> bytes: ...
+def _f32_to_f16_portable(data: _Buffer) -> bytes: ...

@@ -450,6 +450,70 @@ def test_conversions_ignore_caller_flush_denormal(tmp_path):
     assert portable == expected_h.numpy().tobytes()
 
 
+def _special_f32(g):
+    """Every rounding boundary of float32 -> bf16/f16: ties both ways, overflow to inf, subnormal halves,
+    signed zeros, NaNs with payloads, and random values over the whole exponent range."""
+    bits = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0x7FBFFFFF,
+            0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0x7F7FFFFF, 0xFF7FFFFF,  # half overflow
+            0x38800000, 0x387FFFFF, 0x387FF000, 0x33000000, 0x33000001, 0x32FFFFFF, 0x33800000, 0x33C00000,
+            0x34200000, 0x00000001, 0x807FFFFF, 0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF,  # bf16 ties
+            0x3F801000, 0x3F803000, 0x3F800FFF, 0x3F801001, 0x7F7F8000, 0x7F7FFFFF]
+    rand_bits = torch.randint(0, 1 << 32, (4000,), generator=g, dtype=torch.int64).numpy().astype(np.uint32)
+    wide = (torch.randn(4000, generator=g, dtype=torch.float64) * torch.pow(2.0, torch.randint(-30, 20, (4000,),
+                                                                                             generator=g))).float()
+    arr = np.concatenate([np.array(bits, dtype=np.uint32), rand_bits, wide.numpy().view(np.uint32)])
+    return torch.from_numpy(arr.view(np.int32)).view(torch.float32)
+
+
+NARROWING = [
+    ("f32_bf16", _core.KIND_F32_TO_BF16, _special_f32, torch.bfloat16),
+    ("f32_f16", _core.KIND_F32_TO_F16, _special_f32, torch.float16),
+    ("bf16_f16", _core.KIND_BF16_TO_F16, lambda g: _special_f32(g).to(torch.bfloat16), torch.float16),
+    ("f16_bf16", _core.KIND_F16_TO_BF16, _special_f16, torch.bfloat16),
+    ("f64_bf16", _core.KIND_F64_TO_BF16, _special_f64, torch.bfloat16),
+    ("f64_f16", _core.KIND_F64_TO_F16, _special_f64, torch.float16),
+]
+
+
+@pytest.mark.parametrize("name,kind,make,dtype", NARROWING, ids=[c[0] for c in NARROWING])
+def test_narrowing_conversions_match_torch(tmp_path, name, kind, make, dtype):
+    """Tensor.to(bf16/f16) bit for bit, NaNs as NaNs: torch's own NaN bits differ between its scalar
+    and vector paths, so only NaN-ness is compared there."""
+    t = make(torch.Generator().manual_seed(11))
+    src = tmp_path / "src.bin"
+    src.write_bytes(t.view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes())
+    n, item = t.numel(), t.element_size()
+    dst = np.zeros(n, dtype=np.uint16)
+    cuts = [0, n // 3, n // 3 + 1, n]  # element-aligned pieces; an odd window size splits elements
+    ops = ops_array([[0, a * item, 0, 0, a * 2, (b - a) * item, kind, 1, 0] for a, b in zip(cuts, cuts[1:])])
+    _core.execute_into([str(src)], ops, dst, 2, window_bytes=4099)
+    got = torch.from_numpy(dst.view(np.int16)).view(dtype)
+    # torch converts a double to a 16-bit float by way of float; so does the executor
+    expected = (t.float() if t.dtype == torch.float64 else t).to(dtype)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    if name == "f32_f16":  # the portable path and the F16C path agree bit for bit, NaN payloads included
+        assert _core._f32_to_f16_portable(t.numpy().tobytes()) == dst.tobytes()
+
+
+def test_narrowing_ignores_caller_flush_denormal(tmp_path):
+    """Subnormal halves come out the same whatever FTZ/DAZ mode the caller's threads inherit."""
+    t = torch.tensor([6e-8, 3e-6, -6.1e-5, 1e-7, 5.96e-8, 1.0], dtype=torch.float32)
+    src = tmp_path / "src.bin"
+    src.write_bytes(t.numpy().tobytes())
+    dst = np.zeros(t.numel(), dtype=np.uint16)
+    supported = torch.set_flush_denormal(True)
+    try:
+        _core.execute_into([str(src)], ops_array([[0, 0, 0, 0, 0, 4 * t.numel(), _core.KIND_F32_TO_F16, 1, 0]]),
+                           dst, 1)
+    finally:
+        torch.set_flush_denormal(False)
+    assert supported
+    assert np.array_equal(dst.view(np.int16), t.to(torch.float16).view(torch.int16).numpy())
+    assert (dst[:5] & 0x7C00 == 0).all() and (dst[:5] & 0x3FF != 0).all()  # subnormal halves, not flushed
+
+
 @pytest.mark.parametrize("kind", ["copy", "bf16"])
 def test_write_row_strided_cat_dim1(tmp_path, kind):
     g = torch.Generator().manual_seed(3)
@@ -659,8 +723,9 @@ def test_write_argument_errors(tmp_path):
 
 def test_kind_constants():
     names = ["COPY", "BF16_TO_F32", "F16_TO_F32", "F64_TO_F32", "I64_TO_F32", "I32_TO_F32", "I16_TO_F32",
-             "I8_TO_F32", "U8_TO_F32", "BOOL_TO_F32"]
-    assert [getattr(_core, "KIND_" + n) for n in names] == list(range(10))
+             "I8_TO_F32", "U8_TO_F32", "BOOL_TO_F32", "F32_TO_BF16", "F32_TO_F16", "BF16_TO_F16", "F16_TO_BF16",
+             "F64_TO_BF16", "F64_TO_F16"]
+    assert [getattr(_core, "KIND_" + n) for n in names] == list(range(16))
 
 
 # ----------------------------------------------------------------------------------------------

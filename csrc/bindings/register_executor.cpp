@@ -42,13 +42,13 @@ std::vector<OutputSpec> convert_outputs(const py::handle& seq) {
 }  // namespace
 
 void register_executor(py::module_& m) {
-    for (int64_t k = 0; k < KIND_COUNT; ++k) {
-        static const char* const names[] = {"KIND_COPY",        "KIND_BF16_TO_F32", "KIND_F16_TO_F32",
-                                            "KIND_F64_TO_F32",  "KIND_I64_TO_F32",  "KIND_I32_TO_F32",
-                                            "KIND_I16_TO_F32",  "KIND_I8_TO_F32",   "KIND_U8_TO_F32",
-                                            "KIND_BOOL_TO_F32"};
-        m.attr(names[k]) = k;
-    }
+    static const char* const kind_names[] = {
+        "KIND_COPY",       "KIND_BF16_TO_F32", "KIND_F16_TO_F32",  "KIND_F64_TO_F32",  "KIND_I64_TO_F32",
+        "KIND_I32_TO_F32", "KIND_I16_TO_F32",  "KIND_I8_TO_F32",   "KIND_U8_TO_F32",   "KIND_BOOL_TO_F32",
+        "KIND_F32_TO_BF16", "KIND_F32_TO_F16", "KIND_BF16_TO_F16", "KIND_F16_TO_BF16", "KIND_F64_TO_BF16",
+        "KIND_F64_TO_F16"};
+    static_assert(sizeof(kind_names) / sizeof(kind_names[0]) == KIND_COUNT, "one Python name per kind");
+    for (int64_t k = 0; k < KIND_COUNT; ++k) m.attr(kind_names[k]) = k;
     m.attr("DEFAULT_WINDOW_BYTES") = kDefaultWindowBytes;
     py::tuple columns(kOpColumns.size());
     for (std::size_t c = 0; c < kOpColumns.size(); ++c) columns[c] = py::str(kOpColumns[c].data(), kOpColumns[c].size());

@@ -1,4 +1,4 @@
-// Test hooks: fault injection for the executor's output syscalls and the portable fp16 path.
+// Test hooks: fault injection for the executor's output syscalls and the portable fp16 paths.
 #include "common.hpp"
 
 #include "../convert.hpp"
@@ -17,6 +17,16 @@ void register_testing(py::module_& m) {
             return py::bytes(out);
         },
         py::arg("data"), "Test hook: fp16 -> fp32 through the portable (non-F16C) code path.");
+    m.def(
+        "_f32_to_f16_portable",
+        [](py::object data) {
+            BufferView bv(data, false);
+            if (bv.size() % 4) throw py::value_error("fp32 data must have a multiple of 4 bytes");
+            std::string out(bv.size() / 2, '\0');
+            f32_to_half_portable(bv.data(), reinterpret_cast<uint8_t*>(out.data()), bv.size() / 4);
+            return py::bytes(out);
+        },
+        py::arg("data"), "Test hook: fp32 -> fp16 through the portable (non-F16C) code path.");
 
     m.def(
         "_inject_fault",
