@@ -64,9 +64,9 @@ void pwrite_all(int fd, const uint8_t* p, uint64_t len, uint64_t off, const std:
 class Destination {
 public:
     virtual ~Destination() = default;
-    // Whether finish() needs each window's CRC-32 (the runner then computes it while the bytes
-    // are cache-hot; otherwise it skips the work).
-    virtual bool wants_crc() const noexcept = 0;
+    // Whether finish() needs the CRC-32 of each window of `output` (the runner then computes it
+    // while the bytes are cache-hot; otherwise it skips the work).
+    virtual bool wants_crc(std::size_t output) const noexcept = 0;
     // Runs before a window of `output` is filled; creating the output lazily here keeps files
     // that are never reached (a failure earlier on) from existing at all.
     virtual void prepare(std::size_t output) = 0;
@@ -99,7 +99,7 @@ struct WindowRunner {
         dest.prepare(o);
         const uint64_t len = w.end - w.begin;
         const uint64_t off = targets[w.target].base + w.begin;
-        const bool want_crc = dest.wants_crc();
+        const bool want_crc = dest.wants_crc(o);
         uint32_t crc = 0;
         int64_t src = -1;
         uint64_t src_off = 0;
@@ -145,7 +145,7 @@ struct WindowRunner {
 class BufferDestination final : public Destination {
 public:
     explicit BufferDestination(uint8_t* dst) : dst_(dst) {}
-    bool wants_crc() const noexcept override { return false; }
+    bool wants_crc(std::size_t) const noexcept override { return false; }
     void prepare(std::size_t) override {}
     uint8_t* memory(std::size_t, uint64_t offset, uint64_t) override { return dst_ + offset; }
     void write(std::size_t, const uint8_t* p, uint64_t len, uint64_t offset) override {
@@ -166,12 +166,12 @@ struct OutputState {
     bool created = false;
 };
 
-// torch.save ZIP archives (stored members): each file is created new and sized up front,
-// windows land at their members' data offsets, and the headers and central directory, which
-// carry the CRCs, are written once an archive's last window is done.
-class ZipArchiveDestination final : public Destination {
+// New files: each is created new and sized up front, and windows land at their records' data
+// offsets. A torch.save ZIP archive (stored members) gets its headers and central directory,
+// which carry the CRCs, once its last window is done; a raw file gets only its inline records.
+class FileDestination final : public Destination {
 public:
-    ZipArchiveDestination(const std::vector<OutputSpec>& outputs, const WriteOptions& options,
+    FileDestination(const std::vector<OutputSpec>& outputs, const WriteOptions& options,
                           const std::vector<zip::ArchiveLayout>& layouts,
                           const std::vector<std::vector<std::string>>& names,
                           const std::vector<uint64_t>& output_first_target, const WindowPlan& plan)
@@ -183,7 +183,7 @@ public:
           plan_(plan),
           state_(std::make_unique<OutputState[]>(outputs.size())) {}
 
-    bool wants_crc() const noexcept override { return true; }
+    bool wants_crc(std::size_t o) const noexcept override { return outputs_[o].container == Container::TorchZip; }
     void prepare(std::size_t o) override { open_output(o); }
     uint8_t* memory(std::size_t, uint64_t, uint64_t) override { return nullptr; }
     void write(std::size_t o, const uint8_t* p, uint64_t len, uint64_t offset) override {
@@ -209,23 +209,31 @@ public:
             if (!chunk.empty() && chunk_off + chunk.size() != off) flush();
             if (chunk.empty()) chunk_off = off;
         };
-        for (std::size_t r = 0; r < out.records.size(); ++r) {
-            const RecordSpec& rec = out.records[r];
-            const uint32_t t = static_cast<uint32_t>(output_first_target_[o] + r);
-            uint32_t crc = 0;
-            if (rec.has_inline) {
-                crc = crc32(0, rec.inline_bytes.data(), rec.inline_bytes.size());
-            } else {
-                for (uint64_t w = plan_.target_first[t]; w < plan_.target_first[t + 1]; ++w)
-                    crc = crc32_combine(crc, window_crc[w], plan_.windows[w].end - plan_.windows[w].begin);
+        if (out.container == Container::Raw) {
+            for (std::size_t r = 0; r < out.records.size(); ++r) {
+                if (!out.records[r].has_inline) continue;
+                place(L.entries[r].data_offset);
+                chunk.append(out.records[r].inline_bytes);
             }
-            crcs[r] = crc;
-            place(L.entries[r].header_offset);
-            zip::append_local_header(chunk, names_[o][r], L.entries[r], crc);
-            if (rec.has_inline) chunk.append(rec.inline_bytes);
+        } else {
+            for (std::size_t r = 0; r < out.records.size(); ++r) {
+                const RecordSpec& rec = out.records[r];
+                const uint32_t t = static_cast<uint32_t>(output_first_target_[o] + r);
+                uint32_t crc = 0;
+                if (rec.has_inline) {
+                    crc = crc32(0, rec.inline_bytes.data(), rec.inline_bytes.size());
+                } else {
+                    for (uint64_t w = plan_.target_first[t]; w < plan_.target_first[t + 1]; ++w)
+                        crc = crc32_combine(crc, window_crc[w], plan_.windows[w].end - plan_.windows[w].begin);
+                }
+                crcs[r] = crc;
+                place(L.entries[r].header_offset);
+                zip::append_local_header(chunk, names_[o][r], L.entries[r], crc);
+                if (rec.has_inline) chunk.append(rec.inline_bytes);
+            }
+            place(L.cd_offset);
+            chunk.append(zip::build_central_directory(names_[o], L, crcs));
         }
-        place(L.cd_offset);
-        chunk.append(zip::build_central_directory(names_[o], L, crcs));
         flush();
         if (options_.fsync) {
             if (int e = fi::next_failure(fi::Call::Fsync)) throw_errno_code(e, "fsync", out.path);
@@ -346,8 +354,10 @@ void validate_outputs(const std::vector<OutputSpec>& outputs, const std::string&
                             escape_bytes(root) + "'");
         if (!paths.insert(out.path).second)
             throw PlanError("output '" + out.path + "' is listed more than once");
-        if (out.archive_name.empty())
+        if (out.container == Container::TorchZip && out.archive_name.empty())
             throw PlanError("output '" + out.path + "': archive_name must not be empty");
+        if (out.container == Container::Raw && !out.archive_name.empty())
+            throw PlanError("output '" + out.path + "': a raw file has no archive_name");
         std::unordered_set<std::string> names;
         for (const RecordSpec& r : out.records) {
             if (r.name.empty()) throw PlanError("output '" + out.path + "': empty record name");
@@ -377,6 +387,18 @@ void check_outputs_are_not_sources(const std::vector<OutputSpec>& outputs, Sourc
 
 uint64_t resolve_window(uint64_t w) { return w == 0 ? kDefaultWindowBytes : w; }
 
+// A raw file's records back to back, in the layout type the archives use (data offsets only).
+zip::ArchiveLayout raw_layout(const std::vector<uint64_t>& sizes) {
+    zip::ArchiveLayout L;
+    L.entries.resize(sizes.size());
+    for (std::size_t r = 0; r < sizes.size(); ++r) {
+        L.entries[r].data_offset = L.file_size;
+        if (sizes[r] > UINT64_MAX / 2 - L.file_size) throw PlanError("raw file larger than 2^63 bytes");
+        L.file_size += sizes[r];
+    }
+    return L;
+}
+
 }  // namespace
 
 WriteStats write_archives(const std::vector<std::string>& sources, const std::vector<OutputSpec>& outputs,
@@ -398,7 +420,9 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
             job.names[o].push_back(out.archive_name + "/" + r.name);
             sizes.push_back(r.size);
         }
-        job.layouts.push_back(zip::plan_archive(job.names[o], sizes, options.force_zip64));
+        job.layouts.push_back(out.container == Container::TorchZip ? zip::plan_archive(job.names[o], sizes,
+                                                                                        options.force_zip64)
+                                                                   : raw_layout(sizes));
         for (std::size_t r = 0; r < out.records.size(); ++r) {
             Target t;
             t.base = job.layouts[o].entries[r].data_offset;
@@ -433,7 +457,7 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
     job.plan = plan_windows(job.pieces, job.targets, W, /*skip_empty=*/false);
     job.window_crc.assign(job.plan.windows.size(), 0);
     job.windows_left = std::make_unique<std::atomic<uint64_t>[]>(outputs.size());
-    ZipArchiveDestination dest(outputs, options, job.layouts, job.names, job.output_first_target, job.plan);
+    FileDestination dest(outputs, options, job.layouts, job.names, job.output_first_target, job.plan);
     job.dest = &dest;
     job.total = stats.bytes_written;
 

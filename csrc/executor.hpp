@@ -1,5 +1,5 @@
-// Entry points that run an op table: write_archives() builds torch-loadable ZIP files and
-// execute_into() gathers into a caller buffer.
+// Entry points that run an op table: write_archives() builds new files (torch-loadable ZIP
+// archives, or raw files such as safetensors) and execute_into() gathers into a caller buffer.
 //
 // Thread/GIL contract: call from one thread with the GIL released (nothing here touches
 // Python). Work runs on internal worker threads; `progress` is invoked only on the calling
@@ -25,10 +25,20 @@ struct RecordSpec {
     std::string inline_bytes;  // used when has_inline
 };
 
+// What an output file is made of its records.
+enum class Container : uint8_t {
+    // A torch.save ZIP archive: stored members `archive_name/record`, 64-byte aligned, with CRCs.
+    TorchZip,
+    // The records back to back from offset 0, in order, nothing else (a safetensors file is its
+    // header as an inline record, then the tensors). archive_name must be empty.
+    Raw,
+};
+
 struct OutputSpec {
     std::string path;
     std::string archive_name;
     std::vector<RecordSpec> records;
+    Container container = Container::TorchZip;
 };
 
 struct WriteOptions {
@@ -52,7 +62,7 @@ constexpr uint64_t kDefaultWindowBytes = 4u << 20;
 // Returns false to cancel. Arguments: bytes done, bytes total.
 using ProgressFn = std::function<bool(uint64_t, uint64_t)>;
 
-// Validation failures throw PlanError before any output is touched (naming the output path and
+// Writes every output in one parallel pass. Validation failures throw PlanError before any output is touched (naming the output path and
 // record). Outputs are created new (an existing file or symlink at an output path is an
 // error). I/O failures throw std::system_error naming the path, and a source that shrank while
 // read throws SourceChangedError; every output this call created is then removed.

@@ -82,7 +82,7 @@ def scan_pickle(data: _Buffer) -> PickleScan: ...
 
 # ops: int64 array of shape (N, 9), columns [src, src_off, out, rec, dst_off, nbytes, kind, rows, stride].
 # outputs: [(path, archive_name, [(record_name, size, inline_bytes_or_None), ...]), ...].
-def write_archives(sources: Sequence[_Path], outputs: Iterable[Tuple[_Path, str, Sequence[Tuple[str, int, Optional[_Buffer]]]]],
+def write_archives(sources: Sequence[_Path], outputs: Iterable[Tuple[_Path, Optional[str], Sequence[Tuple[str, int, Optional[_Buffer]]]]],
                    ops: np.ndarray, workers: Optional[int] = 0, fsync: bool = False, progress: _Progress = None, *,
                    force_zip64: bool = False, window_bytes: int = 0, root: Optional[_Path] = None) -> dict: ...
 def execute_into(sources: Sequence[_Path], ops: np.ndarray, dst: _Buffer, workers: Optional[int] = 0,

@@ -721,6 +721,42 @@ def test_write_argument_errors(tmp_path):
         assert zf.read("arc/blob") == (bytes(range(256)) * 8)[:1000]
 
 
+def test_raw_files_hold_their_records_back_to_back(tmp_path):
+    """archive_name None: no ZIP framing, inline records as given, copied and converted records after
+    them, holes for zero-fill; in one call with a torch archive."""
+    src = tmp_path / "src.bin"
+    payload = np.arange(3000, dtype=np.float32)
+    src.write_bytes(payload.tobytes())
+    raw, arc = tmp_path / "out.raw", tmp_path / "out.pt"
+    header = b"H" * 13
+    outputs = [(str(raw), None, [("header", 13, header), ("a", 4000, None), ("b", 3000, None), ("z", 9000, None)]),
+               (str(arc), "arc", [("data/0", 4000, None)])]
+    ops = ops_array([[0, 0, 0, 1, 0, 4000, 0, 1, 0],                          # floats 0..999 copied
+                     [0, 4000, 0, 2, 0, 6000, _core.KIND_F32_TO_F16, 1, 0],   # 1000..2499 to half
+                     [-1, 0, 0, 3, 0, 9000, 0, 1, 0],                          # zeros
+                     [0, 8000, 1, 0, 0, 4000, 0, 1, 0]])
+    stats = _core.write_archives([str(src)], outputs, ops, 2, window_bytes=1001)
+    data = raw.read_bytes()
+    assert stats["files"] == 2 and len(data) == 13 + 4000 + 3000 + 9000
+    assert data[:13] == header
+    assert data[13:4013] == payload[:1000].tobytes()
+    assert data[4013:7013] == payload[1000:2500].astype(np.float16).tobytes()
+    assert data[7013:] == bytes(9000)
+    with zipfile.ZipFile(arc) as zf:
+        assert zf.read("arc/data/0") == payload[2000:3000].tobytes()
+
+
+def test_raw_files_take_no_archive_name_and_keep_the_checks(tmp_path):
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(64))
+    out = str(tmp_path / "o.raw")
+    with pytest.raises(_core.PlanError, match="is listed more than once"):
+        _core.write_archives([str(src)], [(out, None, [("a", 4, b"abcd"), ("a", 4, b"abcd")])], ops_array([]), 1)
+    with pytest.raises(_core.PlanError, match=r"record .a.: gap: bytes \[4, 8\) are not covered"):
+        _core.write_archives([str(src)], [(out, None, [("a", 8, None)])], ops_array([[0, 0, 0, 0, 0, 4, 0, 1, 0]]), 1)
+    assert not os.path.exists(out)
+
+
 def test_kind_constants():
     names = ["COPY", "BF16_TO_F32", "F16_TO_F32", "F64_TO_F32", "I64_TO_F32", "I32_TO_F32", "I16_TO_F32",
              "I8_TO_F32", "U8_TO_F32", "BOOL_TO_F32", "F32_TO_BF16", "F32_TO_F16", "BF16_TO_F16", "F16_TO_BF16",

@@ -229,12 +229,13 @@ def test_fifo_source_is_refused_without_blocking(tmp_path):
     assert proc.returncode == 0 and "REFUSED" in proc.stdout, (proc.stdout, proc.stderr)
 
 
-def _job(tmp_path, names=("a.pt", "b.pt", "c.pt")):
+def _job(tmp_path, names=("a.pt", "b.pt", "c.pt"), raw=()):
+    """Three outputs of an inline record and a copied one; those named in `raw` are raw files."""
     src = tmp_path / "raw.bin"
     src.write_bytes(bytes(range(256)) * 64)
     root = tmp_path / "stage"
     root.mkdir(exist_ok=True)
-    outputs = [(str(root / n), "arc", [("v", 2, b"3\n"), ("blob", 4096, None)]) for n in names]
+    outputs = [(str(root / n), None if n in raw else "arc", [("v", 2, b"3\n"), ("blob", 4096, None)]) for n in names]
     ops = ops_array([[0, 4096 * i, i, 1, 0, 4096, 0, 1, 0] for i in range(len(names))])
     return [str(src)], outputs, ops, root
 
@@ -287,10 +288,11 @@ CALLS = [("open", errno.EMFILE), ("write", errno.ENOSPC), ("write", errno.EIO), 
          ("close", errno.EIO)]
 
 
+@pytest.mark.parametrize("raw", [(), ("b.pt", )], ids=["zip", "zip+raw"])
 @pytest.mark.parametrize("after", [0, 1, 2])
 @pytest.mark.parametrize("call,err", CALLS, ids=[f"{c}-{errno.errorcode[e]}" for c, e in CALLS])
-def test_injected_fault_names_the_file_and_removes_every_output(call, err, after, faults, tmp_path):
-    sources, outputs, ops, root = _job(tmp_path)
+def test_injected_fault_names_the_file_and_removes_every_output(call, err, after, raw, faults, tmp_path):
+    sources, outputs, ops, root = _job(tmp_path, raw=raw)
     faults(call, err, after)
     with pytest.raises(OSError) as ei:
         _core.write_archives(sources, outputs, ops, 2, fsync=True, root=str(root))

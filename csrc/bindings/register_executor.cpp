@@ -10,14 +10,17 @@ namespace {
 
 std::vector<OutputSpec> convert_outputs(const py::handle& seq) {
     if (!py::isinstance<py::sequence>(seq) || py::isinstance<py::str>(seq))
-        throw py::type_error("outputs must be a list of (path, archive_name, records) tuples");
+        throw py::type_error("outputs must be a list of (path, archive_name or None, records) tuples");
     std::vector<OutputSpec> outs;
     for (auto item : seq.cast<py::sequence>()) {
         auto t = item.cast<py::sequence>();
         if (t.size() != 3) throw py::value_error("each output must be (path, archive_name, records)");
         OutputSpec o;
         o.path = fspath(t[0]);
-        o.archive_name = t[1].cast<std::string>();
+        if (t[1].is_none())
+            o.container = Container::Raw;  // records back to back (safetensors: header, then tensors)
+        else
+            o.archive_name = t[1].cast<std::string>();
         for (auto r : t[2].cast<py::sequence>()) {
             auto rt = r.cast<py::sequence>();
             if (rt.size() != 3) throw py::value_error("each record must be (name, size, bytes_or_None)");
@@ -80,7 +83,8 @@ void register_executor(py::module_& m) {
         py::arg("sources"), py::arg("outputs"), py::arg("ops"), py::arg("workers") = 0, py::arg("fsync") = false,
         py::arg("progress") = py::none(), py::kw_only(), py::arg("force_zip64") = false,
         py::arg("window_bytes") = 0, py::arg("root") = py::none(),
-        "Write torch-loadable ZIP archives whose op-filled records are gathered from `sources`. Outputs are "
+        "Write new files whose op-filled records are gathered from `sources`: a torch-loadable ZIP archive per "
+        "output with an archive_name, a raw file (its records back to back) per output whose archive_name is None. Outputs are "
         "created new (O_EXCL|O_NOFOLLOW); with `root`, every output path must lie strictly below it. Raises "
         "PlanError for a bad table, OSError naming the file for I/O errors, SourceChangedError if a source shrank "
         "while read; outputs created by a failed call are removed.");
