@@ -45,6 +45,26 @@ CONVERT_TO_F32 = {
 }
 
 
+# What the executor does to a source element on its way to a 16-bit float output (Tensor.to()).
+_NARROW = {
+    ("float32", "bfloat16"): _core.KIND_F32_TO_BF16, ("float32", "float16"): _core.KIND_F32_TO_F16,
+    ("bfloat16", "float16"): _core.KIND_BF16_TO_F16, ("float16", "bfloat16"): _core.KIND_F16_TO_BF16,
+    ("float64", "bfloat16"): _core.KIND_F64_TO_BF16, ("float64", "float16"): _core.KIND_F64_TO_F16,
+}
+# The source dtype each conversion reads.
+KIND_SOURCE_DTYPE = {kind: src for src, kind in CONVERT_TO_F32.items() if kind != KIND_COPY}
+KIND_SOURCE_DTYPE.update({kind: src for (src, _), kind in _NARROW.items()})
+
+
+def cast_kind(src: str, dst: str) -> Optional[int]:
+    """The op kind that turns ``src`` elements into ``dst`` ones, or None if the executor cannot."""
+    if src == dst:
+        return KIND_COPY
+    if dst == "float32":
+        return CONVERT_TO_F32.get(src)
+    return _NARROW.get((src, dst))
+
+
 # The opcodes torch's weights-only unpickler implements (everything torch.save writes); defined in
 # the native opcode table (csrc/pickle_scan.cpp) that scan_pickle walks with.
 TORCH_SAVE_OPCODES = frozenset(_core.TORCH_SAVE_OPCODES)

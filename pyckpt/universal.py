@@ -13,13 +13,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from .deepspeed.discovery import ZeroCheckpoint, discover
+from .deepspeed.discovery import discover
+from .deepspeed.universal_plan import build_plan
 from .errors import CheckpointFormatError, PyckptError
 from .execution.executor import execute
-from .planning.plan import Plan
 from .execution.publish import Publisher
-from .deepspeed.zero12 import plan_zero12
-from .deepspeed.zero3 import plan_zero3
 
 
 @dataclass
@@ -51,16 +49,6 @@ class ConversionReport:
         d.pop("plan_text")
         d["gbps"] = self.gbps
         return d
-
-
-def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False, dense_only: bool = False,
-               strict: bool = True):
-    plan = Plan()
-    if ck.stage <= 2:
-        counts = plan_zero12(ck, plan, inject_missing_state, dense_only, strict)
-    else:
-        counts = plan_zero3(ck, plan, strict)
-    return plan, counts
 
 
 def convert_to_universal(input, output, workers: Optional[int] = None, *, inject_missing_state: bool = False,

@@ -485,7 +485,8 @@ def _verify_folder(folder: str, report: VerifyReport, files: _Files) -> None:
 # -- against the ZeRO checkpoint ---------------------------------------------------------------
 
 def _verify_against(folder, against, report, files: _Files, inject_missing_state, dense_only, content):
-    from .universal import build_plan, metadata_errors
+    from .deepspeed.universal_plan import build_plan
+    from .universal import metadata_errors
     from .deepspeed.discovery import discover
     try:
         with metadata_errors(against):

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..formats.pickle_read import TensorRef
 from ..formats.torch_zip import SourceFile
+from .names import check_param_name
 from .schema import Schema
 
 Shape = Tuple[int, ...]
@@ -36,6 +37,12 @@ class ModelStates:
     parallel_dims: Optional[Tuple[int, int]]
     # ds_autoep_layers (or the legacy autoep_layers) as written; validated by the AutoEP rules
     autoep_layers: Any
+    # the module's persistent buffers, by name (a consolidated export keeps exactly these)
+    buffer_names: Tuple[str, ...] = ()
+    # tied parameters: alias -> the parameter whose storage it shares
+    shared_params: "OrderedDict[str, str]" = field(default_factory=OrderedDict)
+    # frozen parameters' tensors: whole under ZeRO-2, this rank's padded partition under ZeRO-3
+    frozen_fragments: "OrderedDict[str, TensorRef]" = field(default_factory=OrderedDict)
     ds_version: Any = None
     global_steps: Any = None
     _shapes: Optional["OrderedDict[str, Shape]"] = field(default=None, repr=False)
@@ -81,6 +88,17 @@ def read_model_states(sf: SourceFile) -> ModelStates:
     layers = obj.get("ds_autoep_layers")
     if layers is None:
         layers = obj.get("autoep_layers")
+    buffers = s.list(obj.get("buffer_names"), "buffer_names", optional=True) or ()
+    for i, name in enumerate(buffers):
+        check_param_name(name, sf.path, f"buffer_names[{i}]")
+    shared = s.dict(obj.get("shared_params"), "shared_params", optional=True) or {}
+    for alias, holder in shared.items():
+        check_param_name(alias, sf.path, "shared_params key")
+        check_param_name(holder, sf.path, f"shared_params[{alias!r}]")
+    fragments = s.dict(obj.get("frozen_param_fragments"), "frozen_param_fragments", optional=True) or {}
+    for name, t in fragments.items():
+        check_param_name(name, sf.path, "frozen_param_fragments key")
+        s.tensor(t, f"frozen_param_fragments[{name!r}]")
     return ModelStates(
         file=sf,
         groups=groups,
@@ -90,6 +108,9 @@ def read_model_states(sf: SourceFile) -> ModelStates:
         ds_config=info["ds_config"] or {},
         parallel_dims=_parallel_dims(s, info["checkpoint_parallel_dimensions"]),
         autoep_layers=layers,
+        buffer_names=tuple(buffers),
+        shared_params=OrderedDict(shared),
+        frozen_fragments=OrderedDict(fragments),
         ds_version=obj.get("ds_version"),
         global_steps=obj.get("global_steps"),
     )

@@ -1,7 +1,8 @@
-"""Running a plan: the native executor writes the archives, the kernel copies whole files.
+"""Running a plan: the native executor writes the archives and raw files, the kernel copies whole files.
 
 :func:`compile_plan` turns a :class:`~pyckpt.planning.plan.Plan` into the executor's tables (the
-torch.save record layout of every archive and the op rows that fill its records);
+torch.save record layout of every archive, the records of every raw file, and the op rows that
+fill them);
 :func:`execute` runs them into a staging folder, with progress and, on request, fsync.
 """
 
@@ -117,6 +118,23 @@ def compile_plan(plan: Plan, root: str):
                 raise TypeError(type(src))
         records.append(("version", 2, b"3\n"))
         outputs.append((os.path.join(root, arc.relpath), name, records))
+    for raw in plan.raw_files:
+        out_idx = len(outputs)
+        records = [("head", len(raw.head), raw.head)] if raw.head else []
+        for tname, t in raw.tensors:
+            rec = len(records)
+            nbytes = t.numel() * ITEMSIZE[t.dtype]
+            tensor_bytes += nbytes
+            if t.data is not None:
+                if len(t.data) != nbytes:
+                    raise ValueError(f"{raw.relpath}: computed tensor {tname} holds {len(t.data)} bytes, expected {nbytes}")
+                records.append((tname, nbytes, t.data))
+                continue
+            records.append((tname, nbytes, None))
+            for p in t.pieces:
+                ops.append((src_id(p.src) if p.src is not None else -1, p.src_off, out_idx, rec, p.dst_off, p.nbytes,
+                            p.kind, p.rows, p.stride))
+        outputs.append((os.path.join(root, raw.relpath), None, records))
     return sources, outputs, op_table(ops), tensor_bytes
 
 
@@ -128,6 +146,7 @@ def execute(plan: Plan, root: str, workers: Optional[int] = None, progress: bool
     that publishes the output already makes it complete-or-absent for a killed process)."""
     dirs = {os.path.dirname(os.path.join(root, a.relpath)) for a in plan.archives}
     dirs |= {os.path.dirname(os.path.join(root, c.relpath)) for c in plan.copies}
+    dirs |= {os.path.dirname(os.path.join(root, r.relpath)) for r in plan.raw_files}
     for d in sorted(dirs):
         os.makedirs(d, exist_ok=True)
     # Whole-file copies (model-state files) go through the kernel's copy path in a thread, so they

@@ -103,9 +103,20 @@ class FileCopy:
 
 
 @dataclass
+class RawFileOut:
+    """A file that is its records back to back: ``head`` (bytes computed here, e.g. a safetensors
+    header), then each tensor's bytes in order. A file of ``head`` alone is a small text file."""
+
+    relpath: str
+    head: bytes
+    tensors: List[Tuple[str, NewTensor]] = field(default_factory=list)
+
+
+@dataclass
 class Plan:
     archives: List[ArchiveOut] = field(default_factory=list)
     copies: List[FileCopy] = field(default_factory=list)
+    raw_files: List[RawFileOut] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)  # what a --dry-run should tell besides the files
 
     _relpaths: set = field(default_factory=set, repr=False)
@@ -122,6 +133,9 @@ class Plan:
 
     def add_archive(self, relpath: str, obj: Any) -> None:
         self.archives.append(ArchiveOut(self._claim(relpath), obj))
+
+    def add_raw_file(self, relpath: str, head: bytes, tensors: List[Tuple[str, NewTensor]] = ()) -> None:
+        self.raw_files.append(RawFileOut(self._claim(relpath), bytes(head), list(tensors)))
 
     def add_copy(self, src, relpath: str) -> None:
         src.load()  # a file copied verbatim passes the same checks as one pyckpt parses
@@ -141,7 +155,12 @@ class Plan:
                 lines.append(f"  {arc.relpath}: {nbytes} bytes from {npieces} piece(s)")
         if len(self.archives) > limit:
             lines.append(f"  ... and {len(self.archives) - limit} more archive(s)")
+        for raw in self.raw_files:
+            nbytes = sum(ITEMSIZE[t.dtype] * t.numel() for _, t in raw.tensors)
+            total += nbytes
+            lines.append(f"  {raw.relpath}: {len(raw.head)} header bytes, {len(raw.tensors)} tensor(s), {nbytes} bytes")
         for c in self.copies:
             lines.append(f"  {c.relpath}: copy of {c.src.path}")
-        head = [f"{len(self.archives)} archive(s), {total} tensor bytes; {len(self.copies)} file copies"]
+        head = [f"{len(self.archives) + len(self.raw_files)} file(s), {total} tensor bytes; {len(self.copies)} file "
+                "copies"]
         return "\n".join(head + self.notes + lines)

@@ -1,0 +1,144 @@
+"""Consolidated export: a DeepSpeed ZeRO checkpoint → Hugging Face model files (safetensors), complete or absent.
+
+What ``zero_to_fp32.py --safe_serialization`` writes, without assembling any tensor in memory:
+each shard is a safetensors header computed here followed by tensor bytes the native executor
+gathers from the memory-mapped ZeRO shards, cast to the export dtype in the same pass. The
+output is staged and renamed into place like a conversion's; no pointer file is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Optional, Union
+
+from .deepspeed.consolidated import FLOATING, cast, consolidate
+from .deepspeed.discovery import discover
+from .errors import CheckpointFormatError
+from .execution.executor import execute
+from .execution.publish import Publisher
+from .formats.pickle_read import ITEMSIZE
+from .formats.safetensors import TensorEntry, layout
+from .huggingface.shards import parse_size, split
+from .planning.plan import Plan
+from .universal import check_apart, metadata_errors
+
+DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "float16": "float16"}
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass
+class ExportReport:
+    input: str
+    output: str
+    dtype: str
+    tensors: int
+    files: int
+    total_size: int
+    bytes_written: int = 0
+    seconds: float = 0.0
+    plan_text: str = ""
+
+    def summary(self) -> str:
+        rate = self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+        return (f"exported {self.tensors} tensors ({self.dtype}) to {self.output}: {self.files} files, "
+                f"{self.bytes_written / 1e9:.3f} GB in {self.seconds:.2f} s ({rate:.2f} GB/s)")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("plan_text")
+        return d
+
+
+def resolve_dtype(dtype: str, config: Optional[dict] = None) -> str:
+    """The export's torch dtype name; ``auto`` takes the model config's dtype, else float32."""
+    if dtype == "auto":
+        named = (config or {}).get("dtype") or (config or {}).get("torch_dtype")
+        return DTYPES.get(str(named).replace("torch.", ""), "float32") if named else "float32"
+    key = str(dtype).replace("torch.", "")
+    if key not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of fp32, bf16, fp16, auto")
+    return DTYPES[key]
+
+
+def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5GB",
+                exclude_frozen: bool = False, dense_only: bool = False):
+    """(plan, report fields) of an export, nothing written."""
+    with metadata_errors(input):
+        ck = discover(input)
+    config = _read_config(os.path.dirname(ck.folder))
+    target = resolve_dtype(dtype, config)
+    limit = parse_size(max_shard_size)
+    with metadata_errors(ck.folder):
+        state = consolidate(ck, exclude_frozen=exclude_frozen, dense_only=dense_only)
+    tensors = {name: cast(t, target) if t.dtype in FLOATING else t for name, t in state.tensors.items()}
+    for name, t in tensors.items():
+        if t.dtype not in ITEMSIZE:
+            raise CheckpointFormatError(f"{ck.folder}: {name} has dtype {t.dtype}, which safetensors cannot hold")
+    # safetensors holds no shared storage: tied aliases are left out, as save_pretrained leaves
+    # them out, and the model re-ties them on load.
+    keys = list(tensors)
+    nbytes = {k: t.numel() * ITEMSIZE[t.dtype] for k, t in tensors.items()}
+    shards = split(keys, nbytes, {}, limit, SAFE_WEIGHTS_NAME)
+    plan = Plan()
+    for fname, names in shards.files.items():
+        lay = layout([TensorEntry(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], {"format": "pt"})
+        plan.add_raw_file(fname, lay.header, [(e.name, tensors[e.name]) for e in lay.order])
+    if shards.sharded:
+        plan.add_raw_file(SAFE_WEIGHTS_INDEX_NAME, shards.index_json())
+    if state.aliases:
+        plan.notes.append(f"  tied aliases left out of safetensors (re-tied on load): {', '.join(state.aliases)}")
+    return ck, plan, target, len(tensors), shards.total_size
+
+
+def export_hf(input, output, *, dtype: str = "fp32", max_shard_size: Union[int, str] = "5GB",
+              exclude_frozen_parameters: bool = False, dense_only: bool = False, overwrite: bool = False,
+              dry_run: bool = False, workers: Optional[int] = None, progress: bool = False, fsync: bool = False,
+              notify: Optional[Callable[[str], None]] = None) -> ExportReport:
+    """Export a DeepSpeed ZeRO checkpoint (tag folder, or the folder holding ``latest``) as Hugging Face
+    safetensors model files in the new folder ``output``.
+
+    The state dict is ``zero_to_fp32``'s: persistent buffers, frozen parameters (unless
+    ``exclude_frozen_parameters``), trainable parameters from their fp32 masters, in that order;
+    tied aliases are left out of safetensors as ``save_pretrained`` leaves them out. ``dtype`` is
+    fp32, bf16, fp16 or auto (the config.json's dtype beside the checkpoint, else fp32); integer
+    buffers keep their dtype. Files are split by ``max_shard_size`` as ``huggingface_hub`` splits
+    them, with an index when there is more than one. The output is complete or absent; an existing
+    ``output`` is replaced only with ``overwrite=True``.
+    """
+    t0 = time.perf_counter()
+    ck, plan, target, count, total = plan_export(input, dtype, max_shard_size, exclude_frozen_parameters,
+                                                 dense_only)
+    output = os.path.abspath(os.fspath(output))
+    report = ExportReport(ck.folder, output, target, count, len(plan.raw_files), total)
+    if dry_run:
+        report.plan_text = plan.describe()
+        return report
+    check_apart(input, ck.folder, output)
+    with Publisher(output, overwrite=overwrite, fsync=fsync, pointer=None, notify=notify) as out:
+        stats = execute(plan, out.staging, workers, progress, fsync=fsync)
+        out.publish()
+    report.bytes_written = stats["bytes_written"]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _read_config(folder: str) -> Optional[Dict]:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(16 * 1024 * 1024 + 1)
+        if len(data) > 16 * 1024 * 1024:
+            raise ValueError("larger than 16 MiB")
+        config = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path}: not a readable model config ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointFormatError(f"{path}: a model config must be a JSON object")
+    return config
