@@ -15,6 +15,7 @@ EPILOG = """\
 exit status: 0 done, 1 failed (one line on stderr; --debug for a traceback), 2 usage.
 """
 FORMATTER = argparse.RawDescriptionHelpFormatter
+IMPORTS = ("pyckpt.execution.publish",)  # numpy and the native module: loaded as part of start-up
 # As for a conversion: SIGTERM/SIGHUP unwind like Ctrl-C, and an interrupt says nothing was published.
 WRITES_OUTPUT = True
 

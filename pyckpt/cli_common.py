@@ -2,11 +2,12 @@
 
 A command is a module with ``DESCRIPTION`` (and optionally ``EPILOG``, ``FORMATTER``),
 ``add_arguments(parser)`` and ``run(args) -> int``. ``run`` raises on failure (``UsageError`` for a
-usage mistake, anything else becomes ``pyckpt: error: <one line>``). Two optional module
-attributes change the defaults: ``ERROR_EXIT`` (the exit status of such an error, 1) and
-``WRITES_OUTPUT`` (True: SIGTERM/SIGHUP unwind like Ctrl-C so that clean-up runs, and an
-interrupt says what was published). The same module serves ``python -m pyckpt.<name>`` (through
-:func:`main`) and ``pyckpt <name>`` (pyckpt/cli.py).
+usage mistake, anything else becomes ``pyckpt: error: <one line>``). Optional module attributes:
+``IMPORTS`` (the modules ``run`` needs, loaded while a Ctrl-C still counts as start-up),
+``ERROR_EXIT`` (the exit status of such an error, 1) and ``WRITES_OUTPUT`` (True: SIGTERM/SIGHUP
+unwind like Ctrl-C so that clean-up runs, and an interrupt says what was published). The same
+module serves ``python -m pyckpt.<name>`` (through :func:`main`) and ``pyckpt <name>``
+(pyckpt/cli.py).
 
 Only os, signal and sys are imported at the top: convert.py imports this module before its
 start-up handler is in place, and the console script before parsing its arguments.
@@ -88,10 +89,14 @@ def main(command, prog: str, argv=None) -> int:
 
 def execute(command, parser, args) -> int:
     """Run a parsed command; the one place that turns exceptions into messages and exit statuses."""
-    started()
     writes = getattr(command, "WRITES_OUTPUT", False)
     previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)} if writes else {}
     try:
+        # Under the start-up handler: numpy turns a KeyboardInterrupt inside its import into an
+        # ImportError, which would be reported as a broken installation.
+        for name in getattr(command, "IMPORTS", ()):
+            __import__(name)
+        started()
         return command.run(args)
     except KeyboardInterrupt as exc:
         return interrupted(exc, writes)

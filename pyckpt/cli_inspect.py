@@ -12,6 +12,7 @@ from .cli_common import add_common_flags
 
 DESCRIPTION = ("Show a DeepSpeed ZeRO checkpoint's stage, dp degree, dtypes, parameter count, bytes and files. "
                "Reads only the pickled metadata; runs no code from it.")
+IMPORTS = ("pyckpt.inspect",)  # numpy and the native module: loaded as part of start-up
 
 
 def add_arguments(p) -> None:

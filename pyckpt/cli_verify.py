@@ -39,6 +39,7 @@ exit status: 0 all checks passed, 1 problems found (one line each: the file, wha
 2 usage error, or OUTPUT/INPUT cannot be read as a checkpoint at all.
 """
 FORMATTER = argparse.RawDescriptionHelpFormatter
+IMPORTS = ("pyckpt.verify",)  # numpy and the native module: loaded as part of start-up
 # An OUTPUT or INPUT that cannot be read at all is told apart from one with problems (exit 1).
 ERROR_EXIT = 2
 

@@ -40,6 +40,7 @@ not given), --inject_missing_state, --no_strict, --keep_temp_folder (no temp fol
 exit status: 0 done, 1 conversion failed (one line on stderr; --debug for a traceback), 2 usage.
 """
 FORMATTER = argparse.RawDescriptionHelpFormatter
+IMPORTS = ("pyckpt.universal",)  # numpy and the native module: loaded as part of start-up
 
 # SIGTERM/SIGHUP unwind like Ctrl-C (the staging folder is removed), an interrupt says what was published.
 WRITES_OUTPUT = True
