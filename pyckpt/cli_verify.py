@@ -57,8 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from .verify import verify_universal
+    # The byte counter draws only on a terminal; elsewhere making one would only cost a walk of the
+    # folder and a tqdm whose half-made instance prints a traceback if a Ctrl-C lands in its making.
+    progress = not args.quiet and not args.json and getattr(sys.stderr, "isatty", lambda: False)()
     report = verify_universal(args.output, args.against, dense_only=args.dense_only, content=args.content,
-                              progress=not args.quiet and not args.json)
+                              progress=progress)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
