@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
-
-def _interrupted_while_starting(signum, frame):
-    # Until main() runs, Ctrl-C would surface as a traceback from whichever import it hit.
-    print("pyckpt: interrupted while starting; nothing was written", file=sys.stderr)
-    os._exit(128 + signum)
-
+# Light (os, signal, sys): nothing slow runs before the handler below is in place.
+from .cli_common import interrupted_while_starting
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+    signal.signal(signal.SIGINT, interrupted_while_starting)
 
 import argparse  # noqa: E402  (after the start-up handler on purpose)
 import json  # noqa: E402
+
+from . import cli_common  # noqa: E402
+from .cli_common import UsageError, add_common_flags, note  # noqa: E402
 
 DESCRIPTION = """\
 Convert a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint to DeepSpeed's Universal Checkpoint layout,
@@ -41,11 +39,14 @@ not given), --inject_missing_state, --no_strict, --keep_temp_folder (no temp fol
 
 exit status: 0 done, 1 conversion failed (one line on stderr; --debug for a traceback), 2 usage.
 """
+FORMATTER = argparse.RawDescriptionHelpFormatter
+IMPORTS = ("pyckpt.universal",)  # numpy and the native module: loaded as part of start-up
+
+# SIGTERM/SIGHUP unwind like Ctrl-C (the staging folder is removed), an interrupt says what was published.
+WRITES_OUTPUT = True
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pyckpt.convert", description=DESCRIPTION, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", nargs="?", help="ZeRO checkpoint tag folder, or its parent holding `latest`")
     p.add_argument("output", nargs="?", help="universal checkpoint folder to create")
     p.add_argument("--input_folder", "--input-folder", dest="input_folder", help="alias of INPUT")
@@ -73,76 +74,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "slower). Without it the output is still complete or absent if the process dies.")
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="print what would be written, write nothing")
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no closing line")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    return p
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM/SIGHUP, raised where Python next runs so that clean-up runs as for Ctrl-C."""
-
-
-def _terminate(signum, frame):
-    raise Terminated(signum)
+    add_common_flags(p, json="print the report as JSON on stdout", quiet="no progress bar, no closing line")
 
 
 def main(argv=None) -> int:
-    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C cleans up
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        return _run(parser, args)
-    except KeyboardInterrupt as exc:
-        return _interrupted(exc)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return cli_common.main(sys.modules[__name__], "python -m pyckpt.convert", argv)
 
 
-def _interrupted(exc: KeyboardInterrupt) -> int:
-    code = 128 + exc.args[0] if isinstance(exc, Terminated) else 130
-    what = "terminated" if isinstance(exc, Terminated) else "interrupted"
-    published = getattr(exc, "pyckpt_published", None)
-    if published is None:
-        print(f"pyckpt: {what}; no output was published", file=sys.stderr)
-    elif getattr(exc, "pyckpt_pointer_written", False):
-        print(f"pyckpt: {what} after {published} was published and latest_universal updated; a previous output "
-              "may be left beside it (the next run or --clean removes it)", file=sys.stderr)
-    else:
-        print(f"pyckpt: {what} after {published} was published, before latest_universal was updated",
-              file=sys.stderr)
-    return code
-
-
-def _run(parser, args) -> int:
+def run(args) -> int:
     src = args.input_folder or args.input
     dst = args.output_folder or args.output
     if args.clean:
         target = dst or src
         if not target or (src and dst):
-            parser.error("--clean takes one argument: the OUTPUT folder to clean up beside")
-        return _clean(target, args)
+            raise UsageError("--clean takes one argument: the OUTPUT folder to clean up beside")
+        from .clean import clean_beside
+        return clean_beside(target, args)
     if not src or not dst:
-        parser.error("INPUT and OUTPUT are required (positionally or as --input_folder/--output_folder)")
+        raise UsageError("INPUT and OUTPUT are required (positionally or as --input_folder/--output_folder)")
     workers = args.workers
     if workers is None and (args.num_extract_workers or args.num_merge_workers):
         workers = max(args.num_extract_workers or 0, args.num_merge_workers or 0)
-    try:
-        from .universal import convert_to_universal
-        report = convert_to_universal(src, dst, workers, inject_missing_state=args.inject_missing_state,
-                                      overwrite=args.overwrite, progress=not args.quiet, dry_run=args.dry_run,
-                                      strict=args.strict, dense_only=args.dense_only, fsync=args.fsync,
-                                      notify=None if args.quiet else _note)
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # one clear line, the traceback only on request
-        if args.debug:
-            raise
-        print(f"pyckpt: error: {_one_line(exc)}", file=sys.stderr)
-        return 1
+    from .universal import convert_to_universal
+    report = convert_to_universal(src, dst, workers, inject_missing_state=args.inject_missing_state,
+                                  overwrite=args.overwrite, progress=not args.quiet, dry_run=args.dry_run,
+                                  strict=args.strict, dense_only=args.dense_only, fsync=args.fsync,
+                                  notify=None if args.quiet else note)
     if args.dry_run:
         print(report.plan_text)
         return 0
@@ -151,39 +108,6 @@ def _run(parser, args) -> int:
     if not args.quiet:
         print(f"pyckpt: {report.summary()}", file=sys.stderr)
     return 0
-
-
-def _clean(target: str, args) -> int:
-    try:
-        from .execution.publish import clean
-        done = clean(target, notify=_note)
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:
-        if args.debug:
-            raise
-        print(f"pyckpt: error: {_one_line(exc)}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({"output": target, "removed": done}, indent=2))
-    elif not args.quiet:
-        for name in done:
-            print(f"pyckpt: cleaned {name}", file=sys.stderr)
-        print(f"pyckpt: nothing left behind by earlier runs into {target}" if not done else
-              f"pyckpt: cleaned {len(done)} entr{'y' if len(done) == 1 else 'ies'} beside {target}", file=sys.stderr)
-    return 0
-
-
-def _note(text: str) -> None:
-    print(f"pyckpt: {text}", file=sys.stderr)
-
-
-def _one_line(exc: BaseException) -> str:
-    """The message on one line whatever it holds (a name with a newline must not split it)."""
-    text = str(exc) or type(exc).__name__
-    if isinstance(exc, KeyError) and exc.args:
-        text = f"missing key {exc.args[0]!r}"
-    return " ".join(text.split("\n")) if "\n" in text else text
 
 
 if __name__ == "__main__":

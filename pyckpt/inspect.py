@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
@@ -43,33 +41,7 @@ def describe(path) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pyckpt.inspect",
-                                description="Show a DeepSpeed ZeRO checkpoint's stage, dp degree, dtypes, parameter "
-                                "count, bytes and files. Reads only the pickled metadata; runs no code from it.")
-    p.add_argument("checkpoint", help="tag folder, or the folder holding `latest`")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-    args = p.parse_args(argv)
-    try:
-        info = describe(args.checkpoint)
-    except Exception as exc:
-        if args.debug:
-            raise
-        print(f"pyckpt: error: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(info, indent=2, default=str))
-        return 0
-    for key, value in info.items():
-        if key == "file_sizes":
-            print("files:")
-            for name, size in value.items():
-                print(f"  {size:>14,d}  {name}")
-        else:
-            print(f"{key}: {value}")
-    return 0
-
-
 if __name__ == "__main__":
+    # The command line lives in cli_inspect, which the pyckpt console script imports without numpy.
+    from .cli_inspect import main
     sys.exit(main())

@@ -1,22 +1,34 @@
 """The package's layers import only downward (README, Development): errors and the native boundary,
-byte formats, plans, DeepSpeed rules, execution, then the capabilities and command lines. Only
+byte formats, plans, DeepSpeed rules, execution, the capabilities, then the command lines. Only
 pyckpt/native.py imports the native module itself."""
 
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "pyckpt"
-LAYERS = ["errors", "native", "formats", "planning", "deepspeed", "execution"]  # anything else: capabilities
+LAYERS = ["errors", "native", "formats", "planning", "deepspeed", "execution"]  # then capabilities, command lines
+# What a user runs (the cli* modules, and the command lines older than pyckpt/cli.py). Anything else
+# at the top level is a capability, which must not depend on how it is invoked.
+COMMAND_LINES = {"convert", "clean", "demo", "__main__"}
 
 
 def _layer(module: str) -> int:
     top = module.split(".")[0]
-    return LAYERS.index(top) if top in LAYERS else len(LAYERS)
+    if top in LAYERS:
+        return LAYERS.index(top)
+    return len(LAYERS) + (top in COMMAND_LINES or top == "cli" or top.startswith("cli_"))
+
+
+def _outside_main_stanza(text: str) -> str:
+    """The source without its `if __name__ == "__main__":` blocks: a module run as a program is at
+    the top of the stack (python -m pyckpt.verify starts the command line that calls verify)."""
+    return re.sub(r'^if __name__ == "__main__":\n(?:[ \t]+.*\n|[ \t]*\n)*', "", text, flags=re.M)
 
 
 def _imports(path: pathlib.Path, module: str):
     package = module.rpartition(".")[0].split(".") if "." in module else []
-    for m in re.finditer(r"^\s*from (\.+)([A-Za-z_0-9.]*) import ([A-Za-z_0-9, ()]+)", path.read_text(), re.M):
+    text = _outside_main_stanza(path.read_text())
+    for m in re.finditer(r"^\s*from (\.+)([A-Za-z_0-9.]*) import ([A-Za-z_0-9, ()]+)", text, re.M):
         dots, name, names = m.groups()
         base = package[:len(package) - (len(dots) - 1)] if len(dots) > 1 else package
         if name:
@@ -81,3 +93,11 @@ def test_no_import_cycles_between_modules():
 def test_the_cycle_finder_finds_cycles():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_command_lines_are_the_top_layer():
+    assert _layer("cli") == _layer("cli_common") == _layer("convert") == _layer("__main__") == len(LAYERS) + 1
+    assert _layer("universal") == _layer("verify") == _layer("inspect") == len(LAYERS)
+    # The stanza rule must not hide anything but the stanza.
+    text = 'from .a import b\nif __name__ == "__main__":\n    from .c import d\n\n    main()\nfrom .e import f\n'
+    assert _outside_main_stanza(text) == "from .a import b\nfrom .e import f\n"

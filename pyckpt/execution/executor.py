@@ -161,9 +161,12 @@ def execute(plan: Plan, root: str, workers: Optional[int] = None, progress: bool
             copy_error.append(exc)
 
     sources, outputs, ops, tensor_bytes = compile_plan(plan, root)
+    # Only on a terminal, where tqdm (disable=None) would draw it anyway. Elsewhere none is made, so
+    # a Ctrl-C cannot land in tqdm's constructor, whose half-made instance prints a traceback when
+    # freed. Made before the copier starts: an interrupt here then leaves no thread running.
+    bar = _ProgressBar(tensor_bytes) if progress and getattr(sys.stderr, "isatty", lambda: False)() else None
     copier = threading.Thread(target=copy_all, name="pyckpt-copy")
     copier.start()
-    bar = _ProgressBar(tensor_bytes) if progress else None
     try:
         result = write_archives(sources, outputs, ops, root=root, workers=workers or 0, fsync=fsync,
                                 progress=bar.update if bar else None)
