@@ -1,12 +1,12 @@
 """The package's layers import only downward (README, Development): errors and the native boundary,
-byte formats, plans, DeepSpeed rules, execution, the capabilities, then the command lines. Only
+byte formats, plans, Hugging Face and DeepSpeed rules, execution, the capabilities, then the command lines. Only
 pyckpt/native.py imports the native module itself."""
 
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "pyckpt"
-LAYERS = ["errors", "native", "formats", "planning", "deepspeed", "execution"]  # then capabilities, command lines
+LAYERS = ["errors", "native", "formats", "planning", "huggingface", "deepspeed", "execution"]  # then capabilities, command lines
 # What a user runs (the cli* modules, and the command lines older than pyckpt/cli.py). Anything else
 # at the top level is a capability, which must not depend on how it is invoked.
 COMMAND_LINES = {"convert", "clean", "demo", "__main__"}
