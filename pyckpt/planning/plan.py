@@ -161,6 +161,6 @@ class Plan:
             lines.append(f"  {raw.relpath}: {len(raw.head)} header bytes, {len(raw.tensors)} tensor(s), {nbytes} bytes")
         for c in self.copies:
             lines.append(f"  {c.relpath}: copy of {c.src.path}")
-        head = [f"{len(self.archives) + len(self.raw_files)} file(s), {total} tensor bytes; {len(self.copies)} file "
-                "copies"]
+        raw = f", {len(self.raw_files)} other file(s)" if self.raw_files else ""
+        head = [f"{len(self.archives)} archive(s){raw}, {total} tensor bytes; {len(self.copies)} file copies"]
         return "\n".join(head + self.notes + lines)
