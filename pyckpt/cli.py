@@ -13,6 +13,7 @@ from . import cli_common
 # name, module (in this package), the line `pyckpt --help` shows. A new subcommand is one row here.
 COMMANDS = (
     ("convert", "convert", "convert a ZeRO checkpoint to DeepSpeed's Universal Checkpoint layout"),
+    ("export", "cli_export", "export a ZeRO checkpoint as Hugging Face safetensors model files (zero_to_fp32)"),
     ("inspect", "cli_inspect", "show a ZeRO checkpoint's stage, dp degree, dtypes, parameters and files"),
     ("verify", "cli_verify", "check a Universal Checkpoint folder before deleting the checkpoint it came from"),
     ("clean", "clean", "remove what killed conversions into OUTPUT left beside it"),

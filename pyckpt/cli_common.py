@@ -121,6 +121,9 @@ def interrupted(exc: KeyboardInterrupt, writes: bool) -> int:
         print(f"pyckpt: {what}", file=sys.stderr)
     elif published is None:
         print(f"pyckpt: {what}; no output was published", file=sys.stderr)
+    elif hasattr(exc, "pyckpt_pointer") and exc.pyckpt_pointer is None:  # an output without a pointer file
+        print(f"pyckpt: {what} after {published} was published; a previous output may be left beside it (the "
+              "next run removes it)", file=sys.stderr)
     elif getattr(exc, "pyckpt_pointer_written", False):
         print(f"pyckpt: {what} after {published} was published and latest_universal updated; a previous output "
               "may be left beside it (the next run or --clean removes it)", file=sys.stderr)

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Optional, Union
 
 from .deepspeed.consolidated import FLOATING, cast, consolidate
 from .deepspeed.discovery import discover
+from .deepspeed.names import check_tag
 from .errors import CheckpointFormatError
 from .execution.executor import execute
 from .execution.publish import Publisher
 from .formats.pickle_read import ITEMSIZE
 from .formats.safetensors import TensorEntry, layout
+from .formats.torch_zip import read_regular
 from .huggingface.shards import parse_size, split
 from .planning.plan import Plan
 from .universal import check_apart, metadata_errors
@@ -29,6 +32,15 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
           "fp16": "float16", "float16": "float16"}
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+# What from_pretrained reads beside the weights (model and generation configs, tokenizers): copied
+# when they lie beside the checkpoint, as the Trainer and save_pretrained leave them.
+COMPANION_FILES = (CONFIG_NAME, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+                   "chat_template.json", "preprocessor_config.json")
+COMPANION_MAX_BYTES = 64 * 1024 * 1024
+TORCH_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 @dataclass
@@ -66,10 +78,10 @@ def resolve_dtype(dtype: str, config: Optional[dict] = None) -> str:
 
 
 def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5GB",
-                exclude_frozen: bool = False, dense_only: bool = False):
+                exclude_frozen: bool = False, dense_only: bool = False, tag: Optional[str] = None):
     """(plan, report fields) of an export, nothing written."""
     with metadata_errors(input):
-        ck = discover(input)
+        ck = discover(_tagged(input, tag))
     config = _read_config(os.path.dirname(ck.folder))
     target = resolve_dtype(dtype, config)
     limit = parse_size(max_shard_size)
@@ -92,10 +104,40 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
         plan.add_raw_file(SAFE_WEIGHTS_INDEX_NAME, shards.index_json())
     if state.aliases:
         plan.notes.append(f"  tied aliases left out of safetensors (re-tied on load): {', '.join(state.aliases)}")
+    _add_companions(plan, os.path.dirname(ck.folder), config, target)
     return ck, plan, target, len(tensors), shards.total_size
 
 
-def export_hf(input, output, *, dtype: str = "fp32", max_shard_size: Union[int, str] = "5GB",
+def _add_companions(plan: Plan, folder: str, config: Optional[dict], target: str) -> None:
+    """The model's config and tokenizer files from beside the checkpoint; the config says the
+    export's dtype when it named another (from_pretrained would otherwise cast on load)."""
+    for name in COMPANION_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.lexists(path):
+            continue
+        data = read_regular(path, COMPANION_MAX_BYTES)
+        if name == CONFIG_NAME and config is not None:
+            keys = [k for k in ("dtype", "torch_dtype") if k in config]
+            if any(str(config[k]).replace("torch.", "") != target for k in keys):
+                config = dict(config)
+                for k in keys:
+                    config[k] = TORCH_DTYPE_NAMES[target]
+                # transformers writes configs this way (PretrainedConfig.to_json_string)
+                data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8")
+                plan.notes.append(f"  {CONFIG_NAME}: dtype set to {TORCH_DTYPE_NAMES[target]}")
+        plan.add_raw_file(name, data)
+
+
+def _tagged(input, tag: Optional[str]):
+    """INPUT/TAG when a tag is named (zero_to_fp32's -t): one folder name inside INPUT."""
+    if tag is None:
+        return input
+    check_tag(tag, os.path.join(os.fspath(input), "(--tag)"))
+    return os.path.join(os.fspath(input), tag)
+
+
+def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
+              max_shard_size: Union[int, str] = "5GB",
               exclude_frozen_parameters: bool = False, dense_only: bool = False, overwrite: bool = False,
               dry_run: bool = False, workers: Optional[int] = None, progress: bool = False, fsync: bool = False,
               notify: Optional[Callable[[str], None]] = None) -> ExportReport:
@@ -112,7 +154,7 @@ def export_hf(input, output, *, dtype: str = "fp32", max_shard_size: Union[int, 
     """
     t0 = time.perf_counter()
     ck, plan, target, count, total = plan_export(input, dtype, max_shard_size, exclude_frozen_parameters,
-                                                 dense_only)
+                                                 dense_only, tag)
     output = os.path.abspath(os.fspath(output))
     report = ExportReport(ck.folder, output, target, count, len(plan.raw_files), total)
     if dry_run:
@@ -120,25 +162,33 @@ def export_hf(input, output, *, dtype: str = "fp32", max_shard_size: Union[int, 
         return report
     check_apart(input, ck.folder, output)
     with Publisher(output, overwrite=overwrite, fsync=fsync, pointer=None, notify=notify) as out:
-        stats = execute(plan, out.staging, workers, progress, fsync=fsync)
-        out.publish()
+        try:
+            stats = execute(plan, out.staging, workers, progress, fsync=fsync)
+            out.publish()
+        except BaseException as exc:
+            if out.published:  # tell the caller OUTPUT is in place although the run did not finish
+                exc.pyckpt_published = output
+                exc.pyckpt_pointer = None
+            raise
     report.bytes_written = stats["bytes_written"]
     report.seconds = time.perf_counter() - t0
     return report
 
 
 def _read_config(folder: str) -> Optional[Dict]:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
+    path = os.path.join(folder, CONFIG_NAME)
+    if not os.path.lexists(path):
         return None
     try:
-        with open(path, "rb") as f:
-            data = f.read(16 * 1024 * 1024 + 1)
-        if len(data) > 16 * 1024 * 1024:
-            raise ValueError("larger than 16 MiB")
-        config = json.loads(data.decode("utf-8"))
-    except (OSError, ValueError) as exc:
+        config = json.loads(read_regular(path, COMPANION_MAX_BYTES).decode("utf-8"))
+    except ValueError as exc:
         raise CheckpointFormatError(f"{path}: not a readable model config ({exc})") from None
     if not isinstance(config, dict):
         raise CheckpointFormatError(f"{path}: a model config must be a JSON object")
     return config
+
+
+if __name__ == "__main__":
+    # The command line lives in cli_export, which the pyckpt console script imports without numpy.
+    from .cli_export import main
+    sys.exit(main())

@@ -126,8 +126,8 @@ def test_parse_size_reads_decimal_units_like_huggingface_hub():
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("500MB") == 5 * 10**8
     assert parse_size(" 1.5kb ") == 1500
-    assert parse_size(1234) == 1234
-    for bad in ("5GiB", "5 G", "", "-1GB", 0, "GB"):
+    assert parse_size(1234) == 1234 and parse_size("1234") == 1234
+    for bad in ("5GiB", "5 G", "", "-1GB", 0, "0", "GB"):
         with pytest.raises(ValueError):
             parse_size(bad)
 
@@ -142,3 +142,75 @@ def test_split_puts_oversized_tensors_first_and_aliases_with_their_holder():
     assert s.total_size == 112
     one = split(["a", "tied"], {"a": 4}, {"tied": "a"}, 10, "model.safetensors")
     assert one.files == {"model.safetensors": ["a", "tied"]} and not one.sharded
+
+
+def _run(*args):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_command_line_takes_zero_to_fp32_flags(checkpoints, tmp_path):
+    ck = checkpoints["s2_fp32_dp4"]
+    ref = _zero_to_fp32(ck.tag_dir, "bf16")
+    limit = str(max(v.numel() * v.element_size() for v in ref.values()) * 2 + 1)  # several shards
+    out = tmp_path / "hf"
+    proc = _run("-m", "pyckpt.export", ck.root, out, "-t", ck.tag, "--safe_serialization", "--max_shard_size", limit,
+                "--dtype", "bf16", "--json", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["dtype"] == "bfloat16" and report["files"] == len(os.listdir(out)) >= 3  # shards + index
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f for f in os.listdir(out) if f.endswith(".safetensors")}
+    got, _ = _load_export(out)
+    assert all(_same(got[k], ref[k].contiguous()) for k in ref) and set(got) == set(ref)
+    # the console script runs the same command; a closing line names the output
+    again = _run("-m", "pyckpt", "export", ck.root, tmp_path / "hf2", "--dtype", "bf16", "--max_shard_size", limit)
+    assert again.returncode == 0, again.stderr
+    assert "pyckpt: exported" in again.stderr and str(tmp_path / "hf2") in again.stderr
+    assert sorted(os.listdir(tmp_path / "hf2")) == sorted(os.listdir(out))
+    for f in os.listdir(out):
+        assert (out / f).read_bytes() == (tmp_path / "hf2" / f).read_bytes()
+
+
+def test_command_line_refusals_are_one_line_and_write_nothing(checkpoints, tmp_path):
+    ck = checkpoints["s1_fp32_dp2"]
+    missing = _run("-m", "pyckpt.export", tmp_path / "nope", tmp_path / "out")
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "nope" in missing.stderr
+    (tmp_path / "exists").mkdir()
+    taken = _run("-m", "pyckpt.export", ck.root, tmp_path / "exists")
+    assert taken.returncode == 1 and "exists" in taken.stderr and os.listdir(tmp_path / "exists") == []
+    dry = _run("-m", "pyckpt.export", ck.root, tmp_path / "dry", "--dry-run")
+    assert dry.returncode == 0 and "model.safetensors" in dry.stdout and not (tmp_path / "dry").exists()
+    bad_tag = _run("-m", "pyckpt.export", ck.root, tmp_path / "t", "-t", "../escape")
+    assert bad_tag.returncode == 1 and "not a folder name" in bad_tag.stderr
+    usage = _run("-m", "pyckpt.export", ck.root, tmp_path / "u", "--dtype", "int8")
+    assert usage.returncode == 2
+    assert [p for p in os.listdir(tmp_path) if "pyckpt-tmp" in p or "pyckpt-old" in p] == []  # no staging left
+
+
+def test_config_and_tokenizer_beside_the_checkpoint_are_copied_and_the_dtype_follows(checkpoints, tmp_path):
+    import shutil
+    ck = checkpoints["s2_bf16_dp2"]
+    root = tmp_path / "checkpoint-3"  # the Trainer's layout: model files beside latest and the tag folder
+    shutil.copytree(ck.root, root)
+    config = {"architectures": ["Tiny"], "model_type": "tiny", "torch_dtype": "bfloat16", "hidden_size": 8}
+    (root / "config.json").write_text(json.dumps(config))
+    tokenizer = b'{"version": "1.0", "model": {"type": "WordLevel"}}\n'
+    (root / "tokenizer.json").write_bytes(tokenizer)
+    (root / "generation_config.json").write_text('{"do_sample": false}')
+    export_hf(root, tmp_path / "fp32")
+    assert (tmp_path / "fp32" / "tokenizer.json").read_bytes() == tokenizer
+    assert (tmp_path / "fp32" / "generation_config.json").read_text() == '{"do_sample": false}'
+    written = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    assert written == {**config, "torch_dtype": "float32"}
+    report = export_hf(root, tmp_path / "auto", dtype="auto")
+    assert report.dtype == "bfloat16"
+    assert (tmp_path / "auto" / "config.json").read_text() == json.dumps(config)  # unchanged: copied as it is
+    got, _ = _load_export(tmp_path / "auto")
+    assert {t.dtype for t in got.values() if t.is_floating_point()} == {torch.bfloat16}
+    os.remove(root / "config.json")
+    os.mkfifo(root / "config.json")  # a special file where the config should be: refused, not read
+    with pytest.raises(Exception, match="config.json"):
+        export_hf(root, tmp_path / "fifo")
+    assert not (tmp_path / "fifo").exists()

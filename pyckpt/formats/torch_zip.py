@@ -186,15 +186,30 @@ def file_kind(mode: int) -> str:
     return "is a special file"
 
 
-def read_small_text(path: str, limit: int = 4096) -> str:
-    """A small text file such as ``latest``, refusing special files and oversized content."""
+def read_regular(path: str, limit: int) -> bytes:
+    """A whole regular file of at most ``limit`` bytes (special files and larger ones refused)."""
     fd = open_regular(path)
     try:
-        data = os.read(fd, limit + 1)
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
     finally:
         os.close(fd)
-    if len(data) > limit:
-        raise CheckpointFormatError(f"{path}: more than {limit} bytes; expected a one-line tag name")
+    if size > limit:
+        raise CheckpointFormatError(f"{path}: more than {limit} bytes")
+    return b"".join(chunks)
+
+
+def read_small_text(path: str, limit: int = 4096) -> str:
+    """A small text file such as ``latest``, refusing special files and oversized content."""
+    try:
+        data = read_regular(path, limit)
+    except CheckpointFormatError:
+        raise CheckpointFormatError(f"{path}: more than {limit} bytes; expected a one-line tag name") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

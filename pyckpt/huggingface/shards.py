@@ -20,8 +20,10 @@ _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
 def parse_size(size: Union[int, str]) -> int:
-    """Bytes of a ``max_shard_size``: an int, or a number with KB/MB/GB/TB (decimal units, as
-    huggingface_hub reads them: "5GB" is 5e9 bytes)."""
+    """Bytes of a ``max_shard_size``: a number of bytes, or a number with KB/MB/GB/TB (decimal
+    units, as huggingface_hub reads them: "5GB" is 5e9 bytes)."""
+    if isinstance(size, str) and size.strip().isdigit():
+        size = int(size)
     if isinstance(size, int) and not isinstance(size, bool):
         if size <= 0:
             raise ValueError(f"max_shard_size must be positive, got {size}")

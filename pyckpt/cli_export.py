@@ -1,0 +1,83 @@
+"""Command line: ``python -m pyckpt.export INPUT OUTPUT`` and ``pyckpt export INPUT OUTPUT``.
+
+A drop-in for DeepSpeed's ``zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR``: its flags are accepted
+(``--safe_serialization`` is the default here), plus a dtype, a dry run and an overwrite.
+"""
+
+import argparse
+import json
+import sys
+
+from . import cli_common
+from .cli_common import UsageError, add_common_flags, note
+
+DESCRIPTION = """\
+Export a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint as Hugging Face model files: model.safetensors,
+or model-0000K-of-0000N.safetensors and model.safetensors.index.json, holding the state dict that
+DeepSpeed's zero_to_fp32.py assembles (persistent buffers, frozen parameters, trainable parameters
+from their fp32 masters; tied aliases left out, as save_pretrained leaves them out). Tensor-parallel
+(AutoTP) and AutoEP checkpoints, which zero_to_fp32.py refuses, are merged by the Universal
+Checkpoint rules.
+
+INPUT is the checkpoint's tag folder (e.g. ckpt/global_step100) or the folder holding `latest`.
+OUTPUT is the folder to create. It appears complete or not at all (written into a hidden sibling
+folder and renamed when done); an existing OUTPUT is replaced only with --overwrite. No tensor is
+assembled in memory: the bytes go from the memory-mapped shards straight into the files, cast to
+--dtype on the way. Input files are never unpickled with code execution.
+"""
+
+EPILOG = """\
+zero_to_fp32.py flags are accepted: --max_shard_size, --safe_serialization (the default),
+-t/--tag, --exclude_frozen_parameters.
+
+exit status: 0 done, 1 export failed (one line on stderr; --debug for a traceback), 2 usage.
+"""
+FORMATTER = argparse.RawDescriptionHelpFormatter
+IMPORTS = ("pyckpt.export",)  # numpy and the native module: loaded as part of start-up
+WRITES_OUTPUT = True
+
+
+def add_arguments(p) -> None:
+    p.add_argument("input", help="ZeRO checkpoint tag folder, or its parent holding `latest`")
+    p.add_argument("output", help="model folder to create")
+    p.add_argument("-t", "--tag", default=None,
+                   help="the tag folder to export when INPUT holds several (default: the one `latest` names)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16", "auto"),
+                   help="dtype of the floating tensors (integer buffers keep theirs); auto: the dtype of the "
+                   "config.json beside the checkpoint, else fp32 (default: fp32, as zero_to_fp32.py)")
+    p.add_argument("--max_shard_size", "--max-shard-size", default="5GB",
+                   help="largest file before the weights are split, as huggingface_hub reads it: 5GB = 5e9 bytes "
+                   "(default: 5GB)")
+    p.add_argument("--safe_serialization", "--safe-serialization", action="store_true",
+                   help="accepted for zero_to_fp32.py compatibility: safetensors is what is written")
+    p.add_argument("--exclude_frozen_parameters", "--exclude-frozen-parameters", action="store_true",
+                   help="leave frozen (requires_grad=False) parameters out")
+    p.add_argument("--workers", "-j", type=int, default=None, help="copy threads (default: one per CPU core)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (swapped in when complete)")
+    p.add_argument("--fsync", action="store_true",
+                   help="flush every output file and folder to disk before publishing (survives power loss)")
+    p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+                   help="print the files and tensors that would be written, write nothing")
+    add_common_flags(p, json="print the report as JSON on stdout", quiet="no progress bar, no closing line")
+
+
+def run(args) -> int:
+    from .export import export_hf
+    if args.workers is not None and args.workers < 0:
+        raise UsageError("--workers must be 0 (one per core) or more")
+    report = export_hf(args.input, args.output, tag=args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                       exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,
+                       dry_run=args.dry_run, workers=args.workers, progress=not args.quiet, fsync=args.fsync,
+                       notify=None if args.quiet else note)
+    if args.dry_run:
+        print(report.plan_text)
+        return 0
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    if not args.quiet:
+        print(f"pyckpt: {report.summary()}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli_common.main(sys.modules[__name__], "python -m pyckpt.export", argv)
