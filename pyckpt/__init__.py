@@ -13,6 +13,8 @@ from .errors import (AutoEPError, CheckpointFormatError, MissingExpertFileError,
 
 _LAZY = {
     "convert_to_universal": "universal",
+    "export_hf": "export",
+    "ExportReport": "export",
     "ConversionReport": "universal",
     "read_expert_slice": "deepspeed.autoep.load",
     "check_load_topology": "deepspeed.autoep.load",
@@ -21,7 +23,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "convert_to_universal", "ConversionReport", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
+    "convert_to_universal", "ConversionReport", "export_hf", "ExportReport", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
     "PyckptError",
     "CheckpointFormatError", "UnsafePickleError", "OutputExistsError", "UnsupportedCheckpointError", "AutoEPError",
     "MissingExpertFileError"
