@@ -121,7 +121,7 @@ def interrupted(exc: KeyboardInterrupt, writes: bool) -> int:
         print(f"pyckpt: {what}", file=sys.stderr)
     elif published is None:
         print(f"pyckpt: {what}; no output was published", file=sys.stderr)
-    elif hasattr(exc, "pyckpt_pointer") and exc.pyckpt_pointer is None:  # an output without a pointer file
+    elif getattr(exc, "pyckpt_pointer", "") is None:  # an output without a pointer file
         print(f"pyckpt: {what} after {published} was published; a previous output may be left beside it (the "
               "next run removes it)", file=sys.stderr)
     elif getattr(exc, "pyckpt_pointer_written", False):
@@ -131,6 +131,20 @@ def interrupted(exc: KeyboardInterrupt, writes: bool) -> int:
         print(f"pyckpt: {what} after {published} was published, before latest_universal was updated",
               file=sys.stderr)
     return code
+
+
+def report_done(args, report) -> int:
+    """What a command that writes an output prints at the end: the plan of a dry run, the report as
+    JSON on request, and a closing line on stderr unless quiet."""
+    if args.dry_run:
+        print(report.plan_text)
+        return 0
+    if args.json:
+        import json
+        print(json.dumps(report.to_dict(), indent=2))
+    if not args.quiet:
+        print(f"pyckpt: {report.summary()}", file=sys.stderr)
+    return 0
 
 
 def note(text: str) -> None:

@@ -5,11 +5,10 @@ A drop-in for DeepSpeed's ``zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR``: its fla
 """
 
 import argparse
-import json
 import sys
 
 from . import cli_common
-from .cli_common import UsageError, add_common_flags, note
+from .cli_common import UsageError, add_common_flags, note, report_done
 
 DESCRIPTION = """\
 Export a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint as Hugging Face model files: model.safetensors,
@@ -69,14 +68,7 @@ def run(args) -> int:
                        exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,
                        dry_run=args.dry_run, workers=args.workers, progress=not args.quiet, fsync=args.fsync,
                        notify=None if args.quiet else note)
-    if args.dry_run:
-        print(report.plan_text)
-        return 0
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    if not args.quiet:
-        print(f"pyckpt: {report.summary()}", file=sys.stderr)
-    return 0
+    return report_done(args, report)
 
 
 def main(argv=None) -> int:

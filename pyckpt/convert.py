@@ -12,10 +12,9 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, interrupted_while_starting)
 
 import argparse  # noqa: E402  (after the start-up handler on purpose)
-import json  # noqa: E402
 
 from . import cli_common  # noqa: E402
-from .cli_common import UsageError, add_common_flags, note  # noqa: E402
+from .cli_common import UsageError, add_common_flags, note, report_done  # noqa: E402
 
 DESCRIPTION = """\
 Convert a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint to DeepSpeed's Universal Checkpoint layout,
@@ -100,14 +99,7 @@ def run(args) -> int:
                                   overwrite=args.overwrite, progress=not args.quiet, dry_run=args.dry_run,
                                   strict=args.strict, dense_only=args.dense_only, fsync=args.fsync,
                                   notify=None if args.quiet else note)
-    if args.dry_run:
-        print(report.plan_text)
-        return 0
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    if not args.quiet:
-        print(f"pyckpt: {report.summary()}", file=sys.stderr)
-    return 0
+    return report_done(args, report)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,7 @@ from .deepspeed.consolidated import FLOATING, cast, consolidate
 from .deepspeed.discovery import discover
 from .deepspeed.names import check_tag
 from .errors import CheckpointFormatError
-from .execution.executor import execute
-from .execution.publish import Publisher
+from .execution.publish import write_published
 from .formats.pickle_read import ITEMSIZE
 from .formats.safetensors import TensorEntry, layout
 from .formats.torch_zip import read_regular
@@ -161,15 +160,8 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
         report.plan_text = plan.describe()
         return report
     check_apart(input, ck.folder, output)
-    with Publisher(output, overwrite=overwrite, fsync=fsync, pointer=None, notify=notify) as out:
-        try:
-            stats = execute(plan, out.staging, workers, progress, fsync=fsync)
-            out.publish()
-        except BaseException as exc:
-            if out.published:  # tell the caller OUTPUT is in place although the run did not finish
-                exc.pyckpt_published = output
-                exc.pyckpt_pointer = None
-            raise
+    stats = write_published(plan, output, overwrite=overwrite, fsync=fsync, pointer=None, workers=workers,
+                            progress=progress, notify=notify)
     report.bytes_written = stats["bytes_written"]
     report.seconds = time.perf_counter() - t0
     return report

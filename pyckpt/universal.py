@@ -16,8 +16,7 @@ from typing import Callable, Optional
 from .deepspeed.discovery import discover
 from .deepspeed.universal_plan import build_plan
 from .errors import CheckpointFormatError, PyckptError
-from .execution.executor import execute
-from .execution.publish import Publisher
+from .execution.publish import write_published
 
 
 @dataclass
@@ -85,15 +84,8 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
         report.plan_text = plan.describe()
         return report
     check_apart(input, ck.folder, output)
-    with Publisher(output, overwrite=overwrite, fsync=fsync, notify=notify) as out:
-        try:
-            stats = execute(plan, out.staging, workers, progress, fsync=fsync)
-            out.publish()
-        except BaseException as exc:
-            if out.published:  # tell the caller OUTPUT is in place although the run did not finish
-                exc.pyckpt_published = output
-                exc.pyckpt_pointer_written = out.pointer_written
-            raise
+    stats = write_published(plan, output, overwrite=overwrite, fsync=fsync, workers=workers, progress=progress,
+                            notify=notify)
     report.tensor_bytes = stats["tensor_bytes"]
     report.bytes_written = stats["bytes_written"]
     report.files = stats["files"]

@@ -268,3 +268,26 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_published(plan, output: str, *, overwrite: bool = False, fsync: bool = False,
+                    pointer: Optional[str] = "latest_universal", workers: Optional[int] = None,
+                    progress: bool = False, notify: Optional[Callable[[str], None]] = None) -> dict:
+    """Runs ``plan`` into a staging folder beside ``output`` and publishes it (see :class:`Publisher`).
+
+    An exception raised once the output is in place carries ``pyckpt_published`` (the output),
+    ``pyckpt_pointer`` (the pointer file's name, or None) and ``pyckpt_pointer_written``, so the
+    caller can tell the user what is on disk although the run did not finish."""
+    from .executor import execute
+
+    with Publisher(output, overwrite=overwrite, fsync=fsync, pointer=pointer, notify=notify) as out:
+        try:
+            stats = execute(plan, out.staging, workers, progress, fsync=fsync)
+            out.publish()
+        except BaseException as exc:
+            if out.published:
+                exc.pyckpt_published = output
+                exc.pyckpt_pointer = pointer
+                exc.pyckpt_pointer_written = out.pointer_written
+            raise
+    return stats
