@@ -49,6 +49,9 @@ def add_arguments(p) -> None:
                    "(default: 5GB)")
     p.add_argument("--safe_serialization", "--safe-serialization", action="store_true",
                    help="accepted for zero_to_fp32.py compatibility: safetensors is what is written")
+    p.add_argument("--torch-bin", "--torch_bin", dest="torch_bin", action="store_true",
+                   help="write pytorch_model*.bin (torch.save files; tied aliases kept as shared storage) instead of "
+                   "safetensors, as zero_to_fp32.py does without --safe_serialization")
     p.add_argument("--exclude_frozen_parameters", "--exclude-frozen-parameters", action="store_true",
                    help="leave frozen (requires_grad=False) parameters out")
     p.add_argument("--workers", "-j", type=int, default=None, help="copy threads (default: one per CPU core)")
@@ -64,7 +67,10 @@ def run(args) -> int:
     from .export import export_hf
     if args.workers is not None and args.workers < 0:
         raise UsageError("--workers must be 0 (one per core) or more")
+    if args.torch_bin and args.safe_serialization:
+        raise UsageError("--torch-bin and --safe_serialization ask for different formats: choose one")
     report = export_hf(args.input, args.output, tag=args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                       torch_bin=args.torch_bin,
                        exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,
                        dry_run=args.dry_run, workers=args.workers, progress=not args.quiet, fsync=args.fsync,
                        notify=None if args.quiet else note)

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from collections import OrderedDict
 from typing import Callable, Dict, Optional, Union
 
 from .deepspeed.consolidated import FLOATING, cast, consolidate
@@ -31,6 +32,8 @@ DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
           "fp16": "float16", "float16": "float16"}
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 CONFIG_NAME = "config.json"
 # What from_pretrained reads beside the weights (model and generation configs, tokenizers): copied
 # when they lie beside the checkpoint, as the Trainer and save_pretrained leave them.
@@ -77,7 +80,8 @@ def resolve_dtype(dtype: str, config: Optional[dict] = None) -> str:
 
 
 def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5GB",
-                exclude_frozen: bool = False, dense_only: bool = False, tag: Optional[str] = None):
+                exclude_frozen: bool = False, dense_only: bool = False, tag: Optional[str] = None,
+                torch_bin: bool = False):
     """(plan, report fields) of an export, nothing written."""
     with metadata_errors(input):
         ck = discover(_tagged(input, tag))
@@ -90,21 +94,30 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
     for name, t in tensors.items():
         if t.dtype not in ITEMSIZE:
             raise CheckpointFormatError(f"{ck.folder}: {name} has dtype {t.dtype}, which safetensors cannot hold")
-    # safetensors holds no shared storage: tied aliases are left out, as save_pretrained leaves
-    # them out, and the model re-ties them on load.
-    keys = list(tensors)
     nbytes = {k: t.numel() * ITEMSIZE[t.dtype] for k, t in tensors.items()}
-    shards = split(keys, nbytes, {}, limit, SAFE_WEIGHTS_NAME)
     plan = Plan()
-    for fname, names in shards.files.items():
-        lay = layout([TensorEntry(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], {"format": "pt"})
-        plan.add_raw_file(fname, lay.header, [(e.name, tensors[e.name]) for e in lay.order])
+    if torch_bin:
+        # torch.save keeps shared storage: an alias is the same tensor as its holder, one storage in
+        # the holder's file (what zero_to_fp32 writes without --safe_serialization)
+        keys = list(tensors) + list(state.aliases)
+        shards = split(keys, nbytes, state.aliases, limit, WEIGHTS_NAME)
+        for fname, names in shards.files.items():
+            plan.add_archive(fname, OrderedDict((n, tensors[state.aliases.get(n, n)]) for n in names))
+        index_name = WEIGHTS_INDEX_NAME
+    else:
+        # safetensors holds no shared storage: tied aliases are left out, as save_pretrained leaves
+        # them out, and the model re-ties them on load.
+        shards = split(list(tensors), nbytes, {}, limit, SAFE_WEIGHTS_NAME)
+        for fname, names in shards.files.items():
+            lay = layout([TensorEntry(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], {"format": "pt"})
+            plan.add_raw_file(fname, lay.header, [(e.name, tensors[e.name]) for e in lay.order])
+        index_name = SAFE_WEIGHTS_INDEX_NAME
     if shards.sharded:
-        plan.add_raw_file(SAFE_WEIGHTS_INDEX_NAME, shards.index_json())
-    if state.aliases:
+        plan.add_raw_file(index_name, shards.index_json())
+    if state.aliases and not torch_bin:
         plan.notes.append(f"  tied aliases left out of safetensors (re-tied on load): {', '.join(state.aliases)}")
     _add_companions(plan, os.path.dirname(ck.folder), config, target)
-    return ck, plan, target, len(tensors), shards.total_size
+    return ck, plan, target, len(shards.weight_map()), shards.total_size
 
 
 def _add_companions(plan: Plan, folder: str, config: Optional[dict], target: str) -> None:
@@ -136,7 +149,7 @@ def _tagged(input, tag: Optional[str]):
 
 
 def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
-              max_shard_size: Union[int, str] = "5GB",
+              max_shard_size: Union[int, str] = "5GB", torch_bin: bool = False,
               exclude_frozen_parameters: bool = False, dense_only: bool = False, overwrite: bool = False,
               dry_run: bool = False, workers: Optional[int] = None, progress: bool = False, fsync: bool = False,
               notify: Optional[Callable[[str], None]] = None) -> ExportReport:
@@ -148,14 +161,15 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     tied aliases are left out of safetensors as ``save_pretrained`` leaves them out. ``dtype`` is
     fp32, bf16, fp16 or auto (the config.json's dtype beside the checkpoint, else fp32); integer
     buffers keep their dtype. Files are split by ``max_shard_size`` as ``huggingface_hub`` splits
-    them, with an index when there is more than one. The output is complete or absent; an existing
+    them, with an index when there is more than one. ``torch_bin`` writes ``pytorch_model*.bin``
+    (torch.save files, aliases kept as shared storage) instead. The output is complete or absent; an existing
     ``output`` is replaced only with ``overwrite=True``.
     """
     t0 = time.perf_counter()
     ck, plan, target, count, total = plan_export(input, dtype, max_shard_size, exclude_frozen_parameters,
-                                                 dense_only, tag)
+                                                 dense_only, tag, torch_bin)
     output = os.path.abspath(os.fspath(output))
-    report = ExportReport(ck.folder, output, target, count, len(plan.raw_files), total)
+    report = ExportReport(ck.folder, output, target, count, len(plan.raw_files) + len(plan.archives), total)
     if dry_run:
         report.plan_text = plan.describe()
         return report

@@ -214,3 +214,36 @@ def test_config_and_tokenizer_beside_the_checkpoint_are_copied_and_the_dtype_fol
     with pytest.raises(Exception, match="config.json"):
         export_hf(root, tmp_path / "fifo")
     assert not (tmp_path / "fifo").exists()
+
+
+def _zero_to_fp32_files(ck, out, dtype, safe):
+    """DeepSpeed's own convert function; without max_shard_size it needs no huggingface_hub."""
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+    convert_zero_checkpoint_to_state_dict(str(ck.root), str(out), dtype=TORCH[dtype], max_shard_size=None,
+                                          safe_serialization=safe, tag=ck.tag)
+
+
+@pytest.mark.parametrize("name,dtype", [("s2_fp32_dp4", "fp32"), ("s3_bf16_dp3", "bf16"), ("s1_fp32_dp2", "fp16")])
+def test_safetensors_file_is_byte_identical_to_zero_to_fp32s(checkpoints, tmp_path, name, dtype):
+    ck = checkpoints[name]
+    _zero_to_fp32_files(ck, tmp_path / "ref", dtype, safe=True)
+    export_hf(ck.root, tmp_path / "ours", dtype=dtype)
+    assert os.listdir(tmp_path / "ours") == ["model.safetensors"]
+    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == (tmp_path / "ref" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["s2_bf16_frozen_tied", "s3_frozen_tied", "s2_fp32_dp3"])
+def test_torch_bin_equals_zero_to_fp32s_and_keeps_aliases_shared(checkpoints, tmp_path, name):
+    ck = checkpoints[name]
+    _zero_to_fp32_files(ck, tmp_path / "ref", "fp32", safe=False)
+    export_hf(ck.root, tmp_path / "ours", torch_bin=True)
+    assert os.listdir(tmp_path / "ours") == ["pytorch_model.bin"]
+    ref = torch.load(tmp_path / "ref" / "pytorch_model.bin", weights_only=True)
+    got = torch.load(tmp_path / "ours" / "pytorch_model.bin", weights_only=True)
+    assert list(got) == list(ref)
+    assert all(_same(got[k], ref[k].contiguous()) for k in ref)
+    shared = lambda sd: {(a, b) for a in sd for b in sd if a < b and sd[a].data_ptr() == sd[b].data_ptr()}
+    assert shared(got) == shared(ref)
+    if "tied" in name:
+        assert shared(got)  # the case is really tied
