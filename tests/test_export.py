@@ -145,9 +145,13 @@ def test_split_puts_oversized_tensors_first_and_aliases_with_their_holder():
 
 
 def _run(*args):
+    """A command in a fresh interpreter, outside the source folder (whose pyckpt/ has no native
+    module and would shadow the installed package)."""
     import subprocess
     import sys
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300)
+    import tempfile
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300,
+                          cwd=tempfile.gettempdir())
 
 
 def test_command_line_takes_zero_to_fp32_flags(checkpoints, tmp_path):
