@@ -40,7 +40,7 @@ def test_convert_inspect_verify_without_torch(tmp_path, kw):
                                                                   "alter_sys=True)",
                                                                   "runpy.run_path(sys.argv[0], run_name='__main__')"),
                            str(SCRIPT), str(ckpt), "--params", "20k", "--dp", "2", *kw],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert made.returncode == 0, made.stderr
     out = tmp_path / "universal"
     conv = _without_torch(tmp_path, "pyckpt.convert", ckpt, out, "--quiet")

@@ -186,8 +186,9 @@ def file_kind(mode: int) -> str:
     return "is a special file"
 
 
-def read_regular(path: str, limit: int) -> bytes:
-    """A whole regular file of at most ``limit`` bytes (special files and larger ones refused)."""
+def read_regular(path: str, limit: int, expected: str = "") -> bytes:
+    """A whole regular file of at most ``limit`` bytes (special files and larger ones refused;
+    ``expected`` says in the refusal what the file should have been)."""
     fd = open_regular(path)
     try:
         chunks, size = [], 0
@@ -200,16 +201,13 @@ def read_regular(path: str, limit: int) -> bytes:
     finally:
         os.close(fd)
     if size > limit:
-        raise CheckpointFormatError(f"{path}: more than {limit} bytes")
+        raise CheckpointFormatError(f"{path}: more than {limit} bytes" + (f"; expected {expected}" if expected else ""))
     return b"".join(chunks)
 
 
 def read_small_text(path: str, limit: int = 4096) -> str:
     """A small text file such as ``latest``, refusing special files and oversized content."""
-    try:
-        data = read_regular(path, limit)
-    except CheckpointFormatError:
-        raise CheckpointFormatError(f"{path}: more than {limit} bytes; expected a one-line tag name") from None
+    data = read_regular(path, limit, "a one-line tag name")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
