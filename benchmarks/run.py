@@ -4,6 +4,7 @@
     python benchmarks/run.py --make-synthetic --params 250M --dp 64 --runs 3 # synthetic, format-exact
     python benchmarks/run.py --make --params 200M --dp 4 --runs 3           # a real DeepSpeed save first
     python benchmarks/run.py --ckpt path/to/global_step1 --runs 3           # or an existing checkpoint
+    python benchmarks/run.py --ckpt path/to/global_step1 --export           # the Hugging Face export instead
 
 Each round runs every tool once, in a rotating order, so drift on a noisy machine hits all tools
 alike; the report gives medians and the per-round ratios (pyckpt vs each other tool in the same
@@ -24,6 +25,7 @@ always passes its 5GB default, which imports huggingface_hub, not a dependency h
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import platform
@@ -41,12 +43,16 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from measure import folder_bytes, run_measured  # noqa: E402
 
 ALL_TOOLS = ("pyckpt", "ds_to_universal", "zero_to_fp32", "cp -r")
-# Ratios of tools that produce a different thing than a universal checkpoint.
-DIFFERENT_JOB = {"zero_to_fp32": "fp32 weights only", "cp -r": "copy"}
+# --export: the consolidated export against zero_to_fp32 writing the same safetensors file, and a
+# copy of a file of that file's size (what the export could at best take).
+EXPORT_TOOLS = ("pyckpt export", "zero_to_fp32 --safe", "cp output")
+# Ratios of tools that produce a different thing than the tool measured.
+DIFFERENT_JOB = {"zero_to_fp32": "fp32 weights only", "cp -r": "copy", "cp output": "copy of the output's size"}
 
 ZERO_TO_FP32 = ("import sys\n"
                 "from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as c\n"
-                "c(sys.argv[1], sys.argv[2], max_shard_size=None, tag=sys.argv[3])\n")
+                "c(sys.argv[1], sys.argv[2], max_shard_size=None, tag=sys.argv[3], "
+                "safe_serialization=sys.argv[4:] == ['safe'])\n")
 
 
 def ds_converter() -> str:
@@ -54,9 +60,13 @@ def ds_converter() -> str:
     return os.path.join(os.path.dirname(deepspeed.__file__), "checkpoint", "ds_to_universal.py")
 
 
-def tools(tag_dir: Path, out: Path):
+def tools(tag_dir: Path, out: Path, work: Path = None):
     py = sys.executable
     return {
+        "pyckpt export": ([py, "-m", "pyckpt.export", str(tag_dir), str(out / "hf"), "--quiet"], out),
+        "zero_to_fp32 --safe": ([py, "-c", ZERO_TO_FP32, str(tag_dir.parent), str(out / "hf"), tag_dir.name, "safe"],
+                                out),
+        "cp output": (["cp", str((work or out) / "export_src" / "model.safetensors"), str(out / "copy")], out),
         "pyckpt": ([py, "-m", "pyckpt.convert", str(tag_dir), str(out / "u"), "--quiet"], out),
         "ds_to_universal": ([py, ds_converter(), "--input_folder", str(tag_dir), "--output_folder", str(out / "u")],
                             out),
@@ -156,8 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-runs", default="", metavar="TOOL=N,...",
                    help="fewer rounds for slow tools, e.g. ds_to_universal=1; ratios use the shared rounds")
     p.add_argument("--work", type=Path, default=Path("bench-out"), help="scratch folder (big)")
-    p.add_argument("--tools", default=",".join(ALL_TOOLS),
-                   help="comma list; zero_to_fp32 is dropped for AutoEP and tensor-parallel checkpoints")
+    p.add_argument("--tools", default=None,
+                   help="comma list (default: every tool of the job); zero_to_fp32 is dropped for AutoEP and "
+                   "tensor-parallel checkpoints")
+    p.add_argument("--export", action="store_true",
+                   help="measure the consolidated export (pyckpt export vs zero_to_fp32 writing safetensors vs a copy "
+                   "of a file of the output's size) instead of the universal conversion")
     p.add_argument("--json", type=Path, default=None, help="result file (default: <work>/result.json)")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     p.add_argument("--no-check", action="store_true", help="skip the tensor-by-tensor check")
@@ -203,16 +217,25 @@ def main(argv=None):
 
 def run(args, tag_dir: Path):
     in_bytes = folder_bytes(str(tag_dir))
-    names = [t.strip() for t in args.tools.split(",") if t.strip()]
+    base, reference = ("pyckpt export", "zero_to_fp32 --safe") if args.export else ("pyckpt", "ds_to_universal")
+    default = EXPORT_TOOLS if args.export else ALL_TOOLS
+    names = [t.strip() for t in (args.tools or ",".join(default)).split(",") if t.strip()]
     skipped = {}
-    if "zero_to_fp32" in names and is_autoep(tag_dir):
-        names.remove("zero_to_fp32")
-        skipped["zero_to_fp32"] = "AutoEP checkpoint"
-    elif "zero_to_fp32" in names and is_tensor_parallel(tag_dir):
-        names.remove("zero_to_fp32")
-        skipped["zero_to_fp32"] = "tensor-parallel checkpoint"
+    for z in ("zero_to_fp32", "zero_to_fp32 --safe"):
+        if z in names and is_autoep(tag_dir):
+            names.remove(z)
+            skipped[z] = "AutoEP checkpoint"
+        elif z in names and is_tensor_parallel(tag_dir):
+            names.remove(z)
+            skipped[z] = "tensor-parallel checkpoint"
     max_runs = parse_max_runs(args.max_runs)
-    check = not args.no_check and {"pyckpt", "ds_to_universal"} <= set(names)
+    check = not args.no_check and {base, reference} <= set(names)
+    if args.export:
+        # The copy's source: one export, untimed (the file the tools write, at its size).
+        src = args.work / "export_src"
+        shutil.rmtree(src, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pyckpt.export", str(tag_dir), str(src), "--quiet"], check=True,
+                       cwd=str(args.work))
     keep = args.work / "check"
     shutil.rmtree(keep, ignore_errors=True)
 
@@ -237,7 +260,7 @@ def run(args, tag_dir: Path):
             out = args.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
-            cmd, watch = tools(tag_dir, out)[name]
+            cmd, watch = tools(tag_dir, out, args.work)[name]
             if not args.cold:
                 warm(tag_dir)
             if not args.no_sync:
@@ -249,14 +272,22 @@ def run(args, tag_dir: Path):
             finals[name].append(folder_bytes(str(out)))
             print(f"round {r}: {name:16s} {m.seconds:8.2f} s  peak RSS {m.peak_rss / 2**20:8.0f} MiB  "
                   f"peak disk {m.peak_disk / 2**30:6.2f} GiB", file=sys.stderr)
-            if check and r == 0 and name in ("pyckpt", "ds_to_universal"):
+            if check and r == 0 and name in (base, reference):
                 # The check reuses the first round's outputs instead of converting twice more:
                 # an extra ds_to_universal run would be the slowest step of every sweep point.
+                produced = "hf" if args.export else "u"
                 (keep / name).mkdir(parents=True, exist_ok=True)
-                os.rename(out / "u", keep / name / "u")
+                os.rename(out / produced, keep / name / "u")
                 evict(keep / name / "u")
             shutil.rmtree(out, ignore_errors=True)
-        if check and r == 0:
+        if check and r == 0 and args.export:
+            ours, theirs = keep / base / "u" / "model.safetensors", keep / reference / "u" / "model.safetensors"
+            same = filecmp.cmp(ours, theirs, shallow=False)
+            shutil.rmtree(keep)
+            if not same:
+                raise SystemExit("pyckpt's model.safetensors differs from zero_to_fp32's")
+            print("check: pyckpt's model.safetensors is byte-identical to zero_to_fp32's", file=sys.stderr)
+        elif check and r == 0:
             from compare import diff_folders
             largest = max((f.stat().st_size for f in (keep / "pyckpt" / "u").rglob("fp32.pt")), default=0)
             diffs = diff_folders(str(keep / "ds_to_universal" / "u"), str(keep / "pyckpt" / "u"))
@@ -266,6 +297,7 @@ def run(args, tag_dir: Path):
             print("check: pyckpt output is bit-equal to ds_to_universal's", file=sys.stderr)
 
     summary = {
+        "job": "export" if args.export else "universal",
         "checkpoint": str(tag_dir),
         # One universal fp32.pt holds one parameter, so the biggest is the largest single tensor
         # (plus about a KiB of pickle): the yardstick of the RSS target.
@@ -298,16 +330,16 @@ def run(args, tag_dir: Path):
             # Sampled every 0.25 s, so a temp file shorter-lived than that can slip through.
             "temp_gib": max(0, peak_disk - final) / 2**30,
         }
-    if "pyckpt" in results:
-        py = results["pyckpt"]
+    if base in results:
+        py = results[base]
         for other in names:
-            if other == "pyckpt":
+            if other == base:
                 continue
-            if other == "cp -r":
+            if other.startswith("cp "):
                 # The target is stated as pyckpt's time over the copy's, so keep that orientation.
-                key, per_round = "pyckpt / cp -r", [p_.seconds / o.seconds for o, p_ in zip(results[other], py)]
+                key, per_round = f"{base} / {other}", [p_.seconds / o.seconds for o, p_ in zip(results[other], py)]
             else:
-                key, per_round = f"{other} / pyckpt", [o.seconds / p_.seconds for o, p_ in zip(results[other], py)]
+                key, per_round = f"{other} / {base}", [o.seconds / p_.seconds for o, p_ in zip(results[other], py)]
             summary["ratios"][key] = {"per_round": per_round, "median": median(per_round),
                                       "note": DIFFERENT_JOB.get(other, "same output")}
     out_json = args.json or (args.work / "result.json")
