@@ -32,7 +32,7 @@ DEEPSPEED_FIXTURES = {"checkpoints", "deepspeed_universal", "pyckpt_universal", 
                       "dsh_checkpoints", "dsh_universal", "dsh_loaded", "generated"}
 # Tests that launch DeepSpeed or a benchmark themselves.
 SLOW_TESTS = {"test_failing_rank_fails_the_launch_fast", "test_structure_matches_real_deepspeed_saves",
-              "test_run_quick"}
+              "test_run_quick", "test_run_quick_export"}
 
 
 def pytest_collection_modifyitems(config, items):

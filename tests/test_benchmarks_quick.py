@@ -26,3 +26,15 @@ def test_run_quick(tmp_path):
     assert result["tools"]["pyckpt"]["temp_gib"] == 0
     # --quick deletes the checkpoint it made; only the result stays behind.
     assert not list(tmp_path.glob("syn_*"))
+
+
+def test_run_quick_export(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--export", "--work",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "model.safetensors is byte-identical to zero_to_fp32's" in proc.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["job"] == "export" and result["checked_bit_equal"]
+    assert set(result["tools"]) == {"pyckpt export", "zero_to_fp32 --safe", "cp output"}
+    assert set(result["ratios"]) == {"zero_to_fp32 --safe / pyckpt export", "pyckpt export / cp output"}
+    assert all(t["median_s"] > 0 and t["peak_rss_mib"] >= 0 for t in result["tools"].values())
