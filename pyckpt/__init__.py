@@ -14,6 +14,7 @@ from .errors import (AutoEPError, CheckpointFormatError, MissingExpertFileError,
 _LAZY = {
     "convert_to_universal": "universal",
     "export_hf": "export",
+    "state_dict": "lazy_state",
     "ExportReport": "export",
     "ConversionReport": "universal",
     "read_expert_slice": "deepspeed.autoep.load",
@@ -23,7 +24,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "convert_to_universal", "ConversionReport", "export_hf", "ExportReport", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
+    "convert_to_universal", "ConversionReport", "export_hf", "ExportReport", "state_dict", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
     "PyckptError",
     "CheckpointFormatError", "UnsafePickleError", "OutputExistsError", "UnsupportedCheckpointError", "AutoEPError",
     "MissingExpertFileError"

@@ -102,6 +102,12 @@ def write_archives(sources, outputs, ops: np.ndarray, *, root: str, workers: int
         return _core.write_archives(sources, outputs, ops, workers or 0, fsync, progress, root=root)
 
 
+def execute_into(sources, ops: np.ndarray, dst, workers: int = 0, *, root: str = "") -> int:
+    """Runs an op table over ``sources`` into the writable buffer ``dst``; pyckpt errors on refusal."""
+    with native_errors(root):
+        return _core.execute_into(list(sources), ops, dst, workers or 0)
+
+
 def gather_into(path: str, ops: np.ndarray, dst, workers: int = 0) -> int:
     """Runs an op table over one source file into the writable buffer ``dst``."""
     try:

@@ -22,10 +22,12 @@ TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _zero_to_fp32(tag_dir, dtype):
+    """zero_to_fp32's state dict, cast to ``dtype`` as its converters cast (None: as its
+    get_fp32_state_dict_from_zero_checkpoint returns it, frozen parameters in their own dtype)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, to_torch_tensor
 
     lazy = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name, lazy_mode=True)
-    return to_torch_tensor(lazy, dtype=TORCH[dtype])
+    return to_torch_tensor(lazy, dtype=TORCH[dtype] if dtype else None)
 
 
 def _load_export(out):
@@ -251,3 +253,23 @@ def test_torch_bin_equals_zero_to_fp32s_and_keeps_aliases_shared(checkpoints, tm
     assert shared(got) == shared(ref)
     if "tied" in name:
         assert shared(got)  # the case is really tied
+
+
+@pytest.mark.parametrize("name,dtype", [("s2_bf16_frozen_tied", None), ("s3_fp32_dp2_subgroups", "bf16"),
+                                        ("tp_s2_bf16", None)])
+def test_lazy_state_dict_holds_zero_to_fp32s_tensors(checkpoints, pyckpt_universal, name, dtype):
+    import pyckpt
+    ck = checkpoints[name]
+    sd = pyckpt.state_dict(ck.root, dtype=dtype)
+    if name.startswith("tp_"):  # zero_to_fp32 refuses TP: the universal masters are the reference
+        zero = pyckpt_universal[name] / "zero"
+        for key in list(sd)[-3:]:
+            obj = torch.load(zero / key / "fp32.pt", weights_only=True)
+            assert _same(sd[key].reshape(-1), (obj["param"] if isinstance(obj, dict) else obj).reshape(-1))
+        return
+    ref = _zero_to_fp32(ck.tag_dir, dtype)
+    assert list(sd) == list(ref) and len(sd) == len(ref)
+    for key in ref:
+        assert _same(sd[key], ref[key].contiguous()), key
+    with pytest.raises(KeyError):
+        sd["no.such.parameter"]

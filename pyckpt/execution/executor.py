@@ -19,7 +19,7 @@ from ..errors import CheckpointFormatError
 from ..formats.pickle_read import ITEMSIZE, StorageRef
 from ..formats.pickle_write import NewTensor, dumps
 from ..formats.torch_zip import open_regular
-from ..native import op_table, write_archives
+from ..native import execute_into, op_table, write_archives
 from ..planning.plan import Plan
 
 
@@ -203,3 +203,24 @@ class _ProgressBar:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def gather_tensor(t: NewTensor, dst, workers: int = 0) -> None:
+    """Fills the writable buffer ``dst`` (``t``'s bytes, contiguous) from ``t``'s pieces: only
+    those byte ranges of the mapped sources are read."""
+    if t.data is not None:
+        memoryview(dst).cast("B")[:len(t.data)] = t.data
+        return
+    sources: List[str] = []
+    index: Dict[int, int] = {}
+    rows = []
+    for p in t.pieces:
+        if p.src is None:
+            s = -1
+        else:
+            s = index.setdefault(id(p.src), len(sources))
+            if s == len(sources):
+                sources.append(p.src.path)
+        rows.append((s, p.src_off, 0, 0, p.dst_off, p.nbytes, p.kind, p.rows, p.stride))
+    if rows:
+        execute_into(sources, op_table(rows), dst, workers)
