@@ -273,3 +273,37 @@ def test_lazy_state_dict_holds_zero_to_fp32s_tensors(checkpoints, pyckpt_univers
         assert _same(sd[key], ref[key].contiguous()), key
     with pytest.raises(KeyError):
         sd["no.such.parameter"]
+
+
+@pytest.mark.parametrize("key,value,problem", [
+    ("buffer_names", ["../escape"], "buffer_names"),
+    ("buffer_names", "running_mean", "must be a list"),
+    ("shared_params", {"lm_head.weight": 7}, "shared_params"),
+    ("shared_params", {"a/b": "embed.weight"}, "shared_params key"),
+    ("frozen_param_fragments", {"w": [1, 2]}, "must be a tensor"),
+])
+def test_hostile_model_state_fields_the_export_reads_are_refused(tmp_path, key, value, problem):
+    """Fields only the export reads (buffers, tied aliases, frozen fragments) are checked where the
+    file is read: one error naming the file and the key, nothing else read."""
+    from pyckpt.deepspeed.model_states import read_model_states
+    from pyckpt.errors import CheckpointFormatError
+    from pyckpt.formats.torch_zip import SourceFile
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.zeros(2)}, "param_shapes": [{"w": torch.Size([2])}], key: value}, path)
+    with pytest.raises(CheckpointFormatError, match=problem) as ei:
+        read_model_states(SourceFile(str(path)))
+    assert str(ei.value).startswith(str(path))
+
+
+def test_a_config_that_is_not_a_json_object_is_refused_before_anything_is_written(checkpoints, tmp_path):
+    import shutil
+    root = tmp_path / "ck"
+    shutil.copytree(checkpoints["s1_fp32_dp2"].root, root)
+    (root / "config.json").write_text("[1, 2]")
+    with pytest.raises(Exception, match="config.json: a model config must be a JSON object"):
+        export_hf(root, tmp_path / "out")
+    (root / "config.json").write_text("{not json")
+    with pytest.raises(Exception, match="config.json: not a readable model config"):
+        export_hf(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
