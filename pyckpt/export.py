@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from collections import OrderedDict
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 from .deepspeed.consolidated import FLOATING, cast, consolidate
 from .deepspeed.discovery import discover
@@ -85,7 +85,7 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
     """(plan, report fields) of an export, nothing written."""
     with metadata_errors(input):
         ck = discover(_tagged(input, tag))
-    config = _read_config(os.path.dirname(ck.folder))
+    config, config_bytes = _read_config(os.path.dirname(ck.folder))
     target = resolve_dtype(dtype, config)
     limit = parse_size(max_shard_size)
     with metadata_errors(ck.folder):
@@ -116,18 +116,20 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
         plan.add_raw_file(index_name, shards.index_json())
     if state.aliases and not torch_bin:
         plan.notes.append(f"  tied aliases left out of safetensors (re-tied on load): {', '.join(state.aliases)}")
-    _add_companions(plan, os.path.dirname(ck.folder), config, target)
+    _add_companions(plan, os.path.dirname(ck.folder), config, config_bytes, target)
     return ck, plan, target, len(shards.weight_map()), shards.total_size
 
 
-def _add_companions(plan: Plan, folder: str, config: Optional[dict], target: str) -> None:
+def _add_companions(plan: Plan, folder: str, config: Optional[dict], config_bytes: Optional[bytes],
+                    target: str) -> None:
     """The model's config and tokenizer files from beside the checkpoint; the config says the
     export's dtype when it named another (from_pretrained would otherwise cast on load)."""
     for name in COMPANION_FILES:
         path = os.path.join(folder, name)
         if not os.path.lexists(path):
             continue
-        data = read_regular(path, COMPANION_MAX_BYTES)
+        # the config as parsed, not read again: the copy says what the dtype decision saw
+        data = config_bytes if name == CONFIG_NAME else read_regular(path, COMPANION_MAX_BYTES)
         if name == CONFIG_NAME and config is not None:
             keys = [k for k in ("dtype", "torch_dtype") if k in config]
             if any(str(config[k]).replace("torch.", "") != target for k in keys):
@@ -181,17 +183,19 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     return report
 
 
-def _read_config(folder: str) -> Optional[Dict]:
+def _read_config(folder: str) -> Tuple[Optional[Dict], Optional[bytes]]:
+    """The model config beside the checkpoint, parsed, and its bytes (None, None if absent)."""
     path = os.path.join(folder, CONFIG_NAME)
     if not os.path.lexists(path):
-        return None
+        return None, None
+    data = read_regular(path, COMPANION_MAX_BYTES)
     try:
-        config = json.loads(read_regular(path, COMPANION_MAX_BYTES).decode("utf-8"))
+        config = json.loads(data.decode("utf-8"))
     except ValueError as exc:
         raise CheckpointFormatError(f"{path}: not a readable model config ({exc})") from None
     if not isinstance(config, dict):
         raise CheckpointFormatError(f"{path}: a model config must be a JSON object")
-    return config
+    return config, data
 
 
 if __name__ == "__main__":
