@@ -12,7 +12,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterable, Optional, Sequence
 
-import numpy as np
+from array import array
 
 from .errors import CheckpointFormatError, InputChangedError, PlanCheckError
 
@@ -77,9 +77,19 @@ def scan_pickle(data) -> "_core.PickleScan":
     return _core.scan_pickle(data)
 
 
-def op_table(rows: Iterable[Sequence[int]]) -> np.ndarray:
-    """The executor's (N, 9) int64 table from rows in OP_COLUMNS order."""
-    return np.array(list(rows), dtype=np.int64).reshape(-1, len(OP_COLUMNS))
+def op_table(rows: Iterable[Sequence[int]]) -> memoryview:
+    """The executor's (N, 9) int64 table from rows in OP_COLUMNS order (empty: a flat empty view).
+
+    A memoryview of array('q') rather than a numpy array: importing numpy is a large part of a
+    short command's wall time, and the executor takes any C-contiguous int64 buffer."""
+    flat = array("q")
+    width = len(OP_COLUMNS)
+    for row in rows:
+        if len(row) != width:
+            raise ValueError(f"an op row has {len(row)} fields, the table {width}")
+        flat.extend(row)
+    view = memoryview(flat)
+    return view.cast("B").cast("q", [len(flat) // width, width]) if len(flat) else view
 
 
 @contextmanager
@@ -95,20 +105,20 @@ def native_errors(root: Optional[str] = None):
         raise PlanCheckError(f"{root}: the copy plan failed the executor's checks: {exc}") from None
 
 
-def write_archives(sources, outputs, ops: np.ndarray, *, root: str, workers: int = 0, fsync: bool = False,
+def write_archives(sources, outputs, ops, *, root: str, workers: int = 0, fsync: bool = False,
                    progress=None) -> dict:
     """Runs an op table into new torch.save archives below ``root``; pyckpt errors on refusal."""
     with native_errors(root):
         return _core.write_archives(sources, outputs, ops, workers or 0, fsync, progress, root=root)
 
 
-def execute_into(sources, ops: np.ndarray, dst, workers: int = 0, *, root: str = "") -> int:
+def execute_into(sources, ops, dst, workers: int = 0, *, root: str = "") -> int:
     """Runs an op table over ``sources`` into the writable buffer ``dst``; pyckpt errors on refusal."""
     with native_errors(root):
         return _core.execute_into(list(sources), ops, dst, workers or 0)
 
 
-def gather_into(path: str, ops: np.ndarray, dst, workers: int = 0) -> int:
+def gather_into(path: str, ops, dst, workers: int = 0) -> int:
     """Runs an op table over one source file into the writable buffer ``dst``."""
     try:
         with native_errors():

@@ -53,7 +53,33 @@ struct BufferView {
 
 // Copies the op table into OpRow structs so that Python threads mutating the array while
 // the GIL is released cannot invalidate what was validated.
+// An int64 buffer of shape (N, columns), or an empty one-dimensional one: what pyckpt's planner
+// hands over (a memoryview of array('q')), taken without numpy, whose import would cost a short
+// export a good share of its wall time. Anything else goes through numpy below.
+inline std::optional<std::vector<OpRow>> ops_from_int64_buffer(const py::handle& obj) {
+    if (!PyObject_CheckBuffer(obj.ptr())) return std::nullopt;
+    Py_buffer view{};
+    if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();
+        return std::nullopt;
+    }
+    std::optional<std::vector<OpRow>> rows;
+    std::string fmt = view.format ? view.format : "B";
+    if (!fmt.empty() && (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@')) fmt.erase(0, 1);
+    const bool int64 = view.itemsize == 8 && (fmt == "q" || fmt == "l");
+    const auto columns = static_cast<Py_ssize_t>(kOpColumns.size());
+    if (int64 && view.ndim == 2 && view.shape[1] == columns) {
+        rows.emplace(static_cast<std::size_t>(view.shape[0]));
+        if (!rows->empty()) std::memcpy(rows->data(), view.buf, rows->size() * sizeof(OpRow));
+    } else if (int64 && view.ndim == 1 && view.shape[0] == 0) {
+        rows.emplace();
+    }
+    PyBuffer_Release(&view);
+    return rows;
+}
+
 inline std::vector<OpRow> convert_ops(const py::handle& obj) {
+    if (auto rows = ops_from_int64_buffer(obj)) return std::move(*rows);
     py::array arr = py::array::ensure(obj);
     if (!arr) throw py::type_error("ops must be a numpy array");
     char k = arr.dtype().kind();

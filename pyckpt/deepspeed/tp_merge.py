@@ -21,7 +21,6 @@ import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
-import numpy as np
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..formats.pickle_read import ITEMSIZE, Opaque, numel
@@ -32,7 +31,7 @@ from .schema import Schema
 PATTERN_KEYS = ("tp_replicated_parameter_patterns", "parameter_to_average_patterns",
                 "parameter_with_row_parallelism_patterns", "vocabulary_parameter_patterns",
                 "parameter_with_2_sub_params_cat_dim_0")
-NUMPY_DTYPE = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
+NUMPY_DTYPES = ("float32", "float64", "float16")
 
 
 @dataclass
@@ -354,7 +353,8 @@ def _two_sub_params(name, slices: List[Slice]) -> NewTensor:
 
 def _average(name, slices: List[Slice]) -> NewTensor:
     dtype = slices[0].dtype
-    np_dtype = NUMPY_DTYPE.get(dtype)
+    import numpy as np  # only where slices are summed or compared; not at start-up
+    np_dtype = np.dtype(dtype).type if dtype in NUMPY_DTYPES else None
     if np_dtype is None:
         raise UnsupportedCheckpointError(f"averaging tp slices of {name} in {dtype} is not supported")
     # Python's sum() starts from int 0, so -0.0 becomes +0.0 exactly as in DeepSpeed's sum(slices).
@@ -488,7 +488,8 @@ def _runs(shape, full_off, full_strides, shard_off, shard_strides):
 
 
 def _affine_computed(name, logical, ranks, slices, dtype, power) -> NewTensor:
-    np_dtype = NUMPY_DTYPE.get(dtype)
+    import numpy as np  # only where slices are summed or compared; not at start-up
+    np_dtype = np.dtype(dtype).type if dtype in NUMPY_DTYPES else None
     if np_dtype is None:
         raise UnsupportedCheckpointError(f"scaled affine pieces of {name} in {dtype} are not supported")
     full = np.empty(numel(logical), dtype=np_dtype)

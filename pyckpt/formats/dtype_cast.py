@@ -4,14 +4,15 @@ even, bfloat16 NaNs as 0x7fc0."""
 
 from __future__ import annotations
 
-import numpy as np
-
-_NUMPY = {"float64": np.float64, "float32": np.float32, "float16": np.float16}
+_FLOATS = ("float64", "float32", "float16")
 
 
 def cast_bytes(data: bytes, src: str, dst: str) -> bytes:
     if src == dst:
         return data
+    # numpy only here: a plain export never computes a tensor, and its import is costly at start-up
+    import numpy as np
+    _NUMPY = {name: np.dtype(name).type for name in _FLOATS}
     if src == "bfloat16":
         wide = (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32)
     elif src in _NUMPY:
