@@ -1,5 +1,6 @@
 #include "sources.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -57,6 +58,19 @@ const MappedFile& SourceSet::map(std::size_t i) {
         e.file = std::move(f);
     });
     return *e.file;
+}
+
+UniqueFd SourceSet::open_verified(std::size_t i) {
+    Entry& e = *entries_[i];
+    UniqueFd fd(::open(e.path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) throw_errno("open", e.path);
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) throw_errno("stat", e.path);
+    if (!e.stat_done || st.st_dev != e.dev || st.st_ino != e.ino)
+        throw SourceChangedError("source '" + escape_bytes(e.path) +
+                                 "' was replaced by another file after it was validated (another process?)");
+    if (static_cast<uint64_t>(st.st_size) < e.required) throw source_changed_error(e.path);
+    return fd;
 }
 
 void SourceSet::check_unchanged() const {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "fd.hpp"
 #include "mapped_file.hpp"
 
 namespace pyckpt {
@@ -37,6 +38,12 @@ public:
     // Thread-safe lazy mapping. Throws std::system_error, or SourceChangedError if the file
     // became shorter than the validated ranges.
     const MappedFile& map(std::size_t i);
+
+    // A new read-only descriptor of source i, checked to be the file that was stat'ed and
+    // validated (same device and inode, not shorter than the validated ranges): for in-kernel
+    // copies, which read by descriptor rather than through the mapping. Throws
+    // SourceChangedError if the path now names another or shorter file.
+    UniqueFd open_verified(std::size_t i);
 
     // Throws SourceChangedError naming the first mapped source that shrank while mapped (its
     // reads past the new end returned zeros). Call after the workers are done.

@@ -721,9 +721,11 @@ def test_write_argument_errors(tmp_path):
         assert zf.read("arc/blob") == (bytes(range(256)) * 8)[:1000]
 
 
-def test_raw_files_hold_their_records_back_to_back(tmp_path):
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["copy_file_range", "through-the-mapping"])
+def test_raw_files_hold_their_records_back_to_back(tmp_path, in_kernel):
     """archive_name None: no ZIP framing, inline records as given, copied and converted records after
-    them, holes for zero-fill; in one call with a torch archive."""
+    them, holes for zero-fill; in one call with a torch archive. Plain copies go the same either
+    way: in the kernel, or through the source's mapping."""
     src = tmp_path / "src.bin"
     payload = np.arange(3000, dtype=np.float32)
     src.write_bytes(payload.tobytes())
@@ -735,7 +737,7 @@ def test_raw_files_hold_their_records_back_to_back(tmp_path):
                      [0, 4000, 0, 2, 0, 6000, _core.KIND_F32_TO_F16, 1, 0],   # 1000..2499 to half
                      [-1, 0, 0, 3, 0, 9000, 0, 1, 0],                          # zeros
                      [0, 8000, 1, 0, 0, 4000, 0, 1, 0]])
-    stats = _core.write_archives([str(src)], outputs, ops, 2, window_bytes=1001)
+    stats = _core.write_archives([str(src)], outputs, ops, 2, window_bytes=1001, copy_in_kernel=in_kernel)
     data = raw.read_bytes()
     assert stats["files"] == 2 and len(data) == 13 + 4000 + 3000 + 9000
     assert data[:13] == header

@@ -151,6 +151,9 @@ SHRINK_EXECUTOR = """
             if mode == "write":
                 _core.write_archives([src], [(out, "arc", [("v", 2, b"3\\n"), ("blob", size, None)])], ops, 1,
                                      False, progress, window_bytes=window)
+            elif mode.startswith("raw"):  # copied in the kernel by descriptor, or through the mapping
+                _core.write_archives([src], [(out, None, [("v", 2, b"3\\n"), ("blob", size, None)])], ops, 1,
+                                     False, progress, window_bytes=window, copy_in_kernel=mode == "raw")
             else:
                 ops[0, 3] = 0
                 _core.execute_into([src], ops, np.empty(size, np.uint8), 1, progress, window_bytes=window)
@@ -168,11 +171,42 @@ SHRINK_EXECUTOR = """
 """
 
 
-@pytest.mark.parametrize("mode", ["write", "gather"])
+@pytest.mark.parametrize("mode", ["write", "gather", "raw", "raw-mapped"])
 def test_executor_source_shrinking_mid_copy_raises_and_leaves_nothing(mode, tmp_path):
     proc = _python(SHRINK_EXECUTOR, mode, tmp_path, timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
     assert "REFUSED source '" in proc.stdout and "became shorter while it was being read" in proc.stdout
+
+
+def test_in_kernel_copy_refuses_a_source_replaced_after_validation(tmp_path):
+    """The in-kernel copy reopens a source by path: another file renamed over it after the plan
+    was validated is refused, not copied, and nothing is left behind. The sources grow until the
+    replacement lands mid-copy, so the test never passes without exercising it."""
+    src, other, out = tmp_path / "src.bin", tmp_path / "other.bin", tmp_path / "out.raw"
+    window = 1 << 20
+    for size in (64 << 20, 256 << 20, 1 << 30):
+        for p in (src, other):
+            with open(p, "wb") as f:
+                f.truncate(size)  # sparse: fast to read, no disk used
+        seen = {}
+
+        def progress(done, total):
+            if not seen:
+                seen["remaining"] = total - done
+                os.replace(other, src)
+
+        ops = np.array([[0, 0, 0, 1, 0, size, 0, 1, 0]], dtype=np.int64)
+        if out.exists():
+            out.unlink()  # a smaller try finished before the replacement
+        try:
+            _core.write_archives([str(src)], [(str(out), None, [("v", 2, b"3\n"), ("blob", size, None)])], ops,
+                                 1, False, progress, window_bytes=window)
+        except _core.SourceChangedError as exc:
+            assert "was replaced by another file after it was validated" in str(exc) and str(src) in str(exc)
+            assert not out.exists(), "partial output left behind"
+            return
+        assert seen.get("remaining", 0) < 4 * window, "copied from a replaced source without notice"
+    pytest.fail("the replacement never landed mid-copy")
 
 
 def test_python_sigbus_handler_chain_still_reports_real_faults(tmp_path):
@@ -358,7 +392,7 @@ def test_executor_refusing_a_plan_becomes_a_pyckpt_error(checkpoints, tmp_path, 
 
     def with_a_gap(plan, root):
         sources, outputs, ops, nbytes = real(plan, root)
-        return sources, outputs, ops[1:], nbytes  # the first copy is lost: its record has a gap
+        return sources, outputs, np.asarray(ops)[1:], nbytes  # the first copy is lost: its record has a gap
 
     monkeypatch.setattr(executor, "compile_plan", with_a_gap)
     out = tmp_path / "out" / "u"

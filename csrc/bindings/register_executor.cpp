@@ -60,7 +60,8 @@ void register_executor(py::module_& m) {
     m.def(
         "write_archives",
         [](const py::object& sources, const py::object& outputs, const py::object& ops, const py::object& workers,
-           bool fsync, const py::object& progress, bool force_zip64, uint64_t window_bytes, const py::object& root) {
+           bool fsync, const py::object& progress, bool force_zip64, uint64_t window_bytes, const py::object& root,
+           bool copy_in_kernel) {
             auto src = convert_paths(sources, "sources");
             auto outs = convert_outputs(outputs);
             auto rows = convert_ops(ops);
@@ -69,6 +70,7 @@ void register_executor(py::module_& m) {
             opt.fsync = fsync;
             opt.force_zip64 = force_zip64;
             opt.window_bytes = window_bytes;
+            opt.copy_in_kernel = copy_in_kernel;
             if (!root.is_none()) opt.root = fspath(root);
             ProgressHook hook{progress, std::nullopt};
             WriteStats st = run_released(hook, [&] {
@@ -82,10 +84,11 @@ void register_executor(py::module_& m) {
         },
         py::arg("sources"), py::arg("outputs"), py::arg("ops"), py::arg("workers") = 0, py::arg("fsync") = false,
         py::arg("progress") = py::none(), py::kw_only(), py::arg("force_zip64") = false,
-        py::arg("window_bytes") = 0, py::arg("root") = py::none(),
+        py::arg("window_bytes") = 0, py::arg("root") = py::none(), py::arg("copy_in_kernel") = true,
         "Write new files whose op-filled records are gathered from `sources`: a torch-loadable ZIP archive per "
         "output with an archive_name, a raw file (its records back to back) per output whose archive_name is None. Outputs are "
-        "created new (O_EXCL|O_NOFOLLOW); with `root`, every output path must lie strictly below it. Raises "
+        "created new (O_EXCL|O_NOFOLLOW); with `root`, every output path must lie strictly below it. Plain runs of "
+        "a source into a raw file are copied in the kernel (copy_file_range) unless copy_in_kernel is False. Raises "
         "PlanError for a bad table, OSError naming the file for I/O errors, SourceChangedError if a source shrank "
         "while read; outputs created by a failed call are removed.");
 
