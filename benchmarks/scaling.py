@@ -3,12 +3,17 @@
     python benchmarks/scaling.py --scale dp   --params 250M --dps 4,16,64,256 --runs 3 --runs-at 256=2
     python benchmarks/scaling.py --scale size --dp 16 --sizes 125M,250M,500M,1B --runs 3 --runs-at 500M=2,1B=1
     python benchmarks/scaling.py --scale dp --plot-only      # redraw from the saved points
+    python benchmarks/scaling.py --job export --scale size --dp 4 --sizes 125M,250M,500M,1B --runs 3
 
 Every point is one `run.py --make-synthetic` run (alternating rounds, bit-equality check on the
 first round), its checkpoint deleted afterwards. Points are saved as
 results/points/<params>_dp<dp>_z<stage>_<dtype>.json as soon as they finish and reused unless
 --rerun, so the two sweeps share their common point and an interrupted sweep resumes.
 Writes results/scaling_<scale>.json, .md and .png (seconds on a log axis, peak RSS).
+
+--job export sweeps the Hugging Face export instead (pyckpt export vs zero_to_fp32 writing the same
+safetensors file vs a copy of a file of its size): points end in _export.json, results are
+scaling_export_<scale>.*.
 """
 
 from __future__ import annotations
@@ -24,22 +29,29 @@ sys.path.insert(0, str(HERE))
 import run as bench  # noqa: E402
 from make_checkpoint import parse_count  # noqa: E402
 
-TOOLS = ("pyckpt", "ds_to_universal", "cp -r")
+# Per job: the tool measured, the tool it replaces, the copy it is held against.
+JOBS = {"universal": ("pyckpt", "ds_to_universal", "cp -r"),
+        "export": ("pyckpt export", "zero_to_fp32 --safe", "cp output")}
+TOOLS = JOBS["universal"]
+# Peak RSS targets drawn on the memory plot: the conversion's grows with the largest tensor, the
+# export's is flat.
+RSS_TARGET_MIB = {"universal": 512, "export": 128}
 
 
-def point_path(results: Path, params: str, dp: int, stage: int, dtype: str) -> Path:
-    return results / "points" / f"{params}_dp{dp}_z{stage}_{dtype}.json"
+def point_path(results: Path, params: str, dp: int, stage: int, dtype: str, job: str = "universal") -> Path:
+    suffix = "" if job == "universal" else f"_{job}"
+    return results / "points" / f"{params}_dp{dp}_z{stage}_{dtype}{suffix}.json"
 
 
 def run_point(args, params: str, dp: int, runs: int, check: bool = True) -> dict:
-    path = point_path(args.results, params, dp, args.stage, args.dtype)
+    path = point_path(args.results, params, dp, args.stage, args.dtype, args.job)
     if path.exists() and not args.rerun:
         print(f"reusing {path}", file=sys.stderr)
         return json.loads(path.read_text())
     path.parent.mkdir(parents=True, exist_ok=True)
     argv = ["--make-synthetic", "--delete-input", "--params", params, "--dp", str(dp), "--stage", str(args.stage),
             "--dtype", args.dtype, "--runs", str(runs), "--work", str(args.work), "--tools", ",".join(args.tools),
-            "--json", str(path)] + ([] if check else ["--no-check"])
+            "--json", str(path)] + ([] if check else ["--no-check"]) + (["--export"] if args.job == "export" else [])
     print(f"== {params} dp {dp}: {runs} rounds", file=sys.stderr)
     return bench.main(argv)
 
@@ -52,11 +64,12 @@ def parse_runs_at(text: str) -> dict:
     return out
 
 
-def table(points, scale: str) -> str:
+def table(points, scale: str, job: str = "universal") -> str:
+    base, ref, copy = JOBS[job]
     head = "dp" if scale == "dp" else "params"
-    lines = [f"| {head} | input GiB | files | pyckpt s | ds_to_universal s | cp -r s | ds_to_universal / pyckpt "
-             "| pyckpt / cp -r | pyckpt GB/s | pyckpt peak RSS MiB | largest tensor MiB | ds_to_universal peak RSS MiB "
-             "| ds_to_universal temp GiB | pyckpt temp GiB | rounds |",
+    lines = [f"| {head} | input GiB | files | {base} s | {ref} s | {copy} s | {ref} / {base} | {base} / {copy} "
+             f"| {base} GB/s | {base} peak RSS MiB | largest tensor MiB | {ref} peak RSS MiB | {ref} temp GiB "
+             f"| {base} temp GiB | rounds |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for x, s in points:
         t, r = s["tools"], s["ratios"]
@@ -67,20 +80,20 @@ def table(points, scale: str) -> str:
         def ratio(key):
             return f"{r[key]['median']:.2f}" if key in r else "-"
 
-        rounds = "/".join(str(len(t[n]["seconds"])) for n in TOOLS if n in t)
+        rounds = "/".join(str(len(t[n]["seconds"])) for n in JOBS[job] if n in t)
         if not s.get("checked_bit_equal", True):
             rounds += " (unchecked)"
         lt = s.get("largest_tensor_mib")
-        lines.append(f"| {x} | {s['input_bytes'] / 2**30:.2f} | {s.get('input_files', '-')} | {g('pyckpt', 'median_s', '.2f')} "
-                     f"| {g('ds_to_universal', 'median_s', '.2f')} | {g('cp -r', 'median_s', '.2f')} "
-                     f"| {ratio('ds_to_universal / pyckpt')} | {ratio('pyckpt / cp -r')} | {g('pyckpt', 'gbps', '.2f')} "
-                     f"| {g('pyckpt', 'peak_rss_mib', '.0f')} | {'-' if lt is None else f'{lt:.0f}'} "
-                     f"| {g('ds_to_universal', 'peak_rss_mib', '.0f')} | {g('ds_to_universal', 'temp_gib', '.2f')} "
-                     f"| {g('pyckpt', 'temp_gib', '.2f')} | {rounds} |")
+        lines.append(f"| {x} | {s['input_bytes'] / 2**30:.2f} | {s.get('input_files', '-')} | {g(base, 'median_s', '.2f')} "
+                     f"| {g(ref, 'median_s', '.2f')} | {g(copy, 'median_s', '.2f')} "
+                     f"| {ratio(f'{ref} / {base}')} | {ratio(f'{base} / {copy}')} | {g(base, 'gbps', '.2f')} "
+                     f"| {g(base, 'peak_rss_mib', '.0f')} | {'-' if lt is None else f'{lt:.0f}'} "
+                     f"| {g(ref, 'peak_rss_mib', '.0f')} | {g(ref, 'temp_gib', '.2f')} "
+                     f"| {g(base, 'temp_gib', '.2f')} | {rounds} |")
     return "\n".join(lines)
 
 
-def plot(points, scale: str, png: Path, title: str) -> None:
+def plot(points, scale: str, png: Path, title: str, job: str = "universal") -> None:
     import matplotlib
     matplotlib.use("Agg")  # headless: no display on the benchmark machine
     import matplotlib.pyplot as plt
@@ -88,15 +101,18 @@ def plot(points, scale: str, png: Path, title: str) -> None:
     xs = [x for x, _ in points]
     xv = [int(x) for x in xs] if scale == "dp" else [parse_count(x) / 1e6 for x in xs]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for tool, style in zip(TOOLS, ("o-", "s-", "^--")):
+    for tool, style in zip(JOBS[job], ("o-", "s-", "^--")):
         ts = [(v, s["tools"][tool]) for v, (_, s) in zip(xv, points) if tool in s["tools"]]
         if not ts:
             continue
         ax_t.plot([v for v, _ in ts], [t["median_s"] for _, t in ts], style, label=tool)
         ax_m.plot([v for v, _ in ts], [t["peak_rss_mib"] for _, t in ts], style, label=tool)
     lt = [(v, s.get("largest_tensor_mib")) for v, (_, s) in zip(xv, points) if s.get("largest_tensor_mib")]
-    if lt:
-        ax_m.plot([v for v, _ in lt], [512 + m for _, m in lt], "k:", label="target: 512 MiB + largest tensor")
+    if job == "export":
+        ax_m.plot(xv, [RSS_TARGET_MIB[job]] * len(xv), "k:", label=f"target: {RSS_TARGET_MIB[job]} MiB")
+    elif lt:
+        ax_m.plot([v for v, _ in lt], [RSS_TARGET_MIB[job] + m for _, m in lt], "k:",
+                  label=f"target: {RSS_TARGET_MIB[job]} MiB + largest tensor")
     xlabel = "data-parallel degree (ZeRO shards)" if scale == "dp" else "model parameters (millions)"
     for ax in (ax_t, ax_m):
         ax.set_xscale("log", base=2 if scale == "dp" else 10)
@@ -120,6 +136,8 @@ def plot(points, scale: str, png: Path, title: str) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", choices=("dp", "size"), required=True)
+    p.add_argument("--job", choices=tuple(JOBS), default="universal",
+                   help="the Universal conversion (default) or the Hugging Face export")
     p.add_argument("--params", default="250M", help="model size of the dp sweep")
     p.add_argument("--dps", default="4,16,64,256")
     p.add_argument("--dp", type=int, default=16, help="dp of the size sweep")
@@ -128,7 +146,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--runs-at", default="", metavar="X=N,...", help="fewer rounds at some points, e.g. 256=2 or 1B=1")
-    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--tools", default=None, help="comma list (default: the job's three tools)")
     p.add_argument("--work", type=Path, default=Path("bench-out"), help="scratch folder (big)")
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument("--no-check-at", default="", metavar="X,...",
@@ -137,7 +155,7 @@ def main(argv=None):
     p.add_argument("--rerun", action="store_true", help="measure points even if saved")
     p.add_argument("--plot-only", action="store_true", help="only redraw from saved points")
     args = p.parse_args(argv)
-    args.tools = [t.strip() for t in args.tools.split(",")]
+    args.tools = [t.strip() for t in (args.tools or ",".join(JOBS[args.job])).split(",")]
     runs_at = parse_runs_at(args.runs_at)
     no_check = {x.strip().upper() for x in args.no_check_at.split(",") if x.strip()}
 
@@ -147,23 +165,25 @@ def main(argv=None):
     else:
         grid = [(s, s, args.dp) for s in args.sizes.split(",")]
         title = f"dp {args.dp}, ZeRO-{args.stage} {args.dtype}, model size swept"
+    if args.job == "export":
+        title = "Hugging Face export: " + title
     title += " (synthetic checkpoints, 2-core machine, medians of alternating rounds)"
 
     points = []
     for label, params, dp in grid:
         if args.plot_only:
-            path = point_path(args.results, params, dp, args.stage, args.dtype)
+            path = point_path(args.results, params, dp, args.stage, args.dtype, args.job)
             if path.exists():
                 points.append((label, json.loads(path.read_text())))
             continue
         points.append((label, run_point(args, params, dp, runs_at.get(label.upper(), args.runs),
                                         check=label.upper() not in no_check)))
 
-    stem = args.results / f"scaling_{args.scale}"
+    stem = args.results / (f"scaling_{args.scale}" if args.job == "universal" else f"scaling_{args.job}_{args.scale}")
     stem.with_suffix(".json").write_text(json.dumps({"title": title, "points": dict(points)}, indent=2))
-    md = f"{title}\n\n{table(points, args.scale)}\n"
+    md = f"{title}\n\n{table(points, args.scale, args.job)}\n"
     stem.with_suffix(".md").write_text(md)
-    plot(points, args.scale, stem.with_suffix(".png"), title)
+    plot(points, args.scale, stem.with_suffix(".png"), title, args.job)
     print(md)
 
 
