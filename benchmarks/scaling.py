@@ -13,7 +13,7 @@ Writes results/scaling_<scale>.json, .md and .png (seconds on a log axis, peak R
 
 --job export sweeps the Hugging Face export instead (pyckpt export vs zero_to_fp32 writing the same
 safetensors file vs a copy of a file of its size): points end in _export.json, results are
-scaling_export_<scale>.*.
+scaling_export_<scale>_z<stage>.*.
 """
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ def main(argv=None):
         points.append((label, run_point(args, params, dp, runs_at.get(label.upper(), args.runs),
                                         check=label.upper() not in no_check)))
 
-    stem = args.results / (f"scaling_{args.scale}" if args.job == "universal" else f"scaling_{args.job}_{args.scale}")
+    stem = args.results / (f"scaling_{args.scale}" if args.job == "universal"
+                           else f"scaling_{args.job}_{args.scale}_z{args.stage}")
     stem.with_suffix(".json").write_text(json.dumps({"title": title, "points": dict(points)}, indent=2))
     md = f"{title}\n\n{table(points, args.scale, args.job)}\n"
     stem.with_suffix(".md").write_text(md)
