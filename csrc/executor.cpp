@@ -37,6 +37,8 @@ constexpr auto kTickInterval = std::chrono::milliseconds(100);
 constexpr uint64_t kDirectSlice = 256u << 10;
 // Staging buffer per worker; windows larger than this are gathered in slices.
 constexpr uint64_t kStagingBytes = 1u << 20;
+// The page size the kernel copies by; offsets congruent modulo it copy whole pages.
+constexpr uint64_t kPageBytes = 4096;
 
 namespace fi = fault_injection;
 
@@ -113,9 +115,14 @@ struct WindowRunner {
             gather_window(w, plan, pieces, sources, mem, drops);
             if (want_crc) crc = crc32(0, mem, len);
         } else if (const uint8_t* run = window_as_source_run(w, plan, pieces, sources, src, src_off)) {
-            // In the kernel where no CRC is wanted: as fast as cp, and no source page mapped here.
-            const uint64_t copied =
-                want_crc ? 0 : dest.copy_range(o, sources, static_cast<std::size_t>(src), src_off, len, off);
+            // In the kernel where no CRC is wanted and source and output pages line up: as fast as
+            // cp, no source page mapped here. Where they do not (a safetensors payload starts at its
+            // header's length), the kernel copies each page in two misaligned parts, a third slower
+            // than a write from the mapping.
+            const bool pages_line_up = (src_off % kPageBytes) == (off % kPageBytes);
+            const uint64_t copied = want_crc || !pages_line_up
+                                        ? 0
+                                        : dest.copy_range(o, sources, static_cast<std::size_t>(src), src_off, len, off);
             if (copied < len) sources.map(static_cast<std::size_t>(src)).prefetch(src_off + copied, len - copied);
             for (uint64_t at = copied; at < len; at += kDirectSlice) {
                 uint64_t n = std::min(kDirectSlice, len - at);

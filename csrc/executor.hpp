@@ -47,7 +47,7 @@ struct WriteOptions {
     bool force_zip64 = false;     // test knob: ZIP64 structures even for small files
     uint64_t window_bytes = 0;    // 0: default (kDefaultWindowBytes)
     std::string root;             // non-empty: every output path must lie strictly below it
-    bool copy_in_kernel = true;   // copy_file_range for plain runs of raw files (test knob: false)
+    bool copy_in_kernel = true;   // copy_file_range for page-aligned plain runs of raw files (test knob)
 };
 
 struct WriteStats {

@@ -721,17 +721,19 @@ def test_write_argument_errors(tmp_path):
         assert zf.read("arc/blob") == (bytes(range(256)) * 8)[:1000]
 
 
-@pytest.mark.parametrize("in_kernel", [True, False], ids=["copy_file_range", "through-the-mapping"])
-def test_raw_files_hold_their_records_back_to_back(tmp_path, in_kernel):
+@pytest.mark.parametrize("in_kernel,head", [(True, 4096), (True, 13), (False, 4096)],
+                         ids=["copy_file_range", "pages-misaligned", "through-the-mapping"])
+def test_raw_files_hold_their_records_back_to_back(tmp_path, in_kernel, head):
     """archive_name None: no ZIP framing, inline records as given, copied and converted records after
-    them, holes for zero-fill; in one call with a torch archive. Plain copies go the same either
-    way: in the kernel, or through the source's mapping."""
+    them, holes for zero-fill; in one call with a torch archive. Plain copies give the same bytes
+    whichever way they go: in the kernel (source and output offsets on the same page offset), or
+    through the source's mapping (offsets that do not line up, or in-kernel copies off)."""
     src = tmp_path / "src.bin"
     payload = np.arange(3000, dtype=np.float32)
     src.write_bytes(payload.tobytes())
     raw, arc = tmp_path / "out.raw", tmp_path / "out.pt"
-    header = b"H" * 13
-    outputs = [(str(raw), None, [("header", 13, header), ("a", 4000, None), ("b", 3000, None), ("z", 9000, None)]),
+    header = b"H" * head
+    outputs = [(str(raw), None, [("header", head, header), ("a", 4000, None), ("b", 3000, None), ("z", 9000, None)]),
                (str(arc), "arc", [("data/0", 4000, None)])]
     ops = ops_array([[0, 0, 0, 1, 0, 4000, 0, 1, 0],                          # floats 0..999 copied
                      [0, 4000, 0, 2, 0, 6000, _core.KIND_F32_TO_F16, 1, 0],   # 1000..2499 to half
@@ -739,11 +741,11 @@ def test_raw_files_hold_their_records_back_to_back(tmp_path, in_kernel):
                      [0, 8000, 1, 0, 0, 4000, 0, 1, 0]])
     stats = _core.write_archives([str(src)], outputs, ops, 2, window_bytes=1001, copy_in_kernel=in_kernel)
     data = raw.read_bytes()
-    assert stats["files"] == 2 and len(data) == 13 + 4000 + 3000 + 9000
-    assert data[:13] == header
-    assert data[13:4013] == payload[:1000].tobytes()
-    assert data[4013:7013] == payload[1000:2500].astype(np.float16).tobytes()
-    assert data[7013:] == bytes(9000)
+    assert stats["files"] == 2 and len(data) == head + 4000 + 3000 + 9000
+    assert data[:head] == header
+    assert data[head:head + 4000] == payload[:1000].tobytes()
+    assert data[head + 4000:head + 7000] == payload[1000:2500].astype(np.float16).tobytes()
+    assert data[head + 7000:] == bytes(9000)
     with zipfile.ZipFile(arc) as zf:
         assert zf.read("arc/data/0") == payload[2000:3000].tobytes()
 

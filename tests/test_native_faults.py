@@ -152,7 +152,8 @@ SHRINK_EXECUTOR = """
                 _core.write_archives([src], [(out, "arc", [("v", 2, b"3\\n"), ("blob", size, None)])], ops, 1,
                                      False, progress, window_bytes=window)
             elif mode.startswith("raw"):  # copied in the kernel by descriptor, or through the mapping
-                _core.write_archives([src], [(out, None, [("v", 2, b"3\\n"), ("blob", size, None)])], ops, 1,
+                head = b"h" * 4096  # the copy then starts on a page boundary, as in the source
+                _core.write_archives([src], [(out, None, [("h", 4096, head), ("blob", size, None)])], ops, 1,
                                      False, progress, window_bytes=window, copy_in_kernel=mode == "raw")
             else:
                 ops[0, 3] = 0
@@ -199,8 +200,9 @@ def test_in_kernel_copy_refuses_a_source_replaced_after_validation(tmp_path):
         if out.exists():
             out.unlink()  # a smaller try finished before the replacement
         try:
-            _core.write_archives([str(src)], [(str(out), None, [("v", 2, b"3\n"), ("blob", size, None)])], ops,
-                                 1, False, progress, window_bytes=window)
+            # a page-sized head puts the copy on a page boundary, as in the source: copied in the kernel
+            _core.write_archives([str(src)], [(str(out), None, [("h", 4096, b"h" * 4096), ("blob", size, None)])],
+                                 ops, 1, False, progress, window_bytes=window)
         except _core.SourceChangedError as exc:
             assert "was replaced by another file after it was validated" in str(exc) and str(src) in str(exc)
             assert not out.exists(), "partial output left behind"

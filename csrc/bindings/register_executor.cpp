@@ -88,7 +88,8 @@ void register_executor(py::module_& m) {
         "Write new files whose op-filled records are gathered from `sources`: a torch-loadable ZIP archive per "
         "output with an archive_name, a raw file (its records back to back) per output whose archive_name is None. Outputs are "
         "created new (O_EXCL|O_NOFOLLOW); with `root`, every output path must lie strictly below it. Plain runs of "
-        "a source into a raw file are copied in the kernel (copy_file_range) unless copy_in_kernel is False. Raises "
+        "a source into a raw file whose offsets lie at the same place within a page are copied in the kernel "
+        "(copy_file_range) unless copy_in_kernel is False. Raises "
         "PlanError for a bad table, OSError naming the file for I/O errors, SourceChangedError if a source shrank "
         "while read; outputs created by a failed call are removed.");
 
