@@ -18,11 +18,14 @@ from their fp32 masters; tied aliases left out, as save_pretrained leaves them o
 (AutoTP) and AutoEP checkpoints, which zero_to_fp32.py refuses, are merged by the Universal
 Checkpoint rules.
 
-INPUT is the checkpoint's tag folder (e.g. ckpt/global_step100) or the folder holding `latest`.
+INPUT is the checkpoint's tag folder (e.g. ckpt/global_step100) or the folder holding `latest`;
+or a Universal Checkpoint made from one (pyckpt's or ds_to_universal.py's output folder, e.g.
+ckpt/global_step100_universal, or the folder holding `latest_universal`), which exports to the same
+files. A folder holding both `latest` and `latest_universal` is read through `latest`.
 OUTPUT is the folder to create. It appears complete or not at all (written into a hidden sibling
 folder and renamed when done); an existing OUTPUT is replaced only with --overwrite. No tensor is
-assembled in memory: the bytes go from the memory-mapped shards straight into the files, cast to
---dtype on the way. Input files are never unpickled with code execution.
+assembled in memory: the bytes go from the memory-mapped input files straight into the
+outputs, cast to --dtype on the way. Input files are never unpickled with code execution.
 """
 
 EPILOG = """\
@@ -37,10 +40,12 @@ WRITES_OUTPUT = True
 
 
 def add_arguments(p) -> None:
-    p.add_argument("input", help="ZeRO checkpoint tag folder, or its parent holding `latest`")
+    p.add_argument("input", help="ZeRO checkpoint tag folder, or its parent holding `latest`; or a Universal "
+                   "Checkpoint folder, or its parent holding `latest_universal`")
     p.add_argument("output", help="model folder to create")
     p.add_argument("-t", "--tag", default=None,
-                   help="the tag folder to export when INPUT holds several (default: the one `latest` names)")
+                   help="the tag folder to export when INPUT holds several (default: the one `latest` or "
+                   "`latest_universal` names)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16", "auto"),
                    help="dtype of the floating tensors (integer buffers keep theirs); auto: the dtype of the "
                    "config.json beside the checkpoint, else fp32 (default: fp32, as zero_to_fp32.py)")

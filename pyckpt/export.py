@@ -4,6 +4,8 @@ What ``zero_to_fp32.py --safe_serialization`` writes, without assembling any ten
 each shard is a safetensors header computed here followed by tensor bytes the native executor
 gathers from the memory-mapped ZeRO shards, cast to the export dtype in the same pass. The
 output is staged and renamed into place like a conversion's; no pointer file is written.
+A Universal Checkpoint made from a ZeRO checkpoint exports to the same files: its ``fp32.pt``
+tensors and copied model states hold the same state dict (:mod:`pyckpt.deepspeed.universal_read`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 from .deepspeed.consolidated import FLOATING, cast, consolidate
 from .deepspeed.discovery import discover
 from .deepspeed.names import check_tag
+from .deepspeed.universal_read import consolidate_universal, discover_universal, find_universal_folder
 from .errors import CheckpointFormatError
 from .execution.publish import write_published
 from .formats.pickle_read import ITEMSIZE
@@ -83,13 +86,10 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
                 exclude_frozen: bool = False, dense_only: bool = False, tag: Optional[str] = None,
                 torch_bin: bool = False):
     """(plan, report fields) of an export, nothing written."""
-    with metadata_errors(input):
-        ck = discover(_tagged(input, tag))
+    ck, state = read_consolidated(input, tag, exclude_frozen, dense_only)
     config, config_bytes = _read_config(os.path.dirname(ck.folder))
     target = resolve_dtype(dtype, config)
     limit = parse_size(max_shard_size)
-    with metadata_errors(ck.folder):
-        state = consolidate(ck, exclude_frozen=exclude_frozen, dense_only=dense_only)
     tensors = {name: cast(t, target) if t.dtype in FLOATING else t for name, t in state.tensors.items()}
     for name, t in tensors.items():
         if t.dtype not in ITEMSIZE:
@@ -118,6 +118,20 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
         plan.notes.append(f"  tied aliases left out of safetensors (re-tied on load): {', '.join(state.aliases)}")
     _add_companions(plan, os.path.dirname(ck.folder), config, config_bytes, target)
     return ck, plan, target, len(shards.weight_map()), shards.total_size
+
+
+def read_consolidated(input, tag: Optional[str] = None, exclude_frozen: bool = False, dense_only: bool = False):
+    """(checkpoint, zero_to_fp32's state dict as byte pieces) of INPUT: a ZeRO checkpoint (tag folder, or the
+    folder holding ``latest``) or a Universal Checkpoint made from one (its folder, or the folder holding
+    ``latest_universal``), which gives the same state dict (``deepspeed.universal_read``)."""
+    path = _tagged(input, tag)
+    with metadata_errors(input):
+        universal = find_universal_folder(path)
+        ck = discover_universal(universal) if universal else discover(path)
+    with metadata_errors(ck.folder):
+        if universal:
+            return ck, consolidate_universal(ck, exclude_frozen=exclude_frozen, dense_only=dense_only)
+        return ck, consolidate(ck, exclude_frozen=exclude_frozen, dense_only=dense_only)
 
 
 def _add_companions(plan: Plan, folder: str, config: Optional[dict], config_bytes: Optional[bytes],
@@ -156,7 +170,8 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
               dry_run: bool = False, workers: Optional[int] = None, progress: bool = False, fsync: bool = False,
               notify: Optional[Callable[[str], None]] = None) -> ExportReport:
     """Export a DeepSpeed ZeRO checkpoint (tag folder, or the folder holding ``latest``) as Hugging Face
-    safetensors model files in the new folder ``output``.
+    safetensors model files in the new folder ``output``. ``input`` may also be a Universal Checkpoint
+    converted from one (its folder, or the folder holding ``latest_universal``): the files are the same.
 
     The state dict is ``zero_to_fp32``'s: persistent buffers, frozen parameters (unless
     ``exclude_frozen_parameters``), trainable parameters from their fp32 masters, in that order;

@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Iterator, Optional
 
-from .deepspeed.consolidated import FLOATING, cast, consolidate
-from .deepspeed.discovery import discover
+from .deepspeed.consolidated import FLOATING, cast
 from .execution.executor import gather_tensor
-from .universal import metadata_errors
+from .export import read_consolidated
 
 _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
            "fp16": "float16", "float16": "float16"}
@@ -22,10 +21,7 @@ _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat1
 
 class LazyStateDict(Mapping):
     def __init__(self, input, dtype: Optional[str] = None, exclude_frozen_parameters: bool = False):
-        with metadata_errors(input):
-            ck = discover(input)
-        with metadata_errors(ck.folder):
-            self._state = consolidate(ck, exclude_frozen=exclude_frozen_parameters)
+        ck, self._state = read_consolidated(input, exclude_frozen=exclude_frozen_parameters)
         if dtype is not None and str(dtype).replace("torch.", "") not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of fp32, bf16, fp16")
         self._dtype = _DTYPES[str(dtype).replace("torch.", "")] if dtype is not None else None
@@ -59,5 +55,6 @@ class LazyStateDict(Mapping):
 
 def state_dict(input, dtype: Optional[str] = None, exclude_frozen_parameters: bool = False) -> LazyStateDict:
     """The consolidated state dict of a ZeRO checkpoint (``zero_to_fp32``'s keys, order and values;
-    tied aliases included, as the same values), each tensor read when it is accessed."""
+    tied aliases included, as the same values), each tensor read when it is accessed. ``input`` may
+    also be a Universal Checkpoint made from one, which holds the same state dict."""
     return LazyStateDict(input, dtype, exclude_frozen_parameters)

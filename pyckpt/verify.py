@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -29,12 +28,11 @@ from typing import Any, Dict, List, Optional, Tuple
 from .formats.torch_zip import SourceFile, open_regular, read_small_text
 from .errors import CheckpointFormatError, PyckptError
 from .deepspeed.names import check_tag, name_problem
+from .deepspeed.universal_layout import LATEST_UNIVERSAL, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, read_state
 from .formats.pickle_read import ITEMSIZE, Opaque, TensorRef, numel
 
 STATE_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt")
 MOMENTS = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")
-_ZERO12_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 # Read in bounded windows so that checking a multi-GiB record does not need its size in memory.
 _CHUNK = 64 << 20
 # Planned tensors whose bytes need reordering or dtype conversion are assembled in memory to be
@@ -103,7 +101,7 @@ def resolve_universal_folder(path, report: Optional[VerifyReport] = None) -> Opt
     names = os.listdir(path)
     if "zero" in names or any(n.endswith("_model_states.pt") for n in names):
         return path
-    latest = os.path.join(path, "latest_universal")
+    latest = os.path.join(path, LATEST_UNIVERSAL)
     if not os.path.lexists(latest):
         raise VerifyInputError(f"{path}: neither a universal checkpoint folder (no zero/ folder, no "
                                "*_model_states.pt) nor a folder holding latest_universal")
@@ -199,8 +197,8 @@ def _shape(t) -> Tuple[int, ...]:
 
 def _model_files(folder: str, names: List[str], report: VerifyReport, files: _Files):
     """(stage, tp degree, [(tp rank, path, obj)]) of the copied model-state files, problems noted."""
-    z12 = sorted((int(m.group(1)), n) for n in names if (m := _ZERO12_MODEL_RE.match(n)))
-    z3 = sorted((int(m.group(2)), int(m.group(1)), n) for n in names if (m := _ZERO3_MODEL_RE.match(n)))
+    z12 = sorted((int(m.group(1)), n) for n in names if (m := ZERO12_MODEL_RE.match(n)))
+    z3 = sorted((int(m.group(2)), int(m.group(1)), n) for n in names if (m := ZERO3_MODEL_RE.match(n)))
     if z12 and z3:
         report.add(folder, "holds both mp_rank_* (ZeRO-1/2) and zero_pp_rank_* (ZeRO-3) model-state files")
     if not z12 and not z3:
@@ -272,40 +270,6 @@ def _collect_shapes(models, stage):
     return trainable, module, where
 
 
-def _fits(full: tuple, local: Dict[int, tuple], tp: int, meta: dict, raw: bool) -> bool:
-    """Can ``full`` be the universal tensor of a parameter with these per-tp-rank shapes?
-
-    The rules mirror what the loader undoes: replicated or averaged (equal shapes); AutoEP experts
-    (dim 0 is ``ep_num_experts``, the other dims local); tensor-parallel slices concatenated along one
-    dimension (row-/column-parallel, sub-parameters, uneven AutoTP widths), vocabulary rows possibly
-    stripped to the original vocab size; ZeRO-3 dense parameters as one flat tensor."""
-    shapes = list(local.values())
-    if not shapes:
-        return True
-    if meta.get("is_expert_param") is True:
-        n = meta.get("ep_num_experts", full[0] if full else None)
-        return (len(full) >= 1 and full[0] == n and all(len(s) == len(full) and s[1:] == full[1:]
-                                                         and (s[0] == 0 or n % s[0] == 0) for s in shapes))
-    if raw:
-        return len(full) == 1 and len(set(shapes)) == 1 and full[0] == numel(shapes[0])
-    if all(s == full for s in shapes):
-        return True
-    # AutoTP ranks left without heads may record no shape at all: they add nothing to the sum.
-    if len(shapes) > tp or any(len(s) != len(full) for s in shapes):
-        return False
-    for d in range(len(full)):
-        if any(s[:d] + s[d + 1:] != full[:d] + full[d + 1:] for s in shapes):
-            continue
-        total = sum(s[d] for s in shapes)
-        if total == full[d] or (d == 0 and meta.get("vocab_tensor") is True and full[d] <= total):
-            return True
-    return False
-
-
-_META_TYPES = {"cat_dim": int, "vocab_tensor": bool, "is_expert_param": bool, "ep_num_experts": int,
-               "param_n_sub_params": int}
-
-
 def _check_param(folder: str, name: str, report: VerifyReport, files: _Files, stage, expected_states,
                  local: Dict[int, tuple], tp: int, where: Optional[str]):
     pdir = os.path.join(folder, "zero", name)
@@ -329,27 +293,11 @@ def _check_param(folder: str, name: str, report: VerifyReport, files: _Files, st
         sf, obj = files.open(path)
         if sf is None or obj is None:
             continue
-        tensor, meta = obj, {}
-        if isinstance(obj, dict):
-            tensor = obj.get("param")
-            meta = {k: v for k, v in obj.items() if k != "param"}
-        elif not (stage == 3 and isinstance(obj, TensorRef)):
-            report.add(path, f"holds a {type(obj).__name__}; load_universal expects a dict with a 'param' tensor")
+        tensor, meta, problems = read_state(obj, stage)
+        for problem in problems:
+            report.add(path, problem)
+        if tensor is None:
             continue
-        if not isinstance(tensor, TensorRef):
-            report.add(path, "has no 'param' tensor, which load_universal reads")
-            continue
-        if tensor.dtype != "float32":
-            report.add(path, f"holds {tensor.dtype}; DeepSpeed's universal states are float32")
-        for key, typ in _META_TYPES.items():
-            if key in meta and (type(meta[key]) is not typ):
-                report.add(path, f"marker {key!r} is {meta[key]!r}, expected a {typ.__name__}")
-        cat_dim = meta.get("cat_dim")
-        if type(cat_dim) is int and not 0 <= cat_dim < max(1, len(tensor.shape)):
-            report.add(path, f"cat_dim {cat_dim} is not a dimension of the {len(tensor.shape)}-d tensor")
-        if meta.get("is_expert_param") is True and type(meta.get("ep_num_experts")) is not int:
-            report.add(path, "expert parameter without an integer 'ep_num_experts', which load_universal needs to "
-                       "slice experts at another expert-parallel size")
         shapes[f] = _shape(tensor.shape)
         metas[f] = meta
     if shapes:
@@ -361,7 +309,7 @@ def _check_param(folder: str, name: str, report: VerifyReport, files: _Files, st
         meta = metas[ref_file]
         raw = stage == 3 and not isinstance(files.cache[os.path.join(pdir, ref_file)][1], dict)
         for f, s in shapes.items():
-            if (s == ref or f == ref_file) and not _fits(s, local, tp, meta, raw):
+            if (s == ref or f == ref_file) and not fits(s, local, tp, meta, raw):
                 shown = ", ".join(f"tp{t}: {list(v)}" for t, v in sorted(local.items()))
                 report.add(os.path.join(pdir, f), f"shape {list(s)} does not agree with the shape recorded in "
                            f"{os.path.basename(where) if where else 'the model states'} ({shown})")

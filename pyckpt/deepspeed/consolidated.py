@@ -9,14 +9,16 @@ tensor it shares. Nothing is read: every entry is a :class:`NewTensor` of byte p
 
 Trainable parameters come from the Universal Checkpoint plan, so everything the converter handles
 (tensor and pipeline parallelism merged by the TP rules, AutoEP experts gathered into full
-``[E, ...]`` tensors) consolidates the same way; ``zero_to_fp32`` refuses those inputs.
+``[E, ...]`` tensors) consolidates the same way; ``zero_to_fp32`` refuses those inputs. The same
+plan's ``fp32.pt`` tensors are what a Universal Checkpoint folder holds, so
+:mod:`~pyckpt.deepspeed.universal_read` consolidates one with :func:`assemble` too, taking them from there.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Callable, Iterable, Iterator, List, Tuple
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..formats.pickle_read import ITEMSIZE, TensorRef, numel
@@ -45,6 +47,36 @@ class ConsolidatedState:
 
 
 def consolidate(ck: ZeroCheckpoint, exclude_frozen: bool = False, dense_only: bool = False) -> ConsolidatedState:
+    def trainable() -> Iterator[Tuple[str, NewTensor]]:
+        # An input without universal_checkpoint_info is fine here as for zero_to_fp32, except where the
+        # TP merge rules would be guessed.
+        plan, _ = build_plan(ck, inject_missing_state=ck.tp * ck.pp == 1, dense_only=dense_only, strict=False)
+        fp32 = {arc.relpath[len("zero/"):-len("/fp32.pt")]: arc.obj for arc in plan.archives
+                if arc.relpath.startswith("zero/") and arc.relpath.endswith("/fp32.pt")}
+        for name, shape in trainable_shapes(ck).items():
+            obj = fp32.get(name)
+            if obj is None:
+                continue  # a parameter ZeRO kept no state for (dense_only experts): zero_to_fp32 has none either
+            t = obj["param"] if isinstance(obj, dict) else obj
+            expert = isinstance(obj, dict) and bool(obj.get("is_expert_param"))
+            if ck.tp == 1 and not expert:
+                # param_shapes is the full shape here (TP-merged and expert tensors carry their own)
+                if t.numel() != numel(shape):
+                    raise CheckpointFormatError(f"{ck.folder}: {name} gathers {t.numel()} elements, param_shapes says "
+                                                f"{shape}")
+                t = NewTensor(t.dtype, shape, t.pieces, t.requires_grad, t.data)  # ZeRO-3 writes flat 1-D tensors
+            yield name, t
+
+    return assemble(ck, trainable, exclude_frozen)
+
+
+def assemble(ck, trainable: Callable[[], Iterable[Tuple[str, NewTensor]]], exclude_frozen: bool) -> ConsolidatedState:
+    """zero_to_fp32's state dict around the trainable tensors ``trainable()`` yields in param_shapes order.
+
+    Buffers, frozen parameters and tied aliases come from the model-state files, which a ZeRO checkpoint
+    and its Universal Checkpoint hold alike; ``ck`` is either (a ZeroCheckpoint, or a UniversalCheckpoint:
+    only ``folder``, ``stage``, ``tp``, ``pp``, ``model`` and ``model_grid`` are read). ``trainable`` runs
+    after the frozen parameters are checked, so its errors come in zero_to_fp32's order."""
     first = ck.model[0]
     out = ConsolidatedState()
     buffers = set(first.buffer_names)
@@ -61,25 +93,9 @@ def consolidate(ck: ZeroCheckpoint, exclude_frozen: bool = False, dense_only: bo
             out.tensors[name] = (_zero3_frozen(ck, name, shape) if ck.stage == 3
                                  else _zero2_frozen(first, name, shape))
         out.frozen = tuple(first.frozen)
-    # An input without universal_checkpoint_info is fine here as for zero_to_fp32, except where the
-    # TP merge rules would be guessed.
-    plan, _ = build_plan(ck, inject_missing_state=ck.tp * ck.pp == 1, dense_only=dense_only, strict=False)
-    fp32 = {arc.relpath[len("zero/"):-len("/fp32.pt")]: arc.obj for arc in plan.archives
-            if arc.relpath.startswith("zero/") and arc.relpath.endswith("/fp32.pt")}
-    for name, shape in _trainable_shapes(ck).items():
+    for name, t in trainable():
         if name in out.tensors:
             raise CheckpointFormatError(f"{first.path}: {name} is both a buffer or frozen parameter and trainable")
-        obj = fp32.get(name)
-        if obj is None:
-            continue  # a parameter ZeRO kept no state for (dense_only experts): zero_to_fp32 has none either
-        t = obj["param"] if isinstance(obj, dict) else obj
-        expert = isinstance(obj, dict) and bool(obj.get("is_expert_param"))
-        if ck.tp == 1 and not expert:
-            # param_shapes is the full shape here (TP-merged and expert tensors carry their own)
-            if t.numel() != numel(shape):
-                raise CheckpointFormatError(f"{ck.folder}: {name} gathers {t.numel()} elements, param_shapes says "
-                                            f"{shape}")
-            t = NewTensor(t.dtype, shape, t.pieces, t.requires_grad, t.data)  # ZeRO-3 writes flat 1-D tensors
         out.tensors[name] = t
     for alias, holder in first.shared_params.items():
         if holder in out.tensors and alias not in out.tensors:
@@ -87,7 +103,7 @@ def consolidate(ck: ZeroCheckpoint, exclude_frozen: bool = False, dense_only: bo
     return out
 
 
-def _trainable_shapes(ck: ZeroCheckpoint) -> "OrderedDict[str, tuple]":
+def trainable_shapes(ck) -> "OrderedDict[str, tuple]":
     """param_shapes in DeepSpeed's union order over model-parallel ranks (first seen first)."""
     shapes: "OrderedDict[str, tuple]" = OrderedDict()
     for ms in ck.model:

@@ -43,16 +43,21 @@ def resolve_tag_folder(path) -> str:
     names = os.listdir(path)
     if any(n.endswith("_optim_states.pt") for n in names):
         return path
-    latest = os.path.join(path, "latest")
-    if os.path.lexists(latest):
-        tag = check_tag(read_small_text(latest).strip(), latest)
-        tag_dir = os.path.join(path, tag)
-        if not os.path.isdir(tag_dir):
-            raise CheckpointFormatError(f"{latest} names tag {tag!r}, but {tag_dir} does not exist")
-        return tag_dir
+    if os.path.lexists(os.path.join(path, "latest")):
+        return follow_pointer(path, "latest")
     _refuse_megatron_lm(path, names)
     raise CheckpointFormatError(f"{path}: no *_optim_states.pt files and no 'latest' file: not a DeepSpeed ZeRO "
                                 "checkpoint folder (pass the tag folder, e.g. .../global_step100, or its parent)")
+
+
+def follow_pointer(path: str, pointer: str) -> str:
+    """The tag folder that the pointer file ``pointer`` (``latest``, ``latest_universal``) in ``path`` names."""
+    latest = os.path.join(path, pointer)
+    tag = check_tag(read_small_text(latest).strip(), latest)
+    tag_dir = os.path.join(path, tag)
+    if not os.path.isdir(tag_dir):
+        raise CheckpointFormatError(f"{latest} names tag {tag!r}, but {tag_dir} does not exist")
+    return tag_dir
 
 
 _MEGATRON_RANK_DIR_RE = re.compile(r"^mp_rank_\d+(_\d+)?$")
@@ -158,7 +163,7 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
     grid = _rank_table(folder, zero_names)
     dp = _check_complete(folder, grid, "ZeRO optimizer shards")
     model = [read_model_states(SourceFile(os.path.join(folder, n))) for n in mp_names]
-    pp, tp = _parallel_dims(folder, model, names, sum(len(r) for r in grid.values()))
+    pp, tp = parallel_degrees(folder, model, names, sum(len(r) for r in grid.values()))
     if sorted(grid) != list(range(pp * tp)):
         raise CheckpointFormatError(f"{folder}: ZeRO shards exist for mp ranks {sorted(grid)}, but the model states "
                                     f"say pp={pp} x tp={tp}")
@@ -189,7 +194,7 @@ def _read_shards(folder, grid, first, mp_ranks, dp, stage) -> List[List[ZeroShar
     return rows
 
 
-def _parallel_dims(folder, model, names, n_zero):
+def parallel_degrees(folder, model, names, n_zero):
     """(pp, tp) as DeepSpeed derives them: checkpoint_parallel_dimensions, else the legacy file counts."""
     dims = [mf.parallel_dims for mf in model]
     given = [d for d in dims if d is not None]
