@@ -4,7 +4,8 @@
 Keys are taken in order; a tensor goes into the current shard unless it would take the shard past
 ``max_shard_size``, which closes the shard first; a tensor larger than the limit gets a shard of its
 own at once (so it is numbered before the shard being filled). Tensors sharing storage (tied
-aliases) join the shard of the first of them and count once in ``total_size``. One shard means a
+aliases) join the shard of the first of them, after that shard's other keys, and count once in
+``total_size``. One shard means a
 single file and no index; otherwise files are ``name-0000K-of-0000N.ext`` and an index maps every
 key, aliases included, to its file.
 """
@@ -78,10 +79,15 @@ def split(keys: Sequence[str], nbytes: Mapping[str, int], aliases: Mapping[str, 
     if current:
         shards.append(current)
     shard_of = {key: i for i, shard in enumerate(shards) for key in shard}
+    # Aliases follow the keys of their holder's shard, grouped by holder in the holders' order
+    # (huggingface_hub walks its storage groups after the split), even in a single file.
+    by_holder: Dict[str, List[str]] = {key: [] for key in keys if key not in aliases}
     for alias in (k for k in keys if k in aliases):
-        shards[shard_of[aliases[alias]]].append(alias)
+        by_holder[aliases[alias]].append(alias)
+    for holder, tied in by_holder.items():
+        shards[shard_of[holder]].extend(tied)
     if len(shards) <= 1:
-        return ShardSplit({weights_name: [k for k in keys]}, total)
+        return ShardSplit({weights_name: shards[0] if shards else []}, total)
     stem, dot, ext = weights_name.rpartition(".")
     n = len(shards)
     return ShardSplit({f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}": shard for i, shard in enumerate(shards)}, total)
