@@ -3,6 +3,7 @@
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -122,6 +123,7 @@ def test_failure_while_writing_leaves_nothing(ckpt_copy, tmp_path, monkeypatch):
     real = _core.write_archives
 
     def failing(sources, outputs, ops, *args, **kwargs):
+        ops = np.asarray(ops)
         real(sources, outputs[:3], ops[ops[:, 2] < 3], *args, **kwargs)  # some files really get written first
         raise OSError("disk full (simulated)")
 
