@@ -146,7 +146,12 @@ def _add_companions(plan: Plan, folder: str, config: Optional[dict], config_byte
         data = config_bytes if name == CONFIG_NAME else read_regular(path, COMPANION_MAX_BYTES)
         if name == CONFIG_NAME and config is not None:
             keys = [k for k in ("dtype", "torch_dtype") if k in config]
-            if any(str(config[k]).replace("torch.", "") != target for k in keys):
+            # A config naming no dtype is a float32 model to from_pretrained (transformers leaves the
+            # key out for a model built without one); any other export dtype is then written in.
+            stale = (any(str(config[k]).replace("torch.", "") != target for k in keys) if keys
+                     else target != "float32")
+            keys = keys or ["dtype"]
+            if stale:
                 config = dict(config)
                 for k in keys:
                     config[k] = TORCH_DTYPE_NAMES[target]

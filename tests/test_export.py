@@ -215,6 +215,14 @@ def test_config_and_tokenizer_beside_the_checkpoint_are_copied_and_the_dtype_fol
     assert (tmp_path / "auto" / "config.json").read_text() == json.dumps(config)  # unchanged: copied as it is
     got, _ = _load_export(tmp_path / "auto")
     assert {t.dtype for t in got.values() if t.is_floating_point()} == {torch.bfloat16}
+    # A config naming no dtype (transformers leaves the key out for a model built without one) is
+    # float32 to from_pretrained: copied as it is for fp32, given the export's dtype otherwise.
+    plain = {k: v for k, v in config.items() if k != "torch_dtype"}
+    (root / "config.json").write_text(json.dumps(plain))
+    export_hf(root, tmp_path / "plain_fp32")
+    assert (tmp_path / "plain_fp32" / "config.json").read_text() == json.dumps(plain)
+    export_hf(root, tmp_path / "plain_bf16", dtype="bf16")
+    assert json.loads((tmp_path / "plain_bf16" / "config.json").read_text()) == {**plain, "dtype": "bfloat16"}
     os.remove(root / "config.json")
     os.mkfifo(root / "config.json")  # a special file where the config should be: refused, not read
     with pytest.raises(Exception, match="config.json"):

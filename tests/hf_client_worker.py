@@ -1,0 +1,155 @@
+"""Trains tiny Hugging Face models under real DeepSpeed on CPU and saves them the way users do.
+
+Run by tests/test_hf_client.py under torchrun (2 ranks, gloo):
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/hf_client_worker.py JOB.json
+
+JOB.json: {"tokenizer": folder, "jobs": [{"kind": "engine" | "trainer", "model": "llama" | "mixtral",
+"stage": 2 | 3, "dtype": "fp32" | "bf16", "tie": bool, "autoep": int, "out": folder}, ...]}.
+
+For each job: the model is trained for two steps and saved with ``engine.save_checkpoint(out)`` (or
+by the Trainer, which writes ``out/checkpoint-2/``), and rank 0 writes the model config and the
+tokenizer beside the checkpoint, as the Trainer and DeepSpeed's examples do. Rank 0 then writes
+``out/reference.pt``: the training model's gathered weights (ZeRO-3: under GatheredParameters) and
+the logits a fresh model holding them gives on a fixed batch, on one thread, so that a test process
+can compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+SENTENCES = ["the quick brown fox jumps over the lazy dog", "a checkpoint cut into one shard per rank",
+             "pyckpt turns deepspeed checkpoints into model files", "every rank reads only its own bytes"]
+
+
+def build_tokenizer(folder: str):
+    """A word-level tokenizer trained on SENTENCES, saved as save_pretrained saves it (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[BOS]", "[EOS]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]",
+                                   eos_token="[EOS]")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def batch(tokenizer) -> torch.Tensor:
+    return tokenizer(SENTENCES, padding="max_length", max_length=10, truncation=True, return_tensors="pt")["input_ids"]
+
+
+def make_model(job: dict, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=job.get("tie", False),
+                  pad_token_id=1, bos_token_id=2, eos_token_id=3)
+    torch.manual_seed(1234)
+    if job["model"] == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common))
+    return LlamaForCausalLM(LlamaConfig(**common))
+
+
+def ds_config(job: dict) -> dict:
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+           "zero_optimization": {"stage": job["stage"]}, "steps_per_print": 1000}
+    if job["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if job.get("autoep"):
+        cfg["expert_parallel"] = {"enabled": True, "autoep_size": job["autoep"]}
+    return cfg
+
+
+def gathered_state(model, stage: int) -> dict:
+    if stage == 3:
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference(job: dict, state: dict, vocab: int, ids: torch.Tensor) -> dict:
+    """Logits of a fresh model holding the gathered weights, built in their dtype the way
+    from_pretrained builds one (rotary frequencies stay float32; a cast with .to() would round them)."""
+    template = make_model(job, vocab)
+    fresh = type(template)._from_config(template.config, dtype=next(iter(state.values())).dtype)
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    fresh.eval()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        logits = fresh(ids).logits
+    return {"state": state, "logits": logits, "missing": list(missing)}
+
+
+def run_engine(job: dict, tokenizer, rank: int) -> None:
+    import deepspeed
+
+    vocab = len(tokenizer)
+    model = make_model(job, vocab)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(job))
+    ids = batch(tokenizer)
+    mine = ids[2 * rank:2 * rank + 2]
+    for _ in range(2):
+        loss = engine(mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(job["out"])
+    state = gathered_state(engine.module, job["stage"])
+    if rank == 0:
+        # What the examples do beside save_checkpoint: the config and tokenizer, from rank 0.
+        engine.module.config.save_pretrained(job["out"])
+        tokenizer.save_pretrained(job["out"])
+        torch.save(reference(job, state, vocab, ids), os.path.join(job["out"], "reference.pt"))
+    dist.barrier()
+    engine.destroy()
+
+
+def run_trainer(job: dict, tokenizer, rank: int) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    vocab = len(tokenizer)
+    model = make_model(job, vocab)
+    ids = batch(tokenizer)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=job["out"], deepspeed=ds_config(job) | {
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+        per_device_train_batch_size=2, max_steps=2, save_strategy="steps", save_steps=2, logging_steps=1,
+        learning_rate=1e-2, report_to=[], use_cpu=True, seed=1234, bf16=job["dtype"] == "bf16", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    trainer.train()
+    state = gathered_state(trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model,
+                           job["stage"])
+    if rank == 0:
+        torch.save(reference(job, state, vocab, ids), os.path.join(job["out"], "reference.pt"))
+    dist.barrier()
+
+
+def main() -> int:
+    spec = json.loads(open(sys.argv[1]).read())
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        build_tokenizer(spec["tokenizer"])
+    dist.barrier()
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    for job in spec["jobs"]:
+        (run_trainer if job["kind"] == "trainer" else run_engine)(job, tokenizer, rank)
+        print(f"HF-CLIENT done {job['out']}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

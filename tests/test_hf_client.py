@@ -1,0 +1,139 @@
+"""A real client: models from ``transformers`` trained under DeepSpeed, exported by pyckpt, loaded back.
+
+One torchrun launch (2 CPU ranks, tests/hf_client_worker.py) trains tiny LlamaForCausalLM models
+under ZeRO-2 and ZeRO-3 (fp32, bf16, tied embeddings) with ``engine.save_checkpoint``, and one
+under the Hugging Face ``Trainer``'s DeepSpeed integration, which writes ``checkpoint-N/``; beside
+each checkpoint lie the model config and a tokenizer built locally with ``tokenizers``. The export
+must load with ``AutoModelForCausalLM.from_pretrained`` with nothing missing, unexpected or
+mismatched, hold the training model's gathered weights bit for bit, and give its logits on a fixed
+batch bit for bit (one thread on both sides).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pyckpt
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import hf_client_worker as worker  # noqa: E402
+
+# name -> job (the worker's fields); "export" is the dtype the test exports in.
+JOBS = {
+    "llama_z2_fp32": {"kind": "engine", "model": "llama", "stage": 2, "dtype": "fp32", "export": "fp32"},
+    "llama_z3_fp32_tied": {"kind": "engine", "model": "llama", "stage": 3, "dtype": "fp32", "tie": True,
+                           "export": "fp32"},
+    "llama_z2_bf16": {"kind": "engine", "model": "llama", "stage": 2, "dtype": "bf16", "export": "bf16"},
+    "llama_z3_bf16": {"kind": "engine", "model": "llama", "stage": 3, "dtype": "bf16", "export": "bf16"},
+    "trainer_z2_fp32": {"kind": "trainer", "model": "llama", "stage": 2, "dtype": "fp32", "export": "fp32"},
+}
+
+
+@pytest.fixture(scope="session")
+def hf_trained(ds_root, ds_environ) -> dict:
+    """name -> folder of each trained model's save (the folder holding `latest`, or the Trainer's
+    output_dir holding checkpoint-2/), with reference.pt written by the training ranks."""
+    root = ds_root / "hf_client"
+    root.mkdir()
+    jobs = [dict(job, out=str(root / name)) for name, job in JOBS.items()]
+    spec = root / "job.json"
+    spec.write_text(json.dumps({"tokenizer": str(root / "tokenizer"), "jobs": jobs}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "hf_client_worker.py"), str(spec)]
+    proc = subprocess.run(cmd, env=ds_environ, cwd=str(root), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return {name: root / name for name in JOBS}
+
+
+def _checkpoint(folder: Path, job: dict) -> Path:
+    return folder / "checkpoint-2" if job["kind"] == "trainer" else folder
+
+
+def _load(out: Path, caplog):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            model, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    finally:
+        hf_logging.disable_propagation()
+    complaints = [r.getMessage() for r in caplog.records
+                  if any(w in r.getMessage().lower() for w in ("missing", "unexpected", "mismatch", "newly initialized"))]
+    return model, info, complaints
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_export_loads_in_transformers_with_the_training_weights_and_logits(hf_trained, tmp_path, caplog, name):
+    from transformers import AutoTokenizer
+
+    job = JOBS[name]
+    folder = hf_trained[name]
+    ref = torch.load(folder / "reference.pt", weights_only=True)
+    out = tmp_path / "hf"
+    pyckpt.export_hf(_checkpoint(folder, job), out, dtype=job["export"])
+
+    model, info, complaints = _load(out, caplog)
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
+    assert complaints == []
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}[job["export"]]
+    assert model.dtype == want
+    config = json.loads((out / "config.json").read_text())
+    # the training config named no dtype (a float32 model to from_pretrained); a bf16 export says so
+    assert config.get("dtype", "float32") == str(want).replace("torch.", "")
+
+    state = model.state_dict()
+    assert set(ref["state"]) <= set(state)
+    bad = [k for k, v in ref["state"].items() if not torch.equal(v.to(want), state[k])]
+    assert bad == []
+    assert all(v.dtype == want for v in ref["state"].values() if v.is_floating_point())  # the training weights' dtype
+
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    ids = worker.batch(tokenizer)
+    model.eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(logits, ref["logits"])
+
+
+def test_tied_embeddings_stay_tied_and_out_of_the_file(hf_trained, tmp_path):
+    """save_pretrained leaves the tied lm_head out of safetensors; so does the export, and the
+    loaded model shares one tensor between the two."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    pyckpt.export_hf(hf_trained["llama_z3_fp32_tied"], out)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_command_line_export_of_the_trainers_checkpoint(hf_trained, tmp_path):
+    """`python -m pyckpt.export checkpoint-2 OUT` on the Trainer's folder: weights, index-free single
+    file, config, generation config and tokenizer, ready for from_pretrained."""
+    folder = _checkpoint(hf_trained["trainer_z2_fp32"], JOBS["trainer_z2_fp32"])
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "pyckpt.export", str(folder), str(out)], cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                       "tokenizer_config.json"]
+    assert proc.stderr.strip().splitlines()[-1].startswith("pyckpt: exported ")
