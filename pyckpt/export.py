@@ -22,7 +22,8 @@ from .deepspeed.consolidated import FLOATING, cast, consolidate
 from .deepspeed.discovery import discover
 from .deepspeed.names import check_tag
 from .deepspeed.universal_read import consolidate_universal, discover_universal, find_universal_folder
-from .errors import CheckpointFormatError
+from .deepspeed.autoep.hf_names import preset_of, to_hf_names
+from .errors import CheckpointFormatError, UnsupportedCheckpointError
 from .execution.publish import write_published
 from .formats.pickle_read import ITEMSIZE
 from .formats.safetensors import TensorEntry, layout
@@ -90,12 +91,14 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
     config, config_bytes = _read_config(os.path.dirname(ck.folder))
     target = resolve_dtype(dtype, config)
     limit = parse_size(max_shard_size)
-    tensors = {name: cast(t, target) if t.dtype in FLOATING else t for name, t in state.tensors.items()}
+    named = _hf_module_names(ck, state, config, plan_notes := [])
+    tensors = {name: cast(t, target) if t.dtype in FLOATING else t for name, t in named.items()}
     for name, t in tensors.items():
         if t.dtype not in ITEMSIZE:
             raise CheckpointFormatError(f"{ck.folder}: {name} has dtype {t.dtype}, which safetensors cannot hold")
     nbytes = {k: t.numel() * ITEMSIZE[t.dtype] for k, t in tensors.items()}
     plan = Plan()
+    plan.notes.extend(plan_notes)
     if torch_bin:
         # torch.save keeps shared storage: an alias is the same tensor as its holder, one storage in
         # the holder's file (what zero_to_fp32 writes without --safe_serialization)
@@ -132,6 +135,33 @@ def read_consolidated(input, tag: Optional[str] = None, exclude_frozen: bool = F
         if universal:
             return ck, consolidate_universal(ck, exclude_frozen=exclude_frozen, dense_only=dense_only)
         return ck, consolidate(ck, exclude_frozen=exclude_frozen, dense_only=dense_only)
+
+
+def _hf_module_names(ck, state, config: Optional[dict], notes: list):
+    """The state dict's tensors, AutoEP layers under the Hugging Face names of the model type the
+    config beside the checkpoint names (``deepspeed.autoep.hf_names``); as they are otherwise."""
+    layers = next((ms.autoep_layers for ms in ck.model if ms.autoep_layers is not None), None)
+    if not layers:
+        return state.tensors
+    for entry in layers:
+        if not (isinstance(entry, dict) and isinstance(entry.get("module_path"), str)
+                and isinstance(entry.get("expert_key_prefix"), str)):
+            raise CheckpointFormatError(f"{ck.model[0].path}: an ds_autoep_layers entry lacks its module_path or "
+                                        "expert_key_prefix")
+    preset = preset_of(config)
+    if preset is None:
+        kind = (config or {}).get("model_type")
+        notes.append(f"  AutoEP layers kept under their AutoEP names (router.gate, experts.w1/w2/w3): "
+                     f"{'no config.json beside the checkpoint' if config is None else f'model_type {kind!r} has no mapping'}")
+        return state.tensors
+    renamed = set(state.aliases.values()) & {name for e in layers for name in state.tensors
+                                             if name.startswith(e["module_path"] + ".")}
+    if renamed:
+        raise UnsupportedCheckpointError(f"{ck.folder}: {sorted(renamed)[0]} is both an AutoEP weight and shared "
+                                         "with another parameter")
+    notes.append(f"  AutoEP layers under the Hugging Face names of model_type {config['model_type']!r} "
+                 f"({preset[0]}, {preset[1]}.gate_up_proj, {preset[1]}.down_proj)")
+    return to_hf_names(state.tensors, layers, preset, ck.folder)
 
 
 def _add_companions(plan: Plan, folder: str, config: Optional[dict], config_bytes: Optional[bytes],

@@ -77,6 +77,37 @@ def gathered_state(model, stage: int) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def all_experts(state: dict) -> dict:
+    """AutoEP at ZeRO-2 keeps each EP rank's own experts: the full [E, ...] tensors, gathered in
+    rank order (the default placement: rank r holds experts [r*E/ep, (r+1)*E/ep))."""
+    out = dict(state)
+    for name, t in state.items():
+        if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and ".experts." in name:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, t.contiguous())
+            out[name] = torch.cat(parts, 0)
+    return out
+
+
+def mixtral_names(state: dict) -> dict:
+    """The AutoEP layers' tensors under transformers' Mixtral names, built with torch: the router
+    is mlp.gate, each expert's gate_up_proj is its w1 rows then its w3 rows, down_proj is w2 (the
+    inverse of DeepSpeed's moe/ep_repack.py::_repack_fused_3d, gate_up_first)."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".mlp.gate.gate.weight"):
+            continue  # AutoEP's second name for the router weight
+        if name.endswith(".mlp.router.gate.weight"):
+            out[name.replace(".mlp.router.gate.weight", ".mlp.gate.weight")] = t
+        elif name.endswith(".experts.w1"):
+            out[name[:-len("w1")] + "gate_up_proj"] = torch.cat([t, state[name[:-len("w1")] + "w3"]], dim=1)
+        elif name.endswith(".experts.w2"):
+            out[name[:-len("w2")] + "down_proj"] = t
+        elif not name.endswith(".experts.w3"):
+            out[name] = t
+    return out
+
+
 def reference(job: dict, state: dict, vocab: int, ids: torch.Tensor) -> dict:
     """Logits of a fresh model holding the gathered weights, built in their dtype the way
     from_pretrained builds one (rotary frequencies stay float32; a cast with .to() would round them)."""
@@ -104,12 +135,22 @@ def run_engine(job: dict, tokenizer, rank: int) -> None:
         engine.backward(loss)
         engine.step()
     engine.save_checkpoint(job["out"])
+    extra = {}
+    if job["model"] == "mixtral":
+        # The training model's own output (all EP ranks take part), to hold the Hugging Face
+        # layout's semantics to: the grouped expert kernels add in another order, so not bit for bit.
+        engine.module.eval()
+        with torch.no_grad():
+            extra["training_logits"] = engine.module(ids).logits
+        engine.module.train()
     state = gathered_state(engine.module, job["stage"])
+    if job["model"] == "mixtral":
+        state = mixtral_names(all_experts(state))
     if rank == 0:
         # What the examples do beside save_checkpoint: the config and tokenizer, from rank 0.
         engine.module.config.save_pretrained(job["out"])
         tokenizer.save_pretrained(job["out"])
-        torch.save(reference(job, state, vocab, ids), os.path.join(job["out"], "reference.pt"))
+        torch.save(reference(job, state, vocab, ids) | extra, os.path.join(job["out"], "reference.pt"))
     dist.barrier()
     engine.destroy()
 

@@ -1,8 +1,11 @@
 """A real client: models from ``transformers`` trained under DeepSpeed, exported by pyckpt, loaded back.
 
 One torchrun launch (2 CPU ranks, tests/hf_client_worker.py) trains tiny LlamaForCausalLM models
-under ZeRO-2 and ZeRO-3 (fp32, bf16, tied embeddings) with ``engine.save_checkpoint``, and one
-under the Hugging Face ``Trainer``'s DeepSpeed integration, which writes ``checkpoint-N/``; beside
+under ZeRO-2 and ZeRO-3 (fp32, bf16, tied embeddings) with ``engine.save_checkpoint``, one under
+the Hugging Face ``Trainer``'s DeepSpeed integration, which writes ``checkpoint-N/``, and a
+MixtralForCausalLM with AutoEP (experts split over 2 EP ranks, saved under AutoEP's own layer
+names, exported under Mixtral's: the reference there is built with torch from the training ranks'
+gathered experts, and the training model's own logits must match too); beside
 each checkpoint lie the model config and a tokenizer built locally with ``tokenizers``. The export
 must load with ``AutoModelForCausalLM.from_pretrained`` with nothing missing, unexpected or
 mismatched, hold the training model's gathered weights bit for bit, and give its logits on a fixed
@@ -35,6 +38,9 @@ JOBS = {
     "llama_z2_bf16": {"kind": "engine", "model": "llama", "stage": 2, "dtype": "bf16", "export": "bf16"},
     "llama_z3_bf16": {"kind": "engine", "model": "llama", "stage": 3, "dtype": "bf16", "export": "bf16"},
     "trainer_z2_fp32": {"kind": "trainer", "model": "llama", "stage": 2, "dtype": "fp32", "export": "fp32"},
+    # AutoEP, 2 EP ranks x 2 experts: the export puts router and experts back under Mixtral's names
+    "mixtral_autoep2_z2_fp32": {"kind": "engine", "model": "mixtral", "stage": 2, "dtype": "fp32", "autoep": 2,
+                                "export": "fp32"},
 }
 
 
@@ -109,6 +115,8 @@ def test_export_loads_in_transformers_with_the_training_weights_and_logits(hf_tr
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(logits, ref["logits"])
+    if "training_logits" in ref:  # AutoEP: the training model's own forward, all EP ranks together
+        assert torch.equal(logits, ref["training_logits"])
 
 
 def test_tied_embeddings_stay_tied_and_out_of_the_file(hf_trained, tmp_path):
@@ -137,3 +145,19 @@ def test_command_line_export_of_the_trainers_checkpoint(hf_trained, tmp_path):
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                                        "tokenizer_config.json"]
     assert proc.stderr.strip().splitlines()[-1].startswith("pyckpt: exported ")
+
+
+def test_autoep_names_stay_without_a_config(hf_trained, tmp_path):
+    """With no config.json beside the checkpoint the model type is unknown: the AutoEP layers keep
+    their own names, and the dry run says so."""
+    import shutil
+    folder = tmp_path / "ckpt"
+    shutil.copytree(hf_trained["mixtral_autoep2_z2_fp32"], folder)
+    os.remove(folder / "config.json")
+    report = pyckpt.export_hf(folder, tmp_path / "hf", dry_run=True)
+    assert "AutoEP layers kept under their AutoEP names" in report.plan_text
+    from safetensors import safe_open
+    pyckpt.export_hf(folder, tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.w1" in keys and "model.layers.0.mlp.experts.gate_up_proj" not in keys
