@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .formats.torch_zip import SourceFile, open_regular, read_small_text
 from .errors import CheckpointFormatError, PyckptError
-from .deepspeed.names import check_tag, name_problem
+from .deepspeed.names import check_tag, missing_ranks, name_problem
 from .deepspeed.universal_layout import LATEST_UNIVERSAL, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, read_state
 from .formats.pickle_read import ITEMSIZE, Opaque, TensorRef, numel
 
@@ -218,11 +218,16 @@ def _model_files(folder: str, names: List[str], report: VerifyReport, files: _Fi
         dp_world = dp_world if isinstance(dp_world, int) and dp_world > 0 else dps
         mp_world = mp_world if isinstance(mp_world, int) and mp_world > 0 else mps
         have = {(mp, dp) for mp, dp, _, _ in loaded}
-        for mp in range(max(mp_world, mps)):
-            for dp in range(max(dp_world, dps)):
-                if (mp, dp) not in have:
-                    report.add(os.path.join(folder, f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt"),
-                               f"missing: the model states name dp_world_size={dp_world}, mp_world_size={mp_world}")
+        # World sizes come from a pickle and ranks from names: list a few missing files, never loop
+        # over a huge grid (missing_ranks looks at most len(have) + 5 cells).
+        width = max(dp_world, dps)
+        cells = {mp * width + dp for mp, dp in have}
+        listed, count = missing_ranks(cells, max(mp_world, mps) * width)
+        for cell in listed:
+            mp, dp = divmod(cell, width)
+            report.add(os.path.join(folder, f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt"),
+                       f"missing: the model states name dp_world_size={dp_world}, mp_world_size={mp_world}"
+                       + (f" ({count} files missing in all)" if count > len(listed) else ""))
         tp = max(mp_world, mps)
         return stage, tp, [(mp, os.path.join(folder, n), obj) for mp, _, n, obj in loaded]
     stage = None

@@ -79,6 +79,19 @@ def test_missing_dp_rank_names_the_rank(ckpt_copy, tmp_path):
     _assert_no_output(out)
 
 
+def test_a_huge_rank_in_a_file_name_costs_no_huge_list(ckpt_copy, tmp_path):
+    # Found by test_fuzz: a shard renamed to rank 10**11 made the missing-rank report a list of
+    # 10**11 numbers (MemoryError). Now: the first few missing ranks and their count.
+    root, tag = ckpt_copy
+    victim = _optim(root, tag, 1)
+    os.rename(victim, str(victim).replace("zero_pp_rank_1_", "zero_pp_rank_100000000000_"))
+    out = tmp_path / "out" / "u"
+    out.parent.mkdir()
+    with pytest.raises(CheckpointFormatError, match=r"dp rank\(s\) \[1, 2, 3, 4, 5\] and 99999999994 more"):
+        pyckpt.convert_to_universal(root, out)
+    _assert_no_output(out)
+
+
 def test_missing_last_dp_rank_is_caught_by_partition_count(ckpt_copy, tmp_path):
     # Removing the highest rank leaves a gap-free set 0..dp-2, which only partition_count exposes.
     root, tag = ckpt_copy

@@ -15,7 +15,7 @@ from typing import Dict, List
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..formats.torch_zip import SourceFile, read_small_text
 from .model_states import ModelStates, read_model_states
-from .names import check_tag
+from .names import check_tag, missing_ranks
 from .zero_shards import ZeroShard, read_zero_shard, read_zero_stage
 
 _ZERO_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -136,12 +136,16 @@ def _rank_table(folder: str, zero_names: List[str]) -> Dict[int, Dict[int, str]]
 def _check_complete(folder: str, grid: Dict[int, Dict[int, str]], what: str) -> int:
     dp = 1 + max(max(d) for d in grid.values())
     for mp, ranks in sorted(grid.items()):
-        missing = [r for r in range(dp) if r not in ranks]
-        if missing:
-            example = next(iter(ranks.values()))
-            name = re.sub(r"zero_pp_rank_\d+", f"zero_pp_rank_{missing[0]}", example)
-            raise CheckpointFormatError(f"{folder}: {what} for dp rank(s) {missing} of mp rank {mp} are missing "
-                                        f"(expected e.g. {name}; found dp ranks {sorted(ranks)})")
+        if len(ranks) == dp:
+            continue
+        listed, count = missing_ranks(ranks, dp)
+        first = listed[0]
+        shown = str(listed) if count <= len(listed) else f"{listed} and {count - len(listed)} more"
+        example = next(iter(ranks.values()))
+        name = re.sub(r"zero_pp_rank_\d+", f"zero_pp_rank_{first}", example)
+        found = sorted(ranks)
+        raise CheckpointFormatError(f"{folder}: {what} for dp rank(s) {shown} of mp rank {mp} are missing "
+                                    f"(expected e.g. {name}; found dp ranks {found if len(found) <= 16 else found[:16] + ['...']})")
     return dp
 
 
@@ -224,7 +228,7 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
     grid = _rank_table(folder, zero3)
     dp = _check_complete(folder, grid, "ZeRO-3 optimizer shards")
     tp = 1 + max(grid)
-    missing_tp = [t for t in range(tp) if t not in grid]
+    missing_tp, _ = missing_ranks(grid, tp)
     if missing_tp:
         raise CheckpointFormatError(f"{folder}: ZeRO-3 optimizer shards for tp rank(s) {missing_tp} are missing")
     model_names = [n for n in names if n.endswith("_model_states.pt") and not is_expert_model_file(n)]
@@ -236,7 +240,7 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
         if m:
             by_rank[(int(m.group(2)), int(m.group(1)))] = n
     for t in range(tp):
-        missing = [r for r in range(dp) if (t, r) not in by_rank]
+        missing, _ = missing_ranks({r for (tt, r) in by_rank if tt == t}, dp)
         if missing:
             raise CheckpointFormatError(f"{folder}: ZeRO-3 model-state files for dp rank(s) {missing} of tp rank {t} "
                                         f"are missing (expected zero_pp_rank_{missing[0]}_mp_rank_{t:02d}_model_states.pt)")

@@ -17,6 +17,7 @@ Anything else is refused with an error naming the file and the key, before any o
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -68,3 +69,12 @@ def check_tag(tag: str, latest_path: str) -> str:
     if tag in ("", ".", "..") or "/" in tag or "\x00" in tag or os.sep in tag:
         raise CheckpointFormatError(f"{latest_path}: names tag {tag!r}, which is not a folder name beside it")
     return tag
+
+
+def missing_ranks(present, count: int, limit: int = 5):
+    """(the first ``limit`` numbers of ``range(count)`` not in ``present``, how many are missing).
+
+    Rank numbers and world sizes come from file names and pickles: a huge one must cost neither a
+    huge list nor a long loop (at most ``len(present) + limit`` numbers are looked at)."""
+    listed = list(itertools.islice((r for r in range(count) if r not in present), limit))
+    return listed, count - sum(1 for r in present if 0 <= r < count)

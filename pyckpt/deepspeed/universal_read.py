@@ -37,6 +37,7 @@ from ..planning.plan import Piece
 from .consolidated import ConsolidatedState, assemble, trainable_shapes
 from .discovery import follow_pointer, natural_key, parallel_degrees
 from .model_states import ModelStates, read_model_states
+from .names import missing_ranks
 from .universal_layout import LATEST_UNIVERSAL, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, read_state
 
 
@@ -95,7 +96,7 @@ def discover_universal(folder) -> UniversalCheckpoint:
         raise CheckpointFormatError(f"{folder}: no *_model_states.pt file: a Universal Checkpoint keeps a copy of "
                                     "the model states (buffers, parameter shapes, frozen parameters) beside zero/")
     if z12:
-        missing = [m for m in range(1 + max(z12)) if m not in z12]
+        missing, _ = missing_ranks(z12, 1 + max(z12))
         if missing:
             raise CheckpointFormatError(f"{os.path.join(folder, f'mp_rank_{missing[0]:02d}_model_states.pt')}: missing "
                                         f"(found mp ranks {sorted(z12)})")
@@ -105,6 +106,14 @@ def discover_universal(folder) -> UniversalCheckpoint:
         return UniversalCheckpoint(folder, 2, 1, tp, pp, model, [model])
     tp, dp = 1 + max(t for t, _ in z3), 1 + max(d for _, d in z3)
     files = {}
+    if len(z3) != tp * dp:
+        for t in range(tp):
+            missing, _ = missing_ranks({d for (tt, d) in z3 if tt == t}, dp, 1)
+            if missing:
+                d = missing[0]
+                raise CheckpointFormatError(f"{os.path.join(folder, f'zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt')}"
+                                            f": missing (found {len(z3)} ZeRO-3 model-state files, up to dp rank "
+                                            f"{dp - 1} and tp rank {tp - 1})")
     for t in range(tp):
         for d in range(dp):
             if (t, d) not in z3:
