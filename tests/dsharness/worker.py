@@ -565,6 +565,30 @@ def run_fail(task: dict, rank: int, world_size: int) -> dict:
     return {}
 
 
+_CALL_MODULES: dict = {}
+
+
+def call_module(path: str):
+    """The module at file `path`, imported once per process (the supervisor imports it before the
+    fork, so its imports are paid once per launch rather than once per rank)."""
+    if path not in _CALL_MODULES:
+        import importlib.util
+        name = "dsharness_call_" + os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        _CALL_MODULES[path] = module
+    return _CALL_MODULES[path]
+
+
+def run_call(task: dict, rank: int, world_size: int) -> dict:
+    """A task another test file defines: `getattr(<module at task["module"]>, task["function"])(task,
+    rank, world_size)`, run in every rank inside the launch's process group; rank 0's returned dict
+    (tensors, numbers, strings, plain containers) is the task's result."""
+    return getattr(call_module(task["module"]), task["function"])(task, rank, world_size)
+
+
 def run_rank(job: dict, rank: int) -> None:
     world_size = job["world_size"]
     os.environ.update({
@@ -583,7 +607,7 @@ def run_rank(job: dict, rank: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     for task in job["tasks"]:
         t0 = time.perf_counter()
-        run = {"save": run_save, "load": run_load, "fail": run_fail}[task["kind"]]
+        run = {"save": run_save, "load": run_load, "fail": run_fail, "call": run_call}[task["kind"]]
         state = run(task, rank, world_size)
         state.setdefault("meta", {})["seconds"] = time.perf_counter() - t0
         tdist.barrier()
@@ -640,6 +664,9 @@ def main() -> int:
     skip_shm_comm_op()
     t0 = time.perf_counter()
     warm_up()
+    for task in job["tasks"]:
+        if task["kind"] == "call":
+            call_module(task["module"])
     t1 = time.perf_counter()
     status = supervise(job)
     # Phase timings for the launch log: where a launch's wall time goes.

@@ -1,0 +1,54 @@
+"""Accelerated Universal Checkpoint loading for DeepSpeed: each rank reads only its own bytes.
+
+``enable()`` replaces the universal load of DeepSpeed's ZeRO-1/2, BF16 and ZeRO-3 optimizers
+(:mod:`.hooks`); ``engine.load_checkpoint(...)`` with ``"checkpoint": {"load_universal": true}`` then
+parses the state files with pyckpt's safe reader and gathers each rank's element runs natively into
+its flat partitions and new optimizer-state buffers (:mod:`.zero12`, :mod:`.zero3`). Public as
+``pyckpt.deepspeed.enable`` / ``disable``.
+"""
+
+from __future__ import annotations
+
+
+class _Enabled:
+    """What ``enable()`` returns: truthy when the hooks are in place; as a context manager, it
+    removes them again on exit if this call installed them."""
+
+    def __init__(self, active: bool, installed_here: bool):
+        self.active = active
+        self._installed_here = installed_here
+
+    def __bool__(self) -> bool:
+        return self.active
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed_here:
+            disable()
+
+    def __repr__(self) -> str:
+        return f"<pyckpt accelerated universal load: {'enabled' if self.active else 'not enabled'}>"
+
+
+def enable() -> _Enabled:
+    """Route DeepSpeed's universal checkpoint loads through pyckpt. Returns a falsy handle (and
+    leaves DeepSpeed alone, with a warning) on a DeepSpeed version pyckpt was not proven against."""
+    from . import hooks
+
+    already = hooks.installed()
+    return _Enabled(hooks.install(), installed_here=not already)
+
+
+def disable() -> None:
+    """Give the universal load back to DeepSpeed."""
+    from . import hooks
+
+    hooks.uninstall()
+
+
+def enabled() -> bool:
+    from . import hooks
+
+    return hooks.installed()

@@ -1,0 +1,127 @@
+"""Where pyckpt takes over DeepSpeed's Universal Checkpoint load, and the agreement around it.
+
+DeepSpeed reaches a universal load only through ``engine._load_zero_checkpoint``, which calls the
+optimizer's ``_load_universal_checkpoint(checkpoint_folder, load_optimizer_states,
+load_from_fp32_weights)``; replacing that method on the three optimizer classes leaves the rest of
+``load_checkpoint`` DeepSpeed's own (``latest_universal``, the model-state file, scheduler, counters,
+``client_state``, the ZeRO-3 prologue and epilogue, ``update_lp_params``).
+
+Every rank plans its load first, changing nothing; the ranks then agree with one collective (every
+rank is inside ``load_checkpoint``, a collective call, so all of them reach it). If any rank's plan
+failed, all raise, each naming the failing ranks, and none has changed its state; no rank is left
+waiting in DeepSpeed's later collectives. If any rank met a layout this backend does not load yet,
+all ranks hand the call to DeepSpeed's own method, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+from . import zero3, zero12
+from .zero12 import Unsupported
+
+logger = logging.getLogger("pyckpt")
+
+# The DeepSpeed versions whose load path these hooks were proven against (tests/test_load_backend.py).
+PROVEN_VERSIONS = ("0.19.8", )
+
+# (module, class) -> the planner for that optimizer class
+_TARGETS: Dict[Tuple[str, str], Callable] = {
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
+        lambda opt, folder, los, lfp32: zero12.plan(opt, "bit16_groups", folder),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer"):
+        lambda opt, folder, los, lfp32: zero12.plan(opt, "bf16_groups", folder),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"): zero3.plan,
+}
+_ORIGINALS: Dict[type, Callable] = {}
+# What the last load through pyckpt did on this rank, for tests and benchmarks.
+last_load: Dict[str, object] = {}
+
+
+def _agree(failure: Optional[str], unsupported: Optional[str]) -> Tuple[list, list]:
+    """Every rank's planning outcome: (failures, unsupported reasons), as (rank, message) lists."""
+    import torch.distributed as tdist
+
+    mine = (failure, unsupported)
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        everyone = [mine]
+    else:
+        everyone = [None] * tdist.get_world_size()
+        tdist.all_gather_object(everyone, mine)
+    failures = [(r, f) for r, (f, _) in enumerate(everyone) if f]
+    unsupported = [(r, u) for r, (_, u) in enumerate(everyone) if u]
+    return failures, unsupported
+
+
+class RankLoadError(RuntimeError):
+    """Another rank could not plan its part of the load."""
+
+
+def _load(planner: Callable, original: Callable):
+    def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
+        t0 = time.perf_counter()
+        apply = error = failure = unsupported = None
+        try:
+            apply = planner(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
+        except Unsupported as exc:
+            unsupported = str(exc)
+        except Exception as exc:  # shared with the other ranks, then raised here
+            error, failure = exc, f"{type(exc).__name__}: {exc}"
+        failures, unsupported_all = _agree(failure, unsupported)
+        if error is not None:
+            others = [r for r, _ in failures]
+            if len(others) > 1:
+                error.add_note(f"pyckpt: the load failed on ranks {others}")
+            raise error
+        if failures:
+            rank, message = failures[0]
+            raise RankLoadError(f"pyckpt: the universal load failed on rank {rank} ({message})"
+                                + (f" and {len(failures) - 1} more rank(s)" if len(failures) > 1 else "")
+                                + "; no rank changed its state")
+        if unsupported_all:
+            rank, reason = unsupported_all[0]
+            logger.warning("pyckpt: DeepSpeed's own loader takes this universal load (rank %d: %s)", rank, reason)
+            last_load.clear()
+            last_load.update(backend="deepspeed", reason=reason)
+            return original(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
+        t1 = time.perf_counter()
+        nbytes = apply()
+        last_load.clear()
+        last_load.update(backend="pyckpt", bytes_read=nbytes, plan_s=t1 - t0, gather_s=time.perf_counter() - t1)
+
+    _load_universal_checkpoint.__wrapped__ = original
+    _load_universal_checkpoint.__pyckpt__ = True
+    return _load_universal_checkpoint
+
+
+def install() -> bool:
+    """Replace the three optimizers' universal load; False (and DeepSpeed untouched) on a DeepSpeed
+    version these hooks were not proven against."""
+    import importlib
+
+    import deepspeed
+
+    if deepspeed.__version__ not in PROVEN_VERSIONS:
+        logger.warning("pyckpt: the accelerated universal load is proven against DeepSpeed %s, not %s; DeepSpeed's "
+                       "own loader stays in place", ", ".join(PROVEN_VERSIONS), deepspeed.__version__)
+        return False
+    for (module, name), planner in _TARGETS.items():
+        cls = getattr(importlib.import_module(module), name)
+        if cls in _ORIGINALS:
+            continue
+        original = cls.__dict__["_load_universal_checkpoint"]
+        _ORIGINALS[cls] = original
+        cls._load_universal_checkpoint = _load(planner, original)
+    return True
+
+
+def uninstall() -> None:
+    for cls, original in _ORIGINALS.items():
+        cls._load_universal_checkpoint = original
+    _ORIGINALS.clear()
+
+
+def installed() -> bool:
+    return bool(_ORIGINALS)

@@ -1,0 +1,134 @@
+"""Universal load for ZeRO-1/2 (``DeepSpeedZeroOptimizer``) and ``BF16_Optimizer``.
+
+The state DeepSpeed 0.19.8's ``ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir`` leaves,
+built from each rank's own bytes: the loss-scaler fields (``_load_global_state``), every mapped
+fragment of the flat fp32 partition filled in place (padding untouched), one new flat buffer per
+optimizer state key shaped, typed and placed like the partition (zero at padding) with each
+parameter's ``optim_fragment[key]`` a view of it, the group's ``step`` and its hyper-parameters.
+
+One difference, on purpose: a rank whose partition of a group is padding only gets that group's
+step and zero state buffers (from the group's first parameter's folder), as a run that never
+checkpointed has them; DeepSpeed dies there with ``IndexError``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+from ..deepspeed.universal_slice import narrow, tp_slice_runs, total
+from .gather import TensorFill
+from .state_files import read_global_state, read_param_states
+
+
+class Unsupported(Exception):
+    """A layout this backend does not load yet: DeepSpeed's own loader takes the call."""
+
+
+def _step_equal(a, b) -> bool:
+    import torch
+
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return bool(torch.equal(a, b))
+    return a == b
+
+
+def plan(opt, lp_groups_name: str, checkpoint_dir: str):
+    """Everything the load will do, with nothing changed yet: (apply, bytes per destination)."""
+    from deepspeed.checkpoint.universal_checkpoint import _get_param_uc_restore_meta
+    from deepspeed.runtime.base_optimizer import _get_universal_checkpoint_ep_info
+    from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank
+
+    zero_dir = os.path.join(checkpoint_dir, "zero")
+    gs = read_global_state(zero_dir, 2)
+    tp_rank = bwc_tensor_model_parallel_rank(mpu=opt.mpu)
+    if opt.mpu is None:
+        tp_size = 1
+    elif hasattr(opt.mpu, "get_slice_parallel_world_size"):
+        tp_size = opt.mpu.get_slice_parallel_world_size()
+    else:
+        tp_size = opt.mpu.get_tensor_model_parallel_world_size()
+    ep_rank, ep_size = _get_universal_checkpoint_ep_info()
+    lp_groups = getattr(opt, lp_groups_name)
+
+    groups = []
+    for i, (group, ckpt_group) in enumerate(zip(opt.optimizer.param_groups, gs.param_groups)):
+        flat = group["params"][0]
+        # state key -> [(state file, its runs, where they land in the flat)]; the buffers are made
+        # only when the plan is applied, so nothing exists before every rank has planned.
+        states: Dict[str, List[tuple]] = {}
+        fp32 = TensorFill(flat)
+        links: List[tuple] = []  # (lp, hp_start, numel)
+        steps = []
+        for lp in lp_groups[i]:
+            mapping = lp._hp_mapping
+            if mapping is None:
+                continue
+            if _get_param_uc_restore_meta(lp) is not None or getattr(lp, "ds_autoep_uc_meta", None) is not None:
+                raise Unsupported(f"{opt.param_names[lp]} carries AutoTP/AutoEP restore metadata")
+            ps = read_param_states(zero_dir, opt.param_names[lp], 2)
+            lp_start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            hp_start = mapping.hp_fragment_address.start
+            for key, sf in ps.states.items():
+                if not sf.is_dict:
+                    raise Unsupported(f"{sf.source.path} holds a bare tensor")
+                runs = tp_slice_runs(sf.tensor.shape, sf.meta, tuple(lp.shape), tp_rank, tp_size, ep_rank, ep_size,
+                                     sf.source.path)
+                part = narrow(runs, lp_start, numel)
+                if total(part) != numel:
+                    raise RuntimeError(f"start ({lp_start}) + length ({numel}) exceeds dimension size "
+                                       f"({total(runs)})")
+                if key == "fp32":
+                    fp32.add(sf.source, sf.tensor, part, hp_start)
+                else:
+                    states.setdefault(key, []).append((sf, part, hp_start))
+            links.append((lp, hp_start, numel))
+            steps.append(ps.step)
+        if not links and lp_groups[i]:
+            # Padding only on this rank: the group's step and state keys from its first parameter.
+            ps = read_param_states(zero_dir, opt.param_names[lp_groups[i][0]], 2)
+            steps.append(ps.step)
+            for key in ps.states:
+                if key != "fp32":
+                    states.setdefault(key, [])
+        assert all(_step_equal(s, steps[0]) for s in steps), f"Steps {steps} are not equal"
+        groups.append((group, ckpt_group, flat, fp32, states, links, steps[0] if steps else None))
+
+    def apply(workers: int = 0) -> int:
+        import torch
+
+        opt._load_global_state(_global_view(gs, opt))
+        nbytes = 0
+        for group, ckpt_group, flat, fp32, states, links, step in groups:
+            for lp, _, _ in links:
+                lp._hp_mapping.optim_fragment = {}
+            fp32.run(workers)
+            nbytes += fp32.bytes_read
+            if step is not None:
+                opt.optimizer.state[flat]["step"] = step
+            for key in sorted(states):
+                buffer = torch.zeros_like(flat)
+                fill = TensorFill(buffer)
+                for sf, part, hp_start in states[key]:
+                    fill.add(sf.source, sf.tensor, part, hp_start)
+                fill.run(workers)
+                nbytes += fill.bytes_read
+                for lp, hp_start, numel in links:
+                    lp._hp_mapping.optim_fragment[key] = buffer.narrow(0, hp_start, numel)
+                opt.optimizer.state[flat][key] = buffer
+            for key, value in ckpt_group.items():
+                if key != "params":
+                    group[key] = value
+        return nbytes
+
+    return apply
+
+
+def _global_view(gs, opt) -> dict:
+    """``optimizer_state.pt`` as ``_load_global_state`` reads it, with the loss scaler rebuilt safely."""
+    from .state_files import loss_scaler
+
+    view = {k: v for k, v in gs.raw.items() if k != "loss_scaler"}
+    if "loss_scaler" in gs.raw:
+        view["loss_scaler"] = loss_scaler(gs.raw["loss_scaler"], getattr(opt, "loss_scaler", None), gs.path)
+    return view

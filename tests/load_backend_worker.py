@@ -1,0 +1,214 @@
+"""Rank code for tests/test_load_backend.py, run in a dsharness launch through `call` tasks.
+
+`run`: every rank builds an engine and loads a universal folder with DeepSpeed's own loader, takes a
+snapshot of everything the load restores (per rank, not gathered: flat fp32 partitions with their
+padding, every optimizer state tensor, steps, hyper-parameters, loss-scaler fields, low-precision
+parameters, fragment views, counters, scheduler and client state), takes one more training step
+and snapshots again; then the same with pyckpt's backend enabled. Each rank compares the two and
+rank 0 returns every rank's differences. `truth`: the same snapshot of a run trained one step
+further without a checkpoint, for the fields where pyckpt corrects DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "dsharness"))
+import worker as W  # noqa: E402  (dsharness/worker.py, already imported by the supervisor)
+
+
+def _t(x):
+    return x.detach().cpu().clone() if torch.is_tensor(x) else x
+
+
+def snapshot(engine) -> dict:
+    """Everything a universal load restores on this rank, keyed by a readable path."""
+    opt = engine.optimizer
+    base = opt.optimizer
+    snap = {}
+    index = {}
+    for gi, group in enumerate(base.param_groups):
+        snap[f"group{gi}/hyper"] = {k: v for k, v in group.items() if k != "params"}
+        for pi, p in enumerate(group["params"]):
+            index[p] = f"group{gi}/param{pi}"
+    stage3 = hasattr(opt, "fp32_partitioned_groups_flat")
+    flats = opt.fp32_partitioned_groups_flat if stage3 else [g["params"][0] for g in base.param_groups]
+    for fi, flat in enumerate(flats):
+        # ZeRO-3 empties its groups' "params" between steps (and the load does too): name by sub-group.
+        name = f"flat{fi}" if stage3 else index.get(flat, f"flat{fi}")
+        snap[f"{name}/fp32"] = _t(flat)
+        for key, value in base.state.get(flat, {}).items():
+            snap[f"{name}/state/{key}"] = _t(value)
+    if stage3:
+        for gi, flat in enumerate(opt.fp16_partitioned_groups_flat):
+            snap[f"lp_flat{gi}"] = _t(flat)
+        for name, p in engine.module.named_parameters():
+            q = p.ds_tensor.numel()
+            rank = tdist.get_rank(group=opt._get_param_partition_group(p))
+            real = max(0, min(q, p.ds_numel - rank * q))
+            snap[f"mask/ds_tensor/{name}"] = torch.arange(q) < real
+            # A frozen parameter's padding is uninitialised memory that no load touches.
+            snap[f"ds_tensor/{name}"] = _t(p.ds_tensor if p.requires_grad else p.ds_tensor.view(-1)[:real])
+        # Which elements of each sub-group's flat are real (the rest is per-parameter padding,
+        # uninitialised memory in a run that never loaded a checkpoint).
+        for gi, group in enumerate(opt.fp16_groups):
+            parts = []
+            for p in group:
+                world = tdist.get_world_size(group=opt._get_param_partition_group(p))
+                rank = tdist.get_rank(group=opt._get_param_partition_group(p))
+                q = p.ds_tensor.numel()
+                real = max(0, min(q, p.ds_numel - rank * q))
+                parts += [torch.ones(real, dtype=torch.bool), torch.zeros(q - real, dtype=torch.bool)]
+                assert q * world >= p.ds_numel
+            mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+            flat = opt.fp32_partitioned_groups_flat[gi]
+            snap[f"mask/flat{gi}"] = torch.cat([mask, torch.zeros(flat.numel() - mask.numel(), dtype=torch.bool)])
+    else:
+        buffers = {v.untyped_storage().data_ptr() for st in base.state.values() for v in st.values()
+                   if torch.is_tensor(v) and v.dim() > 0}
+        for name, p in engine.module.named_parameters():
+            snap[f"lp/{name}"] = _t(p)
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is not None:
+                snap[f"hp_fragment/{name}"] = _t(mapping.get_hp_fragment())
+                for key, view in (mapping.optim_fragment or {}).items():
+                    snap[f"optim_fragment/{name}/{key}"] = _t(view)
+                    # a view into the group's state buffer, not a copy of it
+                    snap[f"optim_fragment_is_view/{name}/{key}"] = view.untyped_storage().data_ptr() in buffers
+    scaler = getattr(opt, "loss_scaler", None)
+    snap["loss_scaler"] = (type(scaler).__name__, dict(vars(scaler))) if scaler is not None else None
+    for attr in ("clip_grad", "overflow", "dynamic_loss_scale"):
+        snap[attr] = getattr(opt, attr, None)
+    snap["global_steps"] = engine.global_steps
+    snap["global_samples"] = engine.global_samples
+    snap["scheduler"] = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    return snap
+
+
+def own_bytes(engine) -> int:
+    """This rank's share of the universal files: 4 bytes x 3 states x the real elements its
+    partitions hold."""
+    opt = engine.optimizer
+    if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_partitioned_groups_flat"):
+        n = 0
+        for group in opt.fp16_groups:
+            for p in group:
+                rank = tdist.get_rank(group=opt._get_param_partition_group(p))
+                q = p.ds_tensor.numel()
+                n += max(0, min(q, p.ds_numel - rank * q))
+    else:
+        n = sum(p._hp_mapping.lp_fragment_address.numel for p in engine.module.parameters()
+                if getattr(p, "_hp_mapping", None) is not None)
+    return 12 * n
+
+
+def diff(a: dict, b: dict, skip=()) -> list:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if any(key.startswith(s) or key.endswith(s) for s in skip):
+            continue
+        if key not in a or key not in b:
+            out.append(f"{key}: only in {'stock' if key in a else 'pyckpt'}")
+            continue
+        x, y = a[key], b[key]
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            if not (torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and x.shape == y.shape
+                    and torch.equal(x, y)):
+                out.append(f"{key}: {x!r} != {y!r}"[:300])
+        elif x != y:
+            out.append(f"{key}: {x!r} != {y!r}"[:300])
+    return out
+
+
+def _load(cfg, world_size: int, rank: int, root: str, tag: str, backend: bool, **kw):
+    import pyckpt.deepspeed
+    from pyckpt.load_universal import hooks
+
+    engine = W.make_engine(cfg, world_size, load_universal=True)
+    handle = pyckpt.deepspeed.enable() if backend else None
+    try:
+        path, client = engine.load_checkpoint(root, tag=tag, **kw)
+    finally:
+        if handle is not None:
+            pyckpt.deepspeed.disable()
+    info = dict(hooks.last_load) if backend else {}
+    info["own_bytes"] = own_bytes(engine)
+    before = snapshot(engine)
+    engine.train()
+    loss = W.train_step(engine, cfg, rank, engine.global_steps)
+    after = snapshot(engine)
+    client = {k: v for k, v in (client or {}).items() if k not in ("ds_config", )}
+    engine.destroy()
+    return before, after, loss, client, info
+
+
+def _everyone(value):
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, value)
+    return out
+
+
+def run(task: dict, rank: int, world_size: int) -> dict:
+    cfg = task["cfg"]
+    skip = tuple(task.get("skip", ()))
+    kw = task.get("load_kwargs", {})
+    s_before, s_after, s_loss, s_client, _ = _load(cfg, world_size, rank, task["root"], task["tag"], False, **kw)
+    p_before, p_after, p_loss, p_client, info = _load(cfg, world_size, rank, task["root"], task["tag"], True, **kw)
+    mine = {
+        "before": diff(s_before, p_before, skip),
+        "after": diff(s_after, p_after, skip + tuple(task.get("skip_after", ()))),
+        "loss": (s_loss, p_loss),
+        "client_equal": repr(s_client) == repr(p_client),
+        "info": info,
+        "keys": len(s_before),
+    }
+    result = {"ranks": _everyone(mine)}
+    if task.get("keep"):
+        result["pyckpt_before"] = _everyone({k: v for k, v in p_before.items() if any(s in k for s in task["keep"])})
+        result["stock_before"] = _everyone({k: v for k, v in s_before.items() if any(s in k for s in task["keep"])})
+    return result
+
+
+def truth(task: dict, rank: int, world_size: int) -> dict:
+    """A run trained `steps + 1` steps without a checkpoint: the snapshot before and after its last step."""
+    cfg = task["cfg"]
+    engine = W.make_engine(cfg, world_size)
+    engine.train()
+    for step in range(cfg["steps"]):
+        W.train_step(engine, cfg, rank, step)
+    before = snapshot(engine)
+    loss = W.train_step(engine, cfg, rank, cfg["steps"])
+    after = snapshot(engine)
+    engine.destroy()
+    return {"ranks": _everyone({"before": before, "after": after, "loss": loss})}
+
+
+def with_backend(task: dict, rank: int, world_size: int) -> dict:
+    """Load with pyckpt only; snapshot before and after one more step."""
+    cfg = task["cfg"]
+    before, after, loss, _, info = _load(cfg, world_size, rank, task["root"], task["tag"], True)
+    return {"ranks": _everyone({"before": before, "after": after, "loss": loss, "info": info})}
+
+
+def failing(task: dict, rank: int, world_size: int) -> dict:
+    """Load a damaged universal folder with pyckpt: every rank's exception, and whether any optimizer
+    state changed on the way."""
+    import pyckpt.deepspeed
+
+    cfg = task["cfg"]
+    engine = W.make_engine(cfg, world_size, load_universal=True)
+    before = snapshot(engine)
+    error = None
+    with pyckpt.deepspeed.enable():
+        try:
+            engine.load_checkpoint(task["root"], tag=task["tag"])
+        except Exception as exc:  # noqa: BLE001  (reported to the test)
+            error = (type(exc).__name__, str(exc))
+    changed = diff(before, snapshot(engine), skip=("global_steps", "global_samples", "scheduler"))
+    engine.destroy()
+    return {"ranks": _everyone({"error": error, "changed": changed})}
