@@ -91,6 +91,8 @@ def test_state_equals_deepspeeds_own_load(loads, name, ws):
         assert r["client_equal"], rank
         assert r["after"] == [], (rank, r["after"])
         assert r["loss"][0] == r["loss"][1], (rank, r["loss"])
+        # the model-state file went through the weights-only memory map, not DeepSpeed's full read
+        assert len(r["info"]["model_states_mapped"]) == 1 and r["info"]["model_states_refused"] == [], r["info"]
 
 
 @pytest.mark.parametrize("name,ws", PAIRS, ids=[f"{n}-ws{w}" for n, w in PAIRS])

@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Callable, Dict, Optional, Tuple
 
-from . import zero3, zero12
+from . import model_state_file, zero3, zero12
 from .zero12 import Unsupported
 
 logger = logging.getLogger("pyckpt")
@@ -36,6 +36,7 @@ _TARGETS: Dict[Tuple[str, str], Callable] = {
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"): zero3.plan,
 }
 _ORIGINALS: Dict[type, Callable] = {}
+_ENGINE_ORIGINAL: Dict[type, Callable] = {}
 # What the last load through pyckpt did on this rank, for tests and benchmarks.
 last_load: Dict[str, object] = {}
 
@@ -96,6 +97,27 @@ def _load(planner: Callable, original: Callable):
     return _load_universal_checkpoint
 
 
+def _engine_load(original: Callable):
+    """``DeepSpeedEngine.load_checkpoint``, with the model-state file mapped once under a universal load."""
+
+    def load_checkpoint(self, *args, **kwargs):
+        if not (self.load_universal_checkpoint() and model_state_file.applies_to(self.checkpoint_engine)):
+            return original(self, *args, **kwargs)
+        last_load.clear()
+        inner = self.checkpoint_engine
+        self.checkpoint_engine = wrapper = model_state_file.MappedModelStates(inner)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.checkpoint_engine = inner
+            last_load["model_states_mapped"] = list(wrapper.mapped)
+            last_load["model_states_refused"] = list(wrapper.refused)
+
+    load_checkpoint.__wrapped__ = original
+    load_checkpoint.__pyckpt__ = True
+    return load_checkpoint
+
+
 def install() -> bool:
     """Replace the three optimizers' universal load; False (and DeepSpeed untouched) on a DeepSpeed
     version these hooks were not proven against."""
@@ -114,6 +136,11 @@ def install() -> bool:
         original = cls.__dict__["_load_universal_checkpoint"]
         _ORIGINALS[cls] = original
         cls._load_universal_checkpoint = _load(planner, original)
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if DeepSpeedEngine not in _ENGINE_ORIGINAL:
+        _ENGINE_ORIGINAL[DeepSpeedEngine] = DeepSpeedEngine.__dict__["load_checkpoint"]
+        DeepSpeedEngine.load_checkpoint = _engine_load(_ENGINE_ORIGINAL[DeepSpeedEngine])
     return True
 
 
@@ -121,6 +148,9 @@ def uninstall() -> None:
     for cls, original in _ORIGINALS.items():
         cls._load_universal_checkpoint = original
     _ORIGINALS.clear()
+    for cls, original in _ENGINE_ORIGINAL.items():
+        cls.load_checkpoint = original
+    _ENGINE_ORIGINAL.clear()
 
 
 def installed() -> bool:
