@@ -93,6 +93,10 @@ class Config:
     # AutoTP (model in LLAMA_MODELS only): tensor_parallel.autotp_size. None or 1 = no AutoTP (DeepSpeed
     # applies it only above 1); the data-parallel degree is world_size // tp_size.
     tp_size: int | None = None
+    # model="tiny" only: two optimizer param groups, the weights (the config's Adam settings) and the
+    # biases (their own lr, betas and weight decay), so per-group hyper-parameters are observable
+    # and a small second group leaves some ranks' ZeRO-1/2 partition all padding (dp 4: 10 real of 16).
+    groups: bool = False
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
@@ -121,6 +125,8 @@ class Config:
                 raise ValueError("uc_info=False is meaningless for an AutoTP config")
         if self.grad_accum_dtype not in (None, "fp32", "bf16"):
             raise ValueError(f"grad_accum_dtype must be None, 'fp32' or 'bf16', not {self.grad_accum_dtype!r}")
+        if self.groups and self.model != "tiny":
+            raise ValueError("groups needs model='tiny'")
         if self.world_size < 1 or self.steps < 1:
             raise ValueError("world_size and steps must be positive")
 
@@ -142,6 +148,8 @@ class Config:
             parts.append("dbe")
         if self.tp_size is not None:
             parts.append(f"tp{self.tp_size}")
+        if self.groups:
+            parts.append("groups")
         return "-".join(parts)
 
 

@@ -347,6 +347,10 @@ def check_autoep_start(engine, cfg: dict, sources: dict, world_size: int) -> Non
                 raise RuntimeError(f"rank {rank}: {name}.experts.{w} does not hold source experts [{lo}, {hi})")
 
 
+# The second param group of Config.groups: settings unlike the config's Adam defaults.
+BIAS_GROUP = {"lr": 3e-3, "betas": (0.8, 0.95), "weight_decay": 0.05}
+
+
 def make_engine(cfg: dict, world_size: int, load_universal: bool = False):
     reset_expert_groups()
     reset_tp_groups()
@@ -367,6 +371,10 @@ def make_engine(cfg: dict, world_size: int, load_universal: bool = False):
         # so it yields the replacement parameters. A list would hold the discarded source ones
         # and rely on DeepSpeed's source-to-replacement remap (not tried).
         trainable = (p for p in model.parameters() if p.requires_grad)
+    elif cfg.get("groups"):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        trainable = [{"params": [p for n, p in named if not n.endswith(".bias")]},
+                     {"params": [p for n, p in named if n.endswith(".bias")], **BIAS_GROUP}]
     else:
         trainable = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model,
