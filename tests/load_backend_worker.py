@@ -212,3 +212,50 @@ def failing(task: dict, rank: int, world_size: int) -> dict:
     changed = diff(before, snapshot(engine), skip=("global_steps", "global_samples", "scheduler"))
     engine.destroy()
     return {"ranks": _everyone({"error": error, "changed": changed})}
+
+
+def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
+    """Resume from the plain ZeRO checkpoint in `root` (its `latest`): through
+    pyckpt.deepspeed.load_checkpoint on an engine without load_universal ("api"), or through
+    engine.load_checkpoint(root, tag) with load_universal and pyckpt enabled ("enable")."""
+    import pyckpt.deepspeed
+    from pyckpt.load_universal import hooks
+
+    if how == "api":
+        engine = W.make_engine(cfg, world_size)
+        path, client = pyckpt.deepspeed.load_checkpoint(engine, root)
+        assert not pyckpt.deepspeed.enabled(), "the hooks are removed again"
+        assert not engine.load_universal_checkpoint(), "the engine's flag is restored"
+    else:
+        engine = W.make_engine(cfg, world_size, load_universal=True)
+        tag = open(os.path.join(root, "latest")).read().strip()
+        with pyckpt.deepspeed.enable():
+            path, client = engine.load_checkpoint(root, tag=tag)
+    info = dict(hooks.last_load)
+    info["own_bytes"] = own_bytes(engine)
+    info["path"] = path
+    before = snapshot(engine)
+    engine.train()
+    loss = W.train_step(engine, cfg, rank, engine.global_steps)
+    after = snapshot(engine)
+    client = {k: v for k, v in (client or {}).items() if k not in ("ds_config", )}
+    engine.destroy()
+    return before, after, loss, client, info
+
+
+def direct(task: dict, rank: int, world_size: int) -> dict:
+    """Convert-then-load (pyckpt's backend on DeepSpeed's converted folder) against resuming from
+    the ZeRO checkpoint directly, both ways in."""
+    cfg = task["cfg"]
+    skip = tuple(task.get("skip", ()))
+    u_before, u_after, u_loss, u_client, _ = _load(cfg, world_size, rank, task["root"], task["tag"], True)
+    out = {}
+    for how in ("api", "enable"):
+        d_before, d_after, d_loss, d_client, info = _load_direct(cfg, world_size, rank,
+                                                                 task.get("direct_root", task["root"]), how)
+        if "direct_root" in task:  # saved without universal_checkpoint_info: the one key it lacks
+            u_client.pop("universal_checkpoint_info", None)
+        out[how] = {"before": diff(u_before, d_before, skip), "after": diff(u_after, d_after, skip),
+                    "loss": (u_loss, d_loss), "client_equal": repr(u_client) == repr(d_client), "info": info,
+                    "keys": len(u_before)}
+    return {"ranks": _everyone(out)}

@@ -200,3 +200,67 @@ def test_a_rank_that_cannot_plan_fails_every_rank_and_changes_nothing(universal,
         assert x["changed"] == [], (rank, x["changed"])
         if rank != 2:
             assert x["error"][0] == "RankLoadError" and "rank 2" in x["error"][1], x["error"]
+
+
+# Resuming straight from the ZeRO checkpoint: (case, target world size); "-nouc" reads the same run
+# saved without universal_checkpoint_info (as --inject_missing_state does) against the case's
+# converted folder.
+DIRECT = [("z1-fp32", 3), ("z2-fp32-groups", 3), ("bf16_optimizer", 3), ("z3-fp32-subgroups", 3),
+          ("z2-bf16-nouc", 3), ("z3-bf16-frozen_tied", 2), ("z2-fp32-frozen_tied", 1)]
+
+
+@pytest.fixture(scope="session")
+def direct_loads(universal, tmp_path_factory):
+    base = tmp_path_factory.mktemp("direct")
+    nouc = h.make_checkpoints([(dataclasses.replace(CASES["z2-bf16"][0], uc_info=False), base / "z2-bf16-nouc")])[0]
+    by_ws = {}
+    for name, ws in DIRECT:
+        by_ws.setdefault(ws, []).append(name)
+    results = {}
+    for ws, names in sorted(by_ws.items()):
+        tasks = []
+        for name in names:
+            case = name.removesuffix("-nouc")
+            extra = {"direct_root": str(nouc.root)} if name.endswith("-nouc") else {}
+            tasks.append(_call("direct", dataclasses.replace(CASES[case][0], world_size=ws),
+                               root=str(universal[case].root), tag=TAG, **extra))
+        for name, res in zip(names, _launch(ws, tasks, None, f"direct resume ws{ws}", 300)):
+            results[name, ws] = res["ranks"]
+    return results
+
+
+@pytest.mark.parametrize("name,ws", DIRECT, ids=[f"{n}-ws{w}" for n, w in DIRECT])
+def test_resuming_from_the_zero_checkpoint_equals_convert_then_load(direct_loads, name, ws):
+    """No universal folder: pyckpt.deepspeed.load_checkpoint(engine, dir) on an engine without
+    load_universal, and engine.load_checkpoint(dir, tag) with load_universal and the backend enabled,
+    restore the state the converted folder gives, field by field, before and after one more step;
+    each rank gathers exactly its share, from the ZeRO shards."""
+    ranks = direct_loads[name, ws]
+    assert len(ranks) == ws
+    for rank, r in enumerate(ranks):
+        for how in ("api", "enable"):
+            x = r[how]
+            assert x["info"]["backend"] == "pyckpt", (rank, how, x["info"])
+            assert x["keys"] > 5
+            assert x["before"] == [], (rank, how, x["before"])
+            assert x["after"] == [], (rank, how, x["after"])
+            assert x["loss"][0] == x["loss"][1], (rank, how, x["loss"])
+            assert x["client_equal"], (rank, how)
+            assert x["info"]["bytes_read"] == x["info"]["own_bytes"], (rank, how, x["info"])
+            assert "/global_step3/" in x["info"]["path"] and "universal" not in x["info"]["path"], x["info"]["path"]
+            assert len(x["info"]["model_states_mapped"]) == 1, x["info"]
+
+
+def test_a_broken_zero_checkpoint_fails_every_rank_and_changes_nothing(universal, tmp_path):
+    """Resuming straight from a ZeRO checkpoint with a cut-short shard: every rank reads every shard's
+    metadata to build the view, so every rank names the file, and no rank's optimizer state changed."""
+    name = "z1-fp32"
+    root = tmp_path / name
+    shutil.copytree(universal[name].root, root, ignore=shutil.ignore_patterns(TAG))
+    damaged = root / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    damaged.write_bytes(damaged.read_bytes()[:200])
+    cfg = dataclasses.replace(CASES[name][0], world_size=3)
+    (res, ) = _launch(3, [_call("failing", cfg, root=str(root), tag="global_step3")], None, "direct failure", 300)
+    for rank, x in enumerate(res["ranks"]):
+        assert x["error"][0] == "CheckpointFormatError" and os.fspath(damaged) in x["error"][1], (rank, x["error"])
+        assert x["changed"] == [], (rank, x["changed"])

@@ -5,7 +5,7 @@ Universal Checkpoint layout, expressed as plans of byte copies."""
 # The public face of the load backend (``import pyckpt.deepspeed; pyckpt.deepspeed.enable()``), the
 # name DeepSpeed users look for. It is a capability above this layer, so it is resolved on first
 # use rather than imported here.
-_BACKEND = {"enable", "disable", "enabled"}
+_BACKEND = {"enable", "disable", "enabled", "load_checkpoint"}
 
 
 def __getattr__(name):

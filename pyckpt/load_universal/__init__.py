@@ -3,8 +3,10 @@
 ``enable()`` replaces the universal load of DeepSpeed's ZeRO-1/2, BF16 and ZeRO-3 optimizers
 (:mod:`.hooks`); ``engine.load_checkpoint(...)`` with ``"checkpoint": {"load_universal": true}`` then
 parses the state files with pyckpt's safe reader and gathers each rank's element runs natively into
-its flat partitions and new optimizer-state buffers (:mod:`.zero12`, :mod:`.zero3`). Public as
-``pyckpt.deepspeed.enable`` / ``disable``.
+its flat partitions and new optimizer-state buffers (:mod:`.zero12`, :mod:`.zero3`). A load that
+names a plain ZeRO checkpoint instead, and ``load_checkpoint(engine, dir)``, resume from the ZeRO
+shards directly, read as the universal folder they would convert to (:mod:`.direct`). Public as
+``pyckpt.deepspeed.enable`` / ``disable`` / ``load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -52,3 +54,11 @@ def enabled() -> bool:
     from . import hooks
 
     return hooks.installed()
+
+
+def load_checkpoint(engine, load_dir, tag=None, **kwargs):
+    """Resume ``engine`` from a plain ZeRO checkpoint at any world size, without converting it
+    (see :func:`pyckpt.load_universal.direct.load_checkpoint`)."""
+    from .direct import load_checkpoint as load
+
+    return load(engine, load_dir, tag, **kwargs)

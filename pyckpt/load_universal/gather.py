@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..deepspeed.universal_slice import Run
 from ..errors import CheckpointFormatError
-from ..formats.pickle_read import TensorRef
+from ..formats.pickle_read import ITEMSIZE, TensorRef
 from ..formats.torch_zip import SourceFile
 from ..native import cast_kind, execute_into, op_table
 
@@ -37,7 +37,7 @@ class TensorFill:
         self.itemsize = tensor.element_size()
         self.numel = tensor.numel()
         self._sources: List[str] = []
-        self._index: Dict[int, int] = {}
+        self._index: Dict[str, int] = {}
         self._rows: List[tuple] = []
         self.bytes_read = 0
 
@@ -49,22 +49,27 @@ class TensorFill:
             raise CheckpointFormatError(f"{source.path if source else 'zero fill'}: {n_total} elements at {dst} do not "
                                         f"fit the {self.numel}-element destination")
         kind = None
-        s = -1
         if any(src is not None for src, _ in runs):
             kind = cast_kind(tensor.dtype, self.dtype)
             if kind is None:
                 raise CheckpointFormatError(f"{source.path}: cannot load {tensor.dtype} into a {self.dtype} tensor")
-            s = self._index.setdefault(id(source), len(self._sources))
-            if s == len(self._sources):
-                self._sources.append(source.path)
+        out_size = self.itemsize
+        in_size = ITEMSIZE[tensor.dtype] if tensor is not None else out_size
         for src, n in runs:
             if src is None:
-                self._rows.append((-1, 0, 0, 0, dst * self.itemsize, n * self.itemsize, 0, 1, 0))
-            else:
-                off, nbytes = source.tensor_byte_range(tensor, src, n)
-                self._rows.append((s, off, 0, 0, dst * self.itemsize, nbytes, kind, 1, 0))
+                self._rows.append((-1, 0, 0, 0, dst * out_size, n * out_size, 0, 1, 0))
+                dst += n
+                continue
+            # a file's tensor is one byte range; a planned one (zero_view) may span several shards
+            ranges = source.byte_runs(tensor, src, n) if hasattr(source, "byte_runs") else \
+                [(source.path, *source.tensor_byte_range(tensor, src, n))]
+            for path, off, nbytes in ranges:
+                s = self._index.setdefault(path, len(self._sources))
+                if s == len(self._sources):
+                    self._sources.append(path)
+                self._rows.append((s, off, 0, 0, dst * out_size, nbytes, kind, 1, 0))  # nbytes: source bytes
                 self.bytes_read += nbytes
-            dst += n
+                dst += nbytes // in_size
         return n_total
 
     def run(self, workers: int = 0) -> None:

@@ -19,7 +19,8 @@ import logging
 import time
 from typing import Callable, Dict, Optional, Tuple
 
-from . import model_state_file, zero3, zero12
+from ..errors import UnsupportedCheckpointError
+from . import model_state_file, zero3, zero12, zero_view
 from .zero12 import Unsupported
 
 logger = logging.getLogger("pyckpt")
@@ -30,10 +31,11 @@ PROVEN_VERSIONS = ("0.19.8", )
 # (module, class) -> the planner for that optimizer class
 _TARGETS: Dict[Tuple[str, str], Callable] = {
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
-        lambda opt, folder, los, lfp32: zero12.plan(opt, "bit16_groups", folder),
+        lambda opt, folder, los, lfp32, states: zero12.plan(opt, "bit16_groups", states, folder),
     ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer"):
-        lambda opt, folder, los, lfp32: zero12.plan(opt, "bf16_groups", folder),
-    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"): zero3.plan,
+        lambda opt, folder, los, lfp32, states: zero12.plan(opt, "bf16_groups", states, folder),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"):
+        lambda opt, folder, los, lfp32, states: zero3.plan(opt, folder, los, lfp32, states),
 }
 _ORIGINALS: Dict[type, Callable] = {}
 _ENGINE_ORIGINAL: Dict[type, Callable] = {}
@@ -64,10 +66,19 @@ def _load(planner: Callable, original: Callable):
     def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
         t0 = time.perf_counter()
         apply = error = failure = unsupported = None
+        direct = zero_view.registered(checkpoint_folder)
         try:
-            apply = planner(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
+            # a ZeRO checkpoint read as its universal view (zero_view), or the universal folder
+            apply = planner(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights,
+                            zero_view.lookup(checkpoint_folder))
         except Unsupported as exc:
-            unsupported = str(exc)
+            if direct:  # there is no universal folder for DeepSpeed's loader to fall back on
+                error = UnsupportedCheckpointError(f"{checkpoint_folder}: {exc}; resuming straight from the ZeRO "
+                                                   "checkpoint does not serve this yet: convert it with `python -m "
+                                                   "pyckpt.convert` and load the universal folder")
+                failure = f"{type(error).__name__}: {error}"
+            else:
+                unsupported = str(exc)
         except Exception as exc:  # shared with the other ranks, then raised here
             error, failure = exc, f"{type(exc).__name__}: {exc}"
         failures, unsupported_all = _agree(failure, unsupported)
@@ -97,11 +108,11 @@ def _load(planner: Callable, original: Callable):
     return _load_universal_checkpoint
 
 
-def _engine_load(original: Callable):
-    """``DeepSpeedEngine.load_checkpoint``, with the model-state file mapped once under a universal load."""
+def _with_mapped_model_states(original: Callable) -> Callable:
+    """``original`` (DeepSpeed's ``load_checkpoint``) with the model-state file mapped once."""
 
-    def load_checkpoint(self, *args, **kwargs):
-        if not (self.load_universal_checkpoint() and model_state_file.applies_to(self.checkpoint_engine)):
+    def call(self, *args, **kwargs):
+        if not model_state_file.applies_to(self.checkpoint_engine):
             return original(self, *args, **kwargs)
         last_load.clear()
         inner = self.checkpoint_engine
@@ -113,9 +124,32 @@ def _engine_load(original: Callable):
             last_load["model_states_mapped"] = list(wrapper.mapped)
             last_load["model_states_refused"] = list(wrapper.refused)
 
+    return call
+
+
+def _engine_load(original: Callable):
+    """``DeepSpeedEngine.load_checkpoint`` under ``enable()``: a universal load maps the model-state
+    file once, and one that names a plain ZeRO checkpoint resumes from it directly (:mod:`.direct`)."""
+    from . import direct
+
+    mapped = _with_mapped_model_states(original)
+
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        if not self.load_universal_checkpoint():
+            return original(self, load_dir, tag, *args, **kwargs)
+        target = direct.zero_target(load_dir, tag)
+        if target is not None:
+            return direct.load_zero(self, *target, mapped, *args, **kwargs)
+        return mapped(self, load_dir, tag, *args, **kwargs)
+
     load_checkpoint.__wrapped__ = original
     load_checkpoint.__pyckpt__ = True
     return load_checkpoint
+
+
+def universal_load(engine_cls) -> Callable:
+    """DeepSpeed's own ``load_checkpoint`` with the model-state file mapped (hooks installed)."""
+    return _with_mapped_model_states(_ENGINE_ORIGINAL[engine_cls])
 
 
 def install() -> bool:

@@ -140,7 +140,11 @@ def read_global_state(zero_dir: str, stage: int) -> GlobalState:
     # DeepSpeed's own message, so that a load fails the same way with pyckpt enabled.
     assert os.path.isfile(path), f'{path} containing optimizer global state is missing! Cannot proceed.'
     source = SourceFile(path)
-    raw = source.load()
+    return global_state_of(source.load(), path, stage, source)
+
+
+def global_state_of(raw, path: str, stage: int, source) -> GlobalState:
+    """``optimizer_state.pt``'s object (``source`` holds its tensors) as a :class:`GlobalState`."""
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{path}: holds a {type(raw).__name__}; expected a dict")
     osd = raw.get("optimizer_state_dict") if stage == 3 else None
@@ -156,3 +160,16 @@ def read_global_state(zero_dir: str, stage: int) -> GlobalState:
             raise CheckpointFormatError(f"{path}: no optimizer_state_dict.state[0].step") from None
         out.step = read_step(source, step)
     return out
+
+
+class FolderStates:
+    """The ``zero/`` folder of a Universal Checkpoint on disk: what the planners read."""
+
+    def __init__(self, checkpoint_dir: str):
+        self.zero_dir = os.path.join(checkpoint_dir, "zero")
+
+    def global_state(self, stage: int) -> GlobalState:
+        return read_global_state(self.zero_dir, stage)
+
+    def param_states(self, name: str, stage: int) -> ParamStates:
+        return read_param_states(self.zero_dir, name, stage)

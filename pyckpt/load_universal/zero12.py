@@ -13,12 +13,11 @@ checkpointed has them; DeepSpeed dies there with ``IndexError``.
 
 from __future__ import annotations
 
-import os
 from typing import Dict, List
 
 from ..deepspeed.universal_slice import narrow, tp_slice_runs, total
 from .gather import TensorFill
-from .state_files import read_global_state, read_param_states
+from .state_files import FolderStates
 
 
 class Unsupported(Exception):
@@ -33,14 +32,16 @@ def _step_equal(a, b) -> bool:
     return a == b
 
 
-def plan(opt, lp_groups_name: str, checkpoint_dir: str):
-    """Everything the load will do, with nothing changed yet: (apply, bytes per destination)."""
+def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
+    """Everything the load will do, with nothing changed yet: returns ``apply()``, which does it and
+    returns the bytes it gathered. ``states`` reads the universal files (default: the ``zero/`` folder
+    of ``checkpoint_dir``)."""
     from deepspeed.checkpoint.universal_checkpoint import _get_param_uc_restore_meta
     from deepspeed.runtime.base_optimizer import _get_universal_checkpoint_ep_info
     from deepspeed.runtime.utils import bwc_tensor_model_parallel_rank
 
-    zero_dir = os.path.join(checkpoint_dir, "zero")
-    gs = read_global_state(zero_dir, 2)
+    states = states or FolderStates(checkpoint_dir)
+    gs = states.global_state(2)
     tp_rank = bwc_tensor_model_parallel_rank(mpu=opt.mpu)
     if opt.mpu is None:
         tp_size = 1
@@ -56,7 +57,7 @@ def plan(opt, lp_groups_name: str, checkpoint_dir: str):
         flat = group["params"][0]
         # state key -> [(state file, its runs, where they land in the flat)]; the buffers are made
         # only when the plan is applied, so nothing exists before every rank has planned.
-        states: Dict[str, List[tuple]] = {}
+        buffers: Dict[str, List[tuple]] = {}
         fp32 = TensorFill(flat)
         links: List[tuple] = []  # (lp, hp_start, numel)
         steps = []
@@ -66,7 +67,7 @@ def plan(opt, lp_groups_name: str, checkpoint_dir: str):
                 continue
             if _get_param_uc_restore_meta(lp) is not None or getattr(lp, "ds_autoep_uc_meta", None) is not None:
                 raise Unsupported(f"{opt.param_names[lp]} carries AutoTP/AutoEP restore metadata")
-            ps = read_param_states(zero_dir, opt.param_names[lp], 2)
+            ps = states.param_states(opt.param_names[lp], 2)
             lp_start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
             hp_start = mapping.hp_fragment_address.start
             for key, sf in ps.states.items():
@@ -81,35 +82,35 @@ def plan(opt, lp_groups_name: str, checkpoint_dir: str):
                 if key == "fp32":
                     fp32.add(sf.source, sf.tensor, part, hp_start)
                 else:
-                    states.setdefault(key, []).append((sf, part, hp_start))
+                    buffers.setdefault(key, []).append((sf, part, hp_start))
             links.append((lp, hp_start, numel))
             steps.append(ps.step)
         if not links and lp_groups[i]:
             # Padding only on this rank: the group's step and state keys from its first parameter.
-            ps = read_param_states(zero_dir, opt.param_names[lp_groups[i][0]], 2)
+            ps = states.param_states(opt.param_names[lp_groups[i][0]], 2)
             steps.append(ps.step)
             for key in ps.states:
                 if key != "fp32":
-                    states.setdefault(key, [])
+                    buffers.setdefault(key, [])
         assert all(_step_equal(s, steps[0]) for s in steps), f"Steps {steps} are not equal"
-        groups.append((group, ckpt_group, flat, fp32, states, links, steps[0] if steps else None))
+        groups.append((group, ckpt_group, flat, fp32, buffers, links, steps[0] if steps else None))
 
     def apply(workers: int = 0) -> int:
         import torch
 
         opt._load_global_state(_global_view(gs, opt))
         nbytes = 0
-        for group, ckpt_group, flat, fp32, states, links, step in groups:
+        for group, ckpt_group, flat, fp32, buffers, links, step in groups:
             for lp, _, _ in links:
                 lp._hp_mapping.optim_fragment = {}
             fp32.run(workers)
             nbytes += fp32.bytes_read
             if step is not None:
                 opt.optimizer.state[flat]["step"] = step
-            for key in sorted(states):
+            for key in sorted(buffers):
                 buffer = torch.zeros_like(flat)
                 fill = TensorFill(buffer)
-                for sf, part, hp_start in states[key]:
+                for sf, part, hp_start in buffers[key]:
                     fill.add(sf.source, sf.tensor, part, hp_start)
                 fill.run(workers)
                 nbytes += fill.bytes_read

@@ -22,13 +22,13 @@ from typing import Dict, List
 from ..deepspeed.universal_slice import zero3_partition_runs
 from ..errors import CheckpointFormatError
 from .gather import TensorFill
-from .state_files import loss_scaler, read_global_state, read_param_states
+from .state_files import FolderStates, loss_scaler
 from .zero12 import Unsupported
 
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def _param_runs(opt, zero_dir: str, keys, cache: Dict[str, object]) -> List[tuple]:
+def _param_runs(opt, states, keys, cache: Dict[str, object]) -> List[tuple]:
     """Per sub-group: [(param, {key: state file}, runs)], runs of ``ceil(n / W)`` elements each."""
     import deepspeed.comm as dist
 
@@ -42,7 +42,7 @@ def _param_runs(opt, zero_dir: str, keys, cache: Dict[str, object]) -> List[tupl
             if getattr(param, "ds_autotp_universal_checkpoint_meta", None) is not None or \
                     getattr(param, "ds_autoep_uc_meta", None) is not None:
                 raise Unsupported(f"{name} carries AutoTP/AutoEP restore metadata")
-            ps = cache.get(name) or read_param_states(zero_dir, name, 3)
+            ps = cache.get(name) or states.param_states(name, 3)
             cache[name] = ps
             files = {}
             for key in keys:
@@ -81,20 +81,20 @@ def _repoint(opt) -> None:
             partitioned_param.data = q.data
 
 
-def plan(opt, checkpoint_dir: str, load_optimizer_states: bool, load_from_fp32_weights: bool):
+def plan(opt, checkpoint_dir: str, load_optimizer_states: bool, load_from_fp32_weights: bool, states=None):
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "swap_param", False) or \
             getattr(opt, "offload_param", False) and getattr(opt, "params_in_nvme_and_cpu", False):
         raise Unsupported("NVMe-swapped optimizer or parameter state")
-    zero_dir = os.path.join(checkpoint_dir, "zero")
+    states = states or FolderStates(checkpoint_dir)
     if not load_optimizer_states:
-        return _plan_module_only(opt, zero_dir, load_from_fp32_weights)
-    gs = read_global_state(zero_dir, 3)
+        return _plan_module_only(opt, states, load_from_fp32_weights)
+    gs = states.global_state(3)
     n_live = len(opt.optimizer.param_groups)
     if n_live != len(gs.param_groups):
         raise CheckpointFormatError(f"{gs.path}: {len(gs.param_groups)} optimizer param groups, but the optimizer "
                                     f"being loaded has {n_live}")
     scaler = loss_scaler(gs.raw["loss_scaler"], None, gs.path) if "loss_scaler" in gs.raw else None
-    per_group = _param_runs(opt, zero_dir, KEYS, {})
+    per_group = _param_runs(opt, states, KEYS, {})
     extra = sorted({k for entries in per_group for _, files, _ in entries for k in files} - {"fp32"})
 
     def apply(workers: int = 0) -> int:
@@ -131,12 +131,12 @@ def plan(opt, checkpoint_dir: str, load_optimizer_states: bool, load_from_fp32_w
     return apply
 
 
-def _plan_module_only(opt, zero_dir: str, load_from_fp32_weights: bool):
+def _plan_module_only(opt, states, load_from_fp32_weights: bool):
     for g, flat in enumerate(opt.fp16_partitioned_groups_flat):
         if flat is None:
             raise RuntimeError("ZeRO-3 universal module-only checkpoint load requires available parameter "
                                f"partitions for subgroup {g}.")
-    per_group = _param_runs(opt, zero_dir, ("fp32", ), {})
+    per_group = _param_runs(opt, states, ("fp32", ), {})
 
     def apply(workers: int = 0) -> int:
         nbytes = 0

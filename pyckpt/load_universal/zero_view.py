@@ -1,0 +1,151 @@
+"""A ZeRO checkpoint seen as the Universal Checkpoint it would convert to, without writing one.
+
+The conversion plan (:func:`pyckpt.deepspeed.universal_plan.build_plan`) already says where every
+element of every ``zero/<name>/<key>.pt`` comes from: byte pieces of the ZeRO shards. Read through
+that plan, the planners of this package see the same parameter states, global state and steps as in
+a converted folder, and gather each rank's element runs straight from the original shards: no
+universal folder, no extra disk, each rank reading only its own bytes.
+
+Checkpoints saved without ``universal_checkpoint_info`` are read as ``--inject_missing_state`` reads
+them. Tensors the plan computes in memory or assembles from strided pieces (tensor-parallel merges
+along dimension 1, averaged replicas) are not served yet: such a load stops with a message to
+convert first.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import struct
+from typing import Dict, List, Tuple
+
+from ..deepspeed.discovery import discover
+from ..deepspeed.universal_layout import STATE_META_TYPES
+from ..deepspeed.universal_plan import build_plan
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..formats.pickle_read import ITEMSIZE
+from ..formats.pickle_write import NewTensor
+from ..universal import metadata_errors
+from .state_files import GlobalState, ParamStates, StateFile, global_state_of
+
+_SCALAR = {"float32": "f", "float64": "d", "int64": "q", "int32": "i"}
+
+
+class VirtualStateFile:
+    """One planned ``zero/<name>/<key>.pt`` tensor: element runs resolve to byte ranges of the shards."""
+
+    def __init__(self, label: str, tensor: NewTensor):
+        self.path = label
+        if tensor.data is not None or any(p.kind or p.rows != 1 for p in tensor.pieces):
+            raise UnsupportedCheckpointError(
+                f"{label}: this tensor is merged in memory or from strided pieces (tensor-parallel layout), which "
+                "resuming straight from a ZeRO checkpoint does not serve yet; convert it with "
+                "`python -m pyckpt.convert` and load the universal folder")
+        self._pieces = sorted(tensor.pieces, key=lambda p: p.dst_off)
+        self._starts = [p.dst_off for p in self._pieces]
+        covered = sum(p.nbytes for p in self._pieces)
+        if covered != tensor.numel() * ITEMSIZE[tensor.dtype]:
+            raise CheckpointFormatError(f"{label}: the shards give {covered} bytes of a "
+                                        f"{tensor.numel() * ITEMSIZE[tensor.dtype]}-byte tensor")
+
+    def byte_runs(self, tensor: NewTensor, start: int, n: int) -> List[Tuple[str, int, int]]:
+        """(shard path, offset, nbytes) of elements [start, start + n) of the planned tensor."""
+        size = ITEMSIZE[tensor.dtype]
+        lo, hi = start * size, (start + n) * size
+        out = []
+        i = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        while lo < hi and i < len(self._pieces):
+            p = self._pieces[i]
+            a, b = max(lo, p.dst_off), min(hi, p.dst_off + p.nbytes)
+            if a < b:
+                out.append((p.src.path, p.src_off + (a - p.dst_off), b - a))
+                lo = b
+            i += 1
+        if lo < hi:
+            raise CheckpointFormatError(f"{self.path}: elements [{start}, {start + n}) are outside the planned tensor")
+        return out
+
+
+def _scalar(t: NewTensor, where: str):
+    import torch
+
+    code = _SCALAR.get(t.dtype)
+    if code is None or t.numel() != 1 or len(t.pieces) != 1:
+        raise CheckpointFormatError(f"{where}: step is {t.dtype}{list(t.shape)}; expected one float or integer")
+    p = t.pieces[0]
+    (value, ) = struct.unpack("<" + code, p.src.read_bytes(p.src_off, ITEMSIZE[t.dtype]))
+    return torch.tensor(value, dtype=getattr(torch, t.dtype)).reshape(t.shape)
+
+
+class ZeroView:
+    """The planners' reader (``global_state``, ``param_states``) over a ZeRO checkpoint's tag folder."""
+
+    def __init__(self, tag_folder: str):
+        with metadata_errors(tag_folder):
+            self.ck = discover(tag_folder)
+        with metadata_errors(self.ck.folder):
+            plan, _ = build_plan(self.ck, inject_missing_state=True)
+        self.folder = self.ck.folder
+        self._objs: Dict[str, object] = {a.relpath: a.obj for a in plan.archives}
+        self._by_param: Dict[str, Dict[str, object]] = {}
+        for relpath, obj in self._objs.items():
+            parts = relpath.split("/")
+            if len(parts) == 3 and parts[0] == "zero" and parts[2].endswith(".pt"):
+                self._by_param.setdefault(parts[1], {})[parts[2][:-3]] = obj
+
+    def _label(self, relpath: str) -> str:
+        return f"{self.folder} (as universal {relpath})"
+
+    def global_state(self, stage: int) -> GlobalState:
+        relpath = "zero/optimizer_state.pt"
+        return global_state_of(self._objs[relpath], self._label(relpath), stage, self.ck.optim[0].file)
+
+    def param_states(self, name: str, stage: int) -> ParamStates:
+        folder = self._label(f"zero/{name}")
+        objs = self._by_param.get(name)
+        if objs is None:
+            raise CheckpointFormatError(f"{self.folder}: the checkpoint has no state for parameter {name!r} of the "
+                                        "model being loaded")
+        out = ParamStates(folder)
+        for key, obj in sorted(objs.items()):
+            label = self._label(f"zero/{name}/{key}.pt")
+            if key == "step":
+                out.step = _scalar(obj, label) if isinstance(obj, NewTensor) else obj
+                continue
+            tensor, meta = (obj.get("param"), {k: v for k, v in obj.items() if k != "param"}) \
+                if isinstance(obj, dict) else (obj, {})
+            if not isinstance(tensor, NewTensor) or tensor.dtype != "float32":
+                raise CheckpointFormatError(f"{label}: planned as {tensor!r}; expected a float32 tensor")
+            for k, typ in STATE_META_TYPES.items():
+                if k in meta and type(meta[k]) is not typ:
+                    raise CheckpointFormatError(f"{label}: marker {k!r} is {meta[k]!r}, expected a {typ.__name__}")
+            out.states[key] = StateFile(VirtualStateFile(label, tensor), tensor, meta, isinstance(obj, dict))
+        if not out.states:
+            raise CheckpointFormatError(f"{folder}: no state planned for the parameter")
+        return out
+
+
+# Tag folders being loaded through a view, by real path: the hooks look their checkpoint folder up here.
+_VIEWS: Dict[str, ZeroView] = {}
+
+
+def register(tag_folder: str, view_factory) -> None:
+    _VIEWS[os.path.realpath(tag_folder)] = view_factory
+
+
+def unregister(tag_folder: str) -> None:
+    _VIEWS.pop(os.path.realpath(tag_folder), None)
+
+
+def registered(checkpoint_folder: str) -> bool:
+    return os.path.realpath(checkpoint_folder) in _VIEWS
+
+
+def lookup(checkpoint_folder: str):
+    """The view registered for this folder (built on first use, inside the planners, so that a
+    failure is agreed between ranks like any other), or None."""
+    key = os.path.realpath(checkpoint_folder)
+    entry = _VIEWS.get(key)
+    if entry is not None and not isinstance(entry, ZeroView):
+        entry = _VIEWS[key] = entry()
+    return entry
