@@ -259,3 +259,90 @@ def direct(task: dict, rank: int, world_size: int) -> dict:
                     "loss": (u_loss, d_loss), "client_equal": repr(u_client) == repr(d_client), "info": info,
                     "keys": len(u_before)}
     return {"ranks": _everyone(out)}
+
+
+def _resident_bytes(path: str) -> int:
+    """Bytes of `path` in the page cache (mincore over a fresh shared mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    page = mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+        assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+        libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec) * page
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def pages(task: dict, rank: int, world_size: int) -> dict:
+    """The pages of the state files each rank's gather brings into the page cache. The ranks gather in
+    turn (the planners' apply step wrapped with barriers: every rank reaches it), each after evicting
+    the files, and count with mincore what its own gather added. `how`: "universal" (enable() on the
+    universal folder) or "direct" (pyckpt.deepspeed.load_checkpoint on the ZeRO checkpoint)."""
+    import glob
+
+    import pyckpt.deepspeed
+    from pyckpt.load_universal import hooks, zero3, zero12
+
+    cfg, root, how = task["cfg"], task["root"], task["how"]
+    pattern = os.path.join(root, task["tag"], "zero", "*", "*.pt") if how == "universal" else \
+        os.path.join(root, open(os.path.join(root, "latest")).read().strip(), "*_optim_states.pt")
+    files = sorted(glob.glob(pattern))
+    assert files, pattern
+    seen = {}
+
+    def in_turn(apply):
+        def run(workers: int = 0):
+            nbytes = None
+            for turn in range(world_size):
+                tdist.barrier()
+                if turn == rank:
+                    for f in files:
+                        _evict(f)
+                    seen["baseline"] = sum(_resident_bytes(f) for f in files)
+                    nbytes = apply(workers)
+                    seen["touched"] = sum(_resident_bytes(f) for f in files) - seen["baseline"]
+                tdist.barrier()
+            return nbytes
+
+        return run
+
+    plans = zero12.plan, zero3.plan
+    zero12.plan = lambda *a, **k: in_turn(plans[0](*a, **k))
+    zero3.plan = lambda *a, **k: in_turn(plans[1](*a, **k))
+    try:
+        if how == "universal":
+            engine = W.make_engine(cfg, world_size, load_universal=True)
+            with pyckpt.deepspeed.enable():
+                engine.load_checkpoint(root, tag=task["tag"])
+        else:
+            engine = W.make_engine(cfg, world_size)
+            pyckpt.deepspeed.load_checkpoint(engine, root)
+    finally:
+        zero12.plan, zero3.plan = plans
+    seen.update(own_bytes=own_bytes(engine), gathered=hooks.last_load["bytes_read"], files=len(files),
+                file_bytes=sum(os.path.getsize(f) for f in files))
+    engine.destroy()
+    return {"ranks": _everyone(seen)}

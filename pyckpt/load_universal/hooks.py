@@ -100,8 +100,11 @@ def _load(planner: Callable, original: Callable):
             return original(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
         t1 = time.perf_counter()
         nbytes = apply()
+        t2 = time.perf_counter()
         last_load.clear()
-        last_load.update(backend="pyckpt", bytes_read=nbytes, plan_s=t1 - t0, gather_s=time.perf_counter() - t1)
+        # started/gathered: perf_counter stamps of the planning start and the gather's end
+        last_load.update(backend="pyckpt", bytes_read=nbytes, plan_s=t1 - t0, gather_s=t2 - t1, started=t0,
+                         gathered=t2, direct=direct)
 
     _load_universal_checkpoint.__wrapped__ = original
     _load_universal_checkpoint.__pyckpt__ = True

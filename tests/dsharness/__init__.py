@@ -77,7 +77,7 @@ class Config:
     stage: int  # 1, 2, 3
     dtype: str  # "fp32" or "bf16"
     world_size: int  # ranks: dp degree * tp_size (pp = 1)
-    # "tiny" | "frozen_tied" | "moe" (AutoEP, Mixtral layout; needs ep_size) | "llama" (AutoTP) |
+    # "tiny" | "wide" (tiny at page scale, 1M parameters) | "frozen_tied" | "moe" (AutoEP, Mixtral layout; needs ep_size) | "llama" (AutoTP) |
     # "llama_kv2" (AutoTP, 2 KV heads: tp 4 leaves ranks without attention shards)
     model: str = "tiny"
     sub_group_size: int | None = None  # ZeRO-3 only
@@ -103,7 +103,7 @@ class Config:
             raise ValueError(f"stage must be 1, 2 or 3, not {self.stage}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be 'fp32' or 'bf16', not {self.dtype!r}")
-        if self.model not in ("tiny", "frozen_tied", "moe", *LLAMA_MODELS):
+        if self.model not in ("tiny", "wide", "frozen_tied", "moe", *LLAMA_MODELS):
             raise ValueError(f"unknown model {self.model!r}")
         if self.model == "moe":
             if self.ep_size is None or self.ep_size < 1 or MOE_NUM_EXPERTS % self.ep_size:

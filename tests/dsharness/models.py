@@ -38,6 +38,20 @@ class Tiny(nn.Module):
         return F.mse_loss(h.float(), y.float())
 
 
+class Wide(Tiny):
+    """Tiny's shape at page scale: Linear(1024,1024) -> ReLU -> Linear(1024,3), 1,052,675 parameters,
+    so each universal state file of the first weight spans 1024 pages and a rank's share of it can
+    be counted in the page cache."""
+
+    in_features = 1024
+    out_features = 3
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.l0 = nn.Linear(self.in_features, 1024)
+        self.l1 = nn.Linear(1024, self.out_features)
+
+
 class FrozenTied(nn.Module):
     """Embedding whose weight is tied to the output projection, a frozen weight, and buffers.
 
@@ -387,7 +401,7 @@ class TinyLlamaKV2(TinyLlama):
     config_class = LlamaKV2Config
 
 
-MODELS = {"tiny": Tiny, "frozen_tied": FrozenTied, "moe": TinyMoE, "llama": TinyLlama, "llama_kv2": TinyLlamaKV2}
+MODELS = {"tiny": Tiny, "wide": Wide, "frozen_tied": FrozenTied, "moe": TinyMoE, "llama": TinyLlama, "llama_kv2": TinyLlamaKV2}
 # The AutoTP models (worker: tensor_parallel section; Config: tp_size allowed).
 LLAMA_MODELS = ("llama", "llama_kv2")
 
@@ -404,9 +418,10 @@ def batch(name: str, rank: int, step: int, dtype: torch.dtype):
     have to see the same batch (DeepSpeed checks that on the first forward).
     """
     g = torch.Generator().manual_seed(100_000 + 1_000 * step + rank)
-    if name == "tiny":
-        x = torch.randn(MICRO_BATCH, Tiny.in_features, generator=g).to(dtype)
-        y = torch.randn(MICRO_BATCH, Tiny.out_features, generator=g)
+    if name in ("tiny", "wide"):
+        cls = Tiny if name == "tiny" else Wide
+        x = torch.randn(MICRO_BATCH, cls.in_features, generator=g).to(dtype)
+        y = torch.randn(MICRO_BATCH, cls.out_features, generator=g)
         return x, y
     cls = {"moe": TinyMoE, "llama": TinyLlama, "llama_kv2": TinyLlama}.get(name, FrozenTied)
     if name in LLAMA_MODELS:

@@ -1,0 +1,202 @@
+"""Loading a checkpoint into a running DeepSpeed job: DeepSpeed's tools vs pyckpt, in alternating rounds.
+
+    python -m pyckpt.convert CKPT CKPT/global_step1_universal && echo global_step1_universal > CKPT/latest_universal
+    torchrun --standalone --nproc_per_node 4 benchmarks/load.py CKPT --stage 2 --rounds 3 \\
+        --json benchmarks/results/load_z2_200M_dp4.json
+
+CKPT is a checkpoint of benchmarks/make_real_checkpoint.py (same --params and --width): every rank
+builds the same model and engine with ``"checkpoint": {"load_universal": true}``, then loads into that
+engine again and again, each way in turn (the order rotates by round):
+
+- ``stock``: DeepSpeed's own universal load of CKPT/global_step1_universal;
+- ``pyckpt``: the same with ``pyckpt.deepspeed.enable()``;
+- ``direct``: ``pyckpt.deepspeed.load_checkpoint(engine, CKPT)``, straight from the ZeRO shards;
+- ``convert+stock`` (``--modes``): what a user without pyckpt runs to resume at another world size,
+  DeepSpeed's ds_to_universal.py (rank 0, the others waiting) and then DeepSpeed's universal load.
+
+Per load and rank: wall time (between barriers, so the slowest rank counts), bytes read (read() bytes
+from /proc/self/io; pyckpt's gathers go through memory maps, which read() does not see, so for it the
+bytes its plan gathered are reported too), and the RSS the load added at its peak (sampled every 5 ms),
+for pyckpt also during its own part (planning to the end of the gather, without DeepSpeed's epilogue).
+Ratios are within a round: this machine is shared and noisy.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1], 1)
+    return int(float(text[:-1] if text[-1] in "KMBG" else text) * scale)
+
+
+def rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    def __init__(self):
+        self.base = rss()
+        self.peak = self.base
+        self.samples = []  # (perf_counter, rss)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            value = rss()
+            self.samples.append((time.perf_counter(), value))
+            self.peak = max(self.peak, value)
+
+    def peak_between(self, t0: float, t1: float) -> int:
+        return max([v for t, v in self.samples if t0 <= t <= t1] + [self.base])
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ckpt")
+    p.add_argument("--params", default="200M")
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--modes", default="stock,pyckpt,direct,convert+stock",
+                   help="comma-separated, from stock, pyckpt, direct, convert+stock")
+    p.add_argument("--json")
+    args = p.parse_args()
+
+    import torch
+    import torch.distributed as tdist
+    import deepspeed
+
+    import pyckpt.deepspeed
+    from pyckpt.load_universal import hooks
+
+    w = args.width
+    layers = max(1, round(parse_count(args.params) / (w * w + w)))
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(w, w), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(w, 7))
+    cfg = {
+        "train_batch_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": args.stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+        "checkpoint": {"load_universal": True},
+    }
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+
+    universal_tag = "global_step1_universal"
+    scratch = os.path.join(os.path.abspath(args.ckpt), "bench_ds_universal")
+
+    def convert_with_deepspeed() -> float:
+        """ds_to_universal.py on rank 0 into a scratch folder; its seconds."""
+        t0 = time.perf_counter()
+        if rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+            tag = open(os.path.join(args.ckpt, "latest")).read().strip()
+            script = os.path.join(os.path.dirname(deepspeed.__file__), "checkpoint", "ds_to_universal.py")
+            subprocess.run([sys.executable, script, "--input_folder", os.path.join(args.ckpt, tag),
+                            "--output_folder", os.path.join(scratch, universal_tag)], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        tdist.barrier()
+        return time.perf_counter() - t0
+
+    def load(mode: str) -> dict:
+        handle = pyckpt.deepspeed.enable() if mode == "pyckpt" else None
+        try:
+            convert_s = convert_with_deepspeed() if mode == "convert+stock" else 0.0
+            tdist.barrier()
+            r0 = rchar()
+            with PeakRSS() as peak:
+                t0 = time.perf_counter()
+                if mode == "direct":
+                    pyckpt.deepspeed.load_checkpoint(engine, args.ckpt)
+                elif mode == "convert+stock":
+                    engine.load_checkpoint(scratch, tag=universal_tag)
+                else:
+                    engine.load_checkpoint(args.ckpt, tag=universal_tag)
+                tdist.barrier()
+                seconds = time.perf_counter() - t0
+            read = rchar() - r0
+        finally:
+            if handle is not None:
+                pyckpt.deepspeed.disable()
+        out = {"seconds": seconds + convert_s, "convert_seconds": convert_s, "read_syscall_bytes": read,
+               "rss_added": peak.peak - peak.base}
+        if mode in ("pyckpt", "direct"):
+            assert hooks.last_load.get("backend") == "pyckpt", hooks.last_load
+            out["gathered_bytes"] = hooks.last_load["bytes_read"]
+            out["plan_seconds"] = hooks.last_load["plan_s"]
+            out["gather_seconds"] = hooks.last_load["gather_s"]
+            out["rss_added_pyckpt_part"] = peak.peak_between(hooks.last_load["started"],
+                                                             hooks.last_load["gathered"]) - peak.base
+        if mode == "convert+stock" and rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return out
+
+    modes = [m for m in args.modes.split(",") if m]
+    rounds = []
+    for i in range(args.rounds):
+        order = modes[i % len(modes):] + modes[:i % len(modes)]
+        rounds.append({m: load(m) for m in order})
+    everyone = [None] * world
+    tdist.all_gather_object(everyone, rounds)
+    if rank == 0:
+        result = {"ckpt": args.ckpt, "stage": args.stage, "world_size": world, "params": args.params,
+                  "rounds": everyone}
+        print(f"checkpoint load, ZeRO-{args.stage}, {world} ranks ({args.ckpt})")
+        for i in range(args.rounds):
+            wall = {m: max(everyone[r][i][m]["seconds"] for r in range(world)) for m in modes}
+            line = ", ".join(f"{m} {s:.2f} s" for m, s in wall.items())
+            ratios = []
+            if "stock" in wall and "pyckpt" in wall:
+                ratios.append(f"stock/pyckpt {wall['stock'] / wall['pyckpt']:.1f}x")
+            if "convert+stock" in wall and "direct" in wall:
+                ratios.append(f"convert+stock/direct {wall['convert+stock'] / wall['direct']:.1f}x")
+            print(f"  round {i}: {line}; {', '.join(ratios)}")
+        for r in range(world):
+            last = everyone[r][-1]
+            parts = []
+            for m in modes:
+                x = last[m]
+                got = f", gathered {x['gathered_bytes'] / 2**20:.0f} MiB" if "gathered_bytes" in x else ""
+                own = f" (own part {x['rss_added_pyckpt_part'] / 2**20:.0f})" if "rss_added_pyckpt_part" in x else ""
+                parts.append(f"{m}: read() {x['read_syscall_bytes'] / 2**20:.0f} MiB{got}, RSS +{x['rss_added'] / 2**20:.0f} "
+                             f"MiB{own}")
+            print(f"  rank {r}: " + "; ".join(parts))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    main()
