@@ -6,13 +6,14 @@ tensor. This module computes those runs, following the loader's order of operati
 (``deepspeed/checkpoint/universal_checkpoint.py::load_hp_checkpoint_state`` for ZeRO-1/2 and BF16,
 ``deepspeed/runtime/zero/stage3.py::load_hp_checkpoint_state`` for ZeRO-3):
 
-1. expert rows by ``ep_rank`` (only the legacy, metadata-free form: a parameter that carries AutoEP
-   placement metadata is refused by the caller);
+1. expert rows by ``ep_rank``: by the live parameter's AutoEP placement when it has one
+   (:mod:`.restore_meta`), else the legacy contiguous ``ep_num_experts / ep_size`` rows;
 2. the shape shortcut: a file tensor shaped like the live parameter is replicated or averaged, so the
-   tensor-parallel slice is the whole tensor;
+   tensor-parallel slice is the whole tensor (not with AutoTP metadata);
 3. vocabulary padding: zero rows appended up to ``lp.shape[0] * tp`` when the file says
-   ``vocab_tensor``;
-4. the generic tensor-parallel slice: ``sub_param_shape``, ``param_n_sub_params`` or a plain
+   ``vocab_tensor`` (not with AutoTP metadata);
+4. the parameter's AutoTP metadata where it describes the layout (:mod:`.restore_meta`), else the
+   generic tensor-parallel slice: ``sub_param_shape``, ``param_n_sub_params`` or a plain
    ``chunk(tp, cat_dim)[tp_rank]``, then flattened;
 5. ZeRO-1/2: ``narrow(lp_start, numel)`` of that flat; ZeRO-3: ``narrow(r * q, q)`` with
    ``q = ceil(n / W)`` after zero padding to ``W * q``.
@@ -104,14 +105,20 @@ def remap(runs: Sequence[Run], base: Sequence[Run]) -> List[Run]:
 
 
 def tp_slice_runs(file_shape: Tuple[int, ...], meta: dict, lp_shape: Tuple[int, ...], tp_rank: int, tp_size: int,
-                  ep_rank: int, ep_size: int, where: str) -> List[Run]:
+                  ep_rank: int, ep_size: int, where: str, *, experts: Optional[Tuple[List[Run], tuple]] = None,
+                  autotp: Optional[dict] = None, state_key: str = "fp32") -> List[Run]:
     """ZeRO-1/2 and BF16: the flattened tensor-parallel slice of the live parameter (shape ``lp_shape``)
     in the state file ``where`` (a dict file; ``meta`` are its keys besides ``param``), as runs of the
-    file tensor. Steps 1-4 of the module docstring, for parameters without AutoTP or AutoEP metadata."""
+    file tensor. Steps 1-4 of the module docstring. ``experts``: the rank's experts already cut by the
+    parameter's AutoEP metadata (runs of the file tensor, their shape); ``autotp``: the parameter's
+    AutoTP restore metadata, which replaces the shape shortcut, the vocabulary padding and the
+    generic slice where it describes the layout (:mod:`.restore_meta`)."""
     shape = tuple(file_shape)
     base: List[Run] = [(0, numel(shape))] if numel(shape) else []
     is_expert = meta.get("is_expert_param", False)
-    if is_expert and ep_size > 1:
+    if experts is not None:
+        base, shape = experts[0], tuple(experts[1])
+    elif is_expert and ep_size > 1:
         experts = meta.get("ep_num_experts")
         assert experts is not None, f"Expert param in {where} missing 'ep_num_experts' metadata"
         assert shape[0] == experts, f"Expert param dim 0 ({shape[0]}) != ep_num_experts ({experts})"
@@ -119,14 +126,20 @@ def tp_slice_runs(file_shape: Tuple[int, ...], meta: dict, lp_shape: Tuple[int, 
         local = experts // ep_size
         base = select_along(shape, 0, [(ep_rank * local, (ep_rank + 1) * local)])
         shape = (local, ) + shape[1:]
-    if shape == tuple(lp_shape):
+    if shape == tuple(lp_shape) and not autotp:
         tp_rank, tp_size = 0, 1
-    if meta.get("vocab_tensor", False) and not is_expert:
+    if meta.get("vocab_tensor", False) and not is_expert and not autotp:
         padded = lp_shape[0] * tp_size
         assert padded >= shape[0], f"Vocab tensor padded size {padded} < loaded universal size {shape[0]}"
         if padded > shape[0]:
             base = base + [(None, (padded - shape[0]) * numel(shape[1:]))]
             shape = (padded, ) + shape[1:]
+    if autotp:
+        from .restore_meta import autotp_runs
+
+        runs = autotp_runs(autotp, shape, base, tp_rank, tp_size, state_key)
+        if runs is not None:
+            return runs
     full = numel(shape)
     assert full == tp_size * numel(lp_shape), (f"Loading {where} full param numel {full} != tensor slice numel "
                                                f"{numel(lp_shape)} * tp_world_size {tp_size}")

@@ -32,6 +32,31 @@ def _step_equal(a, b) -> bool:
     return a == b
 
 
+def _runs(lp, sf, key: str, autotp, tp_rank: int, tp_size: int, ep_rank: int, ep_size: int):
+    """The live parameter's flattened slice of state file ``sf``, as runs of its tensor: DeepSpeed's
+    order (experts, then the tensor-parallel cut), with the parameter's AutoEP / AutoTP metadata
+    checked by DeepSpeed's own resolvers first."""
+    from ..deepspeed.restore_meta import NotACopy
+    from . import restore_targets
+
+    where = sf.source.path
+    try:
+        experts = None
+        shape = tuple(sf.tensor.shape)
+        if sf.meta.get("is_expert_param", False):
+            experts = restore_targets.zero12_experts(lp, sf.meta, shape, ep_rank, where)
+            if experts is not None:
+                shape = experts[1]
+        expected = restore_targets.autotp_numel(lp, sf.meta, shape, tp_rank, tp_size, key) if autotp else None
+        runs = tp_slice_runs(sf.tensor.shape, sf.meta, tuple(lp.shape), tp_rank, tp_size, ep_rank, ep_size, where,
+                             experts=experts, autotp=autotp, state_key=key)
+    except NotACopy as exc:
+        raise Unsupported(f"{where}: {exc}") from None
+    if expected is not None and total(runs) != expected:
+        raise Unsupported(f"{where}: DeepSpeed cuts {expected} elements, pyckpt's runs {total(runs)}")
+    return runs
+
+
 def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
     """Everything the load will do, with nothing changed yet: returns ``apply()``, which does it and
     returns the bytes it gathered. ``states`` reads the universal files (default: the ``zero/`` folder
@@ -65,16 +90,14 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
             mapping = lp._hp_mapping
             if mapping is None:
                 continue
-            if _get_param_uc_restore_meta(lp) is not None or getattr(lp, "ds_autoep_uc_meta", None) is not None:
-                raise Unsupported(f"{opt.param_names[lp]} carries AutoTP/AutoEP restore metadata")
+            autotp = _get_param_uc_restore_meta(lp)
             ps = states.param_states(opt.param_names[lp], 2)
             lp_start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
             hp_start = mapping.hp_fragment_address.start
             for key, sf in ps.states.items():
                 if not sf.is_dict:
                     raise Unsupported(f"{sf.source.path} holds a bare tensor")
-                runs = tp_slice_runs(sf.tensor.shape, sf.meta, tuple(lp.shape), tp_rank, tp_size, ep_rank, ep_size,
-                                     sf.source.path)
+                runs = _runs(lp, sf, key, autotp, tp_rank, tp_size, ep_rank, ep_size)
                 part = narrow(runs, lp_start, numel)
                 if total(part) != numel:
                     raise RuntimeError(f"start ({lp_start}) + length ({numel}) exceeds dimension size "

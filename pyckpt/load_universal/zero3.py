@@ -11,7 +11,7 @@ Two differences, on purpose, where DeepSpeed's result is not the state of a run 
 checkpointed: every sub-group gets its own ``step`` tensor (DeepSpeed shares one object, which torch
 Adam then advances once per sub-group: 3 becomes 5 in one step with two sub-groups), and each
 optimizer param group gets its own hyper-parameters from the checkpoint (DeepSpeed gives every group
-group 0's).
+group 0's, its MoE group name included).
 """
 
 from __future__ import annotations
@@ -26,12 +26,49 @@ from .state_files import FolderStates, loss_scaler
 from .zero12 import Unsupported
 
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+# Keys of a param group that name the live engine's MoE group (DeepSpeed's
+# split_params_into_different_moe_groups_for_optimizer: "ep_size_4" after a load at another
+# expert-parallel size), not training hyper-parameters: a run that never checkpointed keeps its own.
+LIVE_GROUP_KEYS = ("name", "moe")
+
+
+def _state_runs(opt, param, sf, autotp) -> list:
+    """This rank's ``ceil(n / W)`` elements of the parameter's state file ``sf`` as runs of its tensor,
+    in DeepSpeed's order (``stage3.py::load_hp_checkpoint_state``): the rank's experts of an expert
+    state, the AutoTP shard by the parameter's metadata, then the zero-padded data-parallel slice."""
+    import deepspeed.comm as dist
+    from deepspeed.utils import groups
+
+    from ..deepspeed.restore_meta import NotACopy, autotp_runs
+    from ..deepspeed.universal_slice import remap, total
+    from . import restore_targets
+
+    where = sf.source.path
+    n = sf.tensor.numel()
+    base = [(0, n)] if n else []
+    try:
+        if sf.is_dict and sf.meta.get("is_expert_param", False):
+            base, shape = restore_targets.zero3_experts(opt, param, sf.meta, tuple(sf.tensor.shape), where)
+            n = total(base)
+        if sf.is_dict and autotp:
+            tp_group = groups.get_tensor_model_parallel_group()
+            tp_rank, tp_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+            # DeepSpeed cuts the flattened tensor, and with the parameter's scale power whatever the state
+            expected = restore_targets.autotp_numel(param, sf.meta, (n, ), tp_rank, tp_size, "fp32")
+            cut = autotp_runs(autotp, (n, ), base, tp_rank, tp_size, "fp32")
+            if (cut is None) != (expected is None) or (cut is not None and total(cut) != expected):
+                raise Unsupported(f"{where}: DeepSpeed cuts {expected} elements, pyckpt's runs "
+                                  f"{None if cut is None else total(cut)}")
+            if cut is not None:
+                base, n = cut, total(cut)
+    except NotACopy as exc:
+        raise Unsupported(f"{where}: {exc}") from None
+    group = opt._get_param_partition_group(param)
+    return remap(zero3_partition_runs(n, dist.get_world_size(group=group), dist.get_rank(group=group)), base)
 
 
 def _param_runs(opt, states, keys, cache: Dict[str, object]) -> List[tuple]:
-    """Per sub-group: [(param, {key: state file}, runs)], runs of ``ceil(n / W)`` elements each."""
-    import deepspeed.comm as dist
-
+    """Per sub-group: [(param, {key: state file}, {key: runs})], runs of ``ceil(n / W)`` elements each."""
     out = []
     for fp16_group in opt.fp16_groups:
         entries = []
@@ -39,24 +76,18 @@ def _param_runs(opt, states, keys, cache: Dict[str, object]) -> List[tuple]:
             if param not in opt.param_names:
                 raise ValueError("failed to find optimizer param in named params")
             name = opt.param_names[param]
-            if getattr(param, "ds_autotp_universal_checkpoint_meta", None) is not None or \
-                    getattr(param, "ds_autoep_uc_meta", None) is not None:
-                raise Unsupported(f"{name} carries AutoTP/AutoEP restore metadata")
             ps = cache.get(name) or states.param_states(name, 3)
             cache[name] = ps
-            files = {}
+            autotp = getattr(param, "ds_autotp_universal_checkpoint_meta", None)
+            files, runs = {}, {}
             for key in keys:
                 sf = ps.states.get(key)
                 if sf is None:
                     raise CheckpointFormatError(f"{os.path.join(ps.folder, key + '.pt')}: missing")
-                if sf.is_dict and sf.meta.get("is_expert_param", False):
-                    raise Unsupported(f"{sf.source.path} is an expert parameter")
                 files[key] = sf
-            n = files[keys[0]].tensor.numel()
-            if any(f.tensor.numel() != n for f in files.values()):
+                runs[key] = _state_runs(opt, param, sf, autotp)
+            if len({sum(n for _, n in r) for r in runs.values()}) != 1:
                 raise CheckpointFormatError(f"{ps.folder}: the state files hold different element counts")
-            group = opt._get_param_partition_group(param)
-            runs = zero3_partition_runs(n, dist.get_world_size(group=group), dist.get_rank(group=group))
             entries.append((param, files, runs))
         out.append(entries)
     return out
@@ -69,7 +100,7 @@ def _fill(tensor, entries, key: str) -> TensorFill:
     offset = 0
     for _, files, runs in entries:
         sf = files[key]
-        offset += fill.add(sf.source, sf.tensor, runs, offset)
+        offset += fill.add(sf.source, sf.tensor, runs[key], offset)
     fill.add(None, None, [(None, fill.numel - offset)], offset)
     return fill
 
@@ -120,7 +151,8 @@ def plan(opt, checkpoint_dir: str, load_optimizer_states: bool, load_from_fp32_w
                 opt.optimizer.state[flat][key] = buffer
         for group, ckpt_group in zip(opt.optimizer.param_groups, gs.param_groups):
             for key, value in ckpt_group.items():
-                group[key] = [] if key == "params" else value
+                if key not in LIVE_GROUP_KEYS:
+                    group[key] = [] if key == "params" else value
         for g in range(len(opt.fp32_partitioned_groups_flat)):
             fp32 = opt.fp32_partitioned_groups_flat[g]
             if sum(fp32.size()) > 0:
