@@ -257,6 +257,8 @@ def direct(task: dict, rank: int, world_size: int) -> dict:
             u_client.pop("universal_checkpoint_info", None)
         out[how] = {"before": diff(u_before, d_before, skip), "after": diff(u_after, d_after, skip),
                     "loss": (u_loss, d_loss), "client_equal": repr(u_client) == repr(d_client), "info": info,
+                    "client_diff": sorted(k for k in set(u_client) | set(d_client)
+                                          if repr(u_client.get(k)) != repr(d_client.get(k))),
                     "keys": len(u_before)}
     return {"ranks": _everyone(out)}
 

@@ -7,9 +7,8 @@ a converted folder, and gather each rank's element runs straight from the origin
 universal folder, no extra disk, each rank reading only its own bytes.
 
 Checkpoints saved without ``universal_checkpoint_info`` are read as ``--inject_missing_state`` reads
-them. Tensors the plan computes in memory or assembles from strided pieces (tensor-parallel merges
-along dimension 1, averaged replicas) are not served yet: such a load stops with a message to
-convert first.
+them. Tensors the plan computes in memory (averaged tensor-parallel replicas) or casts (parameters
+without fp32 state) are not served yet: such a load stops with a message to convert first.
 """
 
 from __future__ import annotations
@@ -36,14 +35,21 @@ class VirtualStateFile:
 
     def __init__(self, label: str, tensor: NewTensor):
         self.path = label
-        if tensor.data is not None or any(p.kind or p.rows != 1 for p in tensor.pieces):
+        if tensor.data is not None or any(p.kind for p in tensor.pieces):
             raise UnsupportedCheckpointError(
-                f"{label}: this tensor is merged in memory or from strided pieces (tensor-parallel layout), which "
-                "resuming straight from a ZeRO checkpoint does not serve yet; convert it with "
-                "`python -m pyckpt.convert` and load the universal folder")
-        self._pieces = sorted(tensor.pieces, key=lambda p: p.dst_off)
-        self._starts = [p.dst_off for p in self._pieces]
-        covered = sum(p.nbytes for p in self._pieces)
+                f"{label}: this tensor is computed in memory or cast (an averaged tensor-parallel replica, a "
+                "parameter without fp32 state), which resuming straight from a ZeRO checkpoint does not serve "
+                "yet; convert it with `python -m pyckpt.convert` and load the universal folder")
+        # (dst_off, src, src_off, nbytes): a strided piece (a tensor-parallel merge along a later
+        # dimension) is one row per source row
+        rows = []
+        for p in tensor.pieces:
+            for i in range(p.rows):
+                rows.append((p.dst_off + i * p.stride, p.src, p.src_off + i * p.nbytes, p.nbytes))
+        rows.sort(key=lambda r: r[0])
+        self._pieces = rows
+        self._starts = [r[0] for r in rows]
+        covered = sum(r[3] for r in rows)
         if covered != tensor.numel() * ITEMSIZE[tensor.dtype]:
             raise CheckpointFormatError(f"{label}: the shards give {covered} bytes of a "
                                         f"{tensor.numel() * ITEMSIZE[tensor.dtype]}-byte tensor")
@@ -55,10 +61,12 @@ class VirtualStateFile:
         out = []
         i = max(0, bisect.bisect_right(self._starts, lo) - 1)
         while lo < hi and i < len(self._pieces):
-            p = self._pieces[i]
-            a, b = max(lo, p.dst_off), min(hi, p.dst_off + p.nbytes)
+            dst, src, src_off, nbytes = self._pieces[i]
+            a, b = max(lo, dst), min(hi, dst + nbytes)
             if a < b:
-                out.append((p.src.path, p.src_off + (a - p.dst_off), b - a))
+                if a != lo:
+                    break  # a hole: reported below
+                out.append((src.path, src_off + (a - dst), b - a))
                 lo = b
             i += 1
         if lo < hi:
