@@ -33,10 +33,6 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def parse_count(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1], 1)
-    return int(float(text[:-1] if text[-1] in "KMBG" else text) * scale)
 
 
 def rchar() -> int:
@@ -88,27 +84,17 @@ def main():
     p.add_argument("--json")
     args = p.parse_args()
 
-    import torch
     import torch.distributed as tdist
     import deepspeed
 
     import pyckpt.deepspeed
     from pyckpt.load_universal import hooks
 
-    w = args.width
-    layers = max(1, round(parse_count(args.params) / (w * w + w)))
-    torch.manual_seed(0)
-    blocks = []
-    for _ in range(layers):
-        blocks += [torch.nn.Linear(w, w), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*blocks, torch.nn.Linear(w, 7))
-    cfg = {
-        "train_batch_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": args.stage},
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
-        "checkpoint": {"load_universal": True},
-    }
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from make_real_checkpoint import build_model, ds_config
+
+    model, _ = build_model(args.params, args.width)
+    cfg = dict(ds_config(args.stage), checkpoint={"load_universal": True})
     deepspeed.init_distributed(dist_backend="gloo")
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     rank, world = tdist.get_rank(), tdist.get_world_size()

@@ -19,6 +19,28 @@ def parse_count(text: str) -> int:
     return int(float(text[:-1] if text[-1] in "KMBG" else text) * scale)
 
 
+def build_model(params: str, width: int):
+    """(the model, its layer count): square Linear(width) layers + ReLU to about ``params``
+    parameters, then a 7-wide head; seeded, so every rank (and a later loader) builds the same."""
+    import torch
+
+    layers = max(1, round(parse_count(params) / (width * width + width)))
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(width, 7)), layers
+
+
+def ds_config(stage: int) -> dict:
+    return {
+        "train_batch_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+    }
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -31,20 +53,9 @@ def main():
     import torch
     import deepspeed
 
-    target = parse_count(args.params)
     w = args.width
-    layers = max(1, round(target / (w * w + w)))
-    torch.manual_seed(0)
-    blocks = []
-    for _ in range(layers):
-        blocks += [torch.nn.Linear(w, w), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*blocks, torch.nn.Linear(w, 7))
-    cfg = {
-        "train_batch_size": int(os.environ.get("WORLD_SIZE", "1")),
-        "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": args.stage},
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
-    }
+    model, layers = build_model(args.params, w)
+    cfg = ds_config(args.stage)
     if args.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     deepspeed.init_distributed(dist_backend="gloo")

@@ -20,6 +20,7 @@ import torch.distributed as tdist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dsharness"))
 import worker as W  # noqa: E402  (dsharness/worker.py, already imported by the supervisor)
+from pagecache import evict, resident_bytes  # noqa: E402
 
 
 def _t(x):
@@ -136,7 +137,11 @@ def _load(cfg, world_size: int, rank: int, root: str, tag: str, backend: bool, *
     finally:
         if handle is not None:
             pyckpt.deepspeed.disable()
-    info = dict(hooks.last_load) if backend else {}
+    return _observe(engine, cfg, rank, client, dict(hooks.last_load) if backend else {})
+
+
+def _observe(engine, cfg, rank: int, client, info: dict):
+    """After a load: (snapshot, snapshot after one more step, its loss, client state, info + own bytes)."""
     info["own_bytes"] = own_bytes(engine)
     before = snapshot(engine)
     engine.train()
@@ -231,16 +236,7 @@ def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
         tag = open(os.path.join(root, "latest")).read().strip()
         with pyckpt.deepspeed.enable():
             path, client = engine.load_checkpoint(root, tag=tag)
-    info = dict(hooks.last_load)
-    info["own_bytes"] = own_bytes(engine)
-    info["path"] = path
-    before = snapshot(engine)
-    engine.train()
-    loss = W.train_step(engine, cfg, rank, engine.global_steps)
-    after = snapshot(engine)
-    client = {k: v for k, v in (client or {}).items() if k not in ("ds_config", )}
-    engine.destroy()
-    return before, after, loss, client, info
+    return _observe(engine, cfg, rank, client, dict(hooks.last_load, path=path))
 
 
 def direct(task: dict, rank: int, world_size: int) -> dict:
@@ -261,41 +257,6 @@ def direct(task: dict, rank: int, world_size: int) -> dict:
                                           if repr(u_client.get(k)) != repr(d_client.get(k))),
                     "keys": len(u_before)}
     return {"ranks": _everyone(out)}
-
-
-def _resident_bytes(path: str) -> int:
-    """Bytes of `path` in the page cache (mincore over a fresh shared mapping)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0
-    page = mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value)
-        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-        assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
-        libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return sum(v & 1 for v in vec) * page
-
-
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def pages(task: dict, rank: int, world_size: int) -> dict:
@@ -322,10 +283,10 @@ def pages(task: dict, rank: int, world_size: int) -> dict:
                 tdist.barrier()
                 if turn == rank:
                     for f in files:
-                        _evict(f)
-                    seen["baseline"] = sum(_resident_bytes(f) for f in files)
+                        evict(f)
+                    seen["baseline"] = sum(resident_bytes(f) for f in files)
                     nbytes = apply(workers)
-                    seen["touched"] = sum(_resident_bytes(f) for f in files) - seen["baseline"]
+                    seen["touched"] = sum(resident_bytes(f) for f in files) - seen["baseline"]
                 tdist.barrier()
             return nbytes
 

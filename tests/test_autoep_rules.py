@@ -1,7 +1,5 @@
 """AutoEP load-side rules and read_expert_slice (the rows one EP rank loads, and only those bytes)."""
 
-import ctypes
-import mmap
 import os
 
 import pytest
@@ -9,6 +7,8 @@ import torch
 
 from pyckpt import CheckpointFormatError
 from pyckpt.deepspeed.autoep.load import check_load_topology, expert_rows, read_expert_slice
+
+from pagecache import evict, resident_bytes
 
 LAYERS = [
     {"module_path": "model.layers.0.mlp", "expert_key_prefix": "model.layers.0.mlp.experts", "num_experts": 8},
@@ -81,45 +81,15 @@ def test_read_expert_slice_refuses_dense_files(tmp_path):
         read_expert_slice(tmp_path / "e.pt", 0, 3)
 
 
-def _resident_bytes(path) -> int:
-    """Bytes of ``path`` in the page cache (mincore over a fresh shared mapping)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    size = os.path.getsize(path)
-    page = mmap.PAGESIZE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value)
-        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-        assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
-        libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return sum(v & 1 for v in vec) * page
-
-
-def _evict(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_read_expert_slice_touches_only_its_rows(tmp_path):
     path = tmp_path / "fp32.pt"
     full = _expert_file(path, num_experts=64, shape=(256, 256))  # 16 MiB
     size = os.path.getsize(path)
-    _evict(path)
-    baseline = _resident_bytes(path)
+    evict(path)
+    baseline = resident_bytes(path)
     assert baseline < size // 16, "the page cache did not let go of the file; the measurement would mean nothing"
     got = read_expert_slice(path, 3, 8)
-    touched = _resident_bytes(path) - baseline
+    touched = resident_bytes(path) - baseline
     assert torch.equal(got, full[24:32])
     # 1/8 of the file, plus the pickle and the kernel's readahead around the range.
     assert size / 8 * 0.95 <= touched <= size / 8 + 1024 * 1024, (touched, size)

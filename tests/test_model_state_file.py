@@ -1,6 +1,7 @@
 """The universal load's model-state file reader (pyckpt/load_universal/model_state_file.py): one
 weights-only memory-mapped read per path, DeepSpeed's own reader for what torch's restricted
-unpickler refuses, other files untouched."""
+unpickler refuses, other files untouched; and enable()/disable() patching DeepSpeed only on the
+version the hooks were proven against, restoring it exactly."""
 
 from __future__ import annotations
 
@@ -83,3 +84,35 @@ def test_a_damaged_model_state_file_fails_as_deepspeed_would(tmp_path):
         MappedModelStates(inner).load(os.fspath(path))
     assert inner.calls == [os.fspath(path)], "DeepSpeed's reader gets the file and raises its own error"
     assert caught.value is not None
+
+
+def test_enable_leaves_an_unproven_deepspeed_alone(monkeypatch, caplog):
+    """On a DeepSpeed version the hooks were not proven against, enable() says so and patches nothing."""
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    import pyckpt.deepspeed
+
+    before = (DeepSpeedEngine.load_checkpoint, DeepSpeedZeroOptimizer_Stage3._load_universal_checkpoint)
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+    with caplog.at_level("WARNING", logger="pyckpt"):
+        handle = pyckpt.deepspeed.enable()
+    assert not handle and not pyckpt.deepspeed.enabled()
+    assert "0.20.0" in caplog.text and "0.19.8" in caplog.text
+    assert (DeepSpeedEngine.load_checkpoint, DeepSpeedZeroOptimizer_Stage3._load_universal_checkpoint) == before
+
+
+def test_enable_and_disable_patch_and_restore_the_load_path():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    import pyckpt.deepspeed
+
+    before = (DeepSpeedEngine.load_checkpoint, DeepSpeedZeroOptimizer._load_universal_checkpoint)
+    with pyckpt.deepspeed.enable() as handle:
+        assert handle and pyckpt.deepspeed.enabled()
+        assert getattr(DeepSpeedEngine.load_checkpoint, "__pyckpt__", False)
+        assert getattr(DeepSpeedZeroOptimizer._load_universal_checkpoint, "__pyckpt__", False)
+    assert not pyckpt.deepspeed.enabled()
+    assert (DeepSpeedEngine.load_checkpoint, DeepSpeedZeroOptimizer._load_universal_checkpoint) == before
