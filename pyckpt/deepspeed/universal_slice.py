@@ -25,7 +25,7 @@ pyckpt fails where and as DeepSpeed's would.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..formats.pickle_read import numel
 
@@ -106,13 +106,14 @@ def remap(runs: Sequence[Run], base: Sequence[Run]) -> List[Run]:
 
 def tp_slice_runs(file_shape: Tuple[int, ...], meta: dict, lp_shape: Tuple[int, ...], tp_rank: int, tp_size: int,
                   ep_rank: int, ep_size: int, where: str, *, experts: Optional[Tuple[List[Run], tuple]] = None,
-                  autotp: Optional[dict] = None, state_key: str = "fp32") -> List[Run]:
+                  autotp: Optional[Callable[[tuple, List[Run]], Optional[List[Run]]]] = None) -> List[Run]:
     """ZeRO-1/2 and BF16: the flattened tensor-parallel slice of the live parameter (shape ``lp_shape``)
     in the state file ``where`` (a dict file; ``meta`` are its keys besides ``param``), as runs of the
     file tensor. Steps 1-4 of the module docstring. ``experts``: the rank's experts already cut by the
-    parameter's AutoEP metadata (runs of the file tensor, their shape); ``autotp``: the parameter's
-    AutoTP restore metadata, which replaces the shape shortcut, the vocabulary padding and the
-    generic slice where it describes the layout (:mod:`.restore_meta`)."""
+    parameter's AutoEP metadata (runs of the file tensor, their shape); ``autotp``: for a parameter
+    with AutoTP restore metadata, its cut (:func:`.restore_meta.autotp_runs` bound to the metadata
+    and rank: (shape, runs) -> runs, or None where the metadata leaves it to the generic slice); such
+    a parameter gets neither the shape shortcut nor the vocabulary padding."""
     shape = tuple(file_shape)
     base: List[Run] = [(0, numel(shape))] if numel(shape) else []
     is_expert = meta.get("is_expert_param", False)
@@ -135,9 +136,7 @@ def tp_slice_runs(file_shape: Tuple[int, ...], meta: dict, lp_shape: Tuple[int, 
             base = base + [(None, (padded - shape[0]) * numel(shape[1:]))]
             shape = (padded, ) + shape[1:]
     if autotp:
-        from .restore_meta import autotp_runs
-
-        runs = autotp_runs(autotp, shape, base, tp_rank, tp_size, state_key)
+        runs = autotp(shape, base)
         if runs is not None:
             return runs
     full = numel(shape)

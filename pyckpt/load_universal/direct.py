@@ -1,61 +1,15 @@
-"""Resume straight from a ZeRO checkpoint at another world size: DeepSpeed's universal load, fed by
-the checkpoint's universal view (:mod:`.zero_view`) instead of a converted folder.
-
-DeepSpeed's ``load_checkpoint`` runs as under ``"checkpoint": {"load_universal": true}`` (the engine
-flag is raised for the call only): it reads the tag's model-state file for the scheduler, counters and
-``client_state``, skips the module weights, and hands the optimizer state to the hooked
-``_load_universal_checkpoint``, which finds the view registered for the tag folder and gathers each
-rank's runs from the ZeRO shards. Each rank builds the view itself (the shards' pickles are read,
-not their tensors) inside the planning step, so a broken checkpoint fails every rank together.
-"""
+"""``pyckpt.deepspeed.load_checkpoint``: resume from a ZeRO checkpoint at another world size without
+converting it (the mechanics: :mod:`.resume`)."""
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Optional
 
 from ..deepspeed.discovery import follow_pointer
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
-from . import zero_view
-from .model_state_file import MODEL_STATES_SUFFIX
-
-
-def _is_zero_tag_folder(path: str) -> bool:
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    return any(n.endswith("_optim_states.pt") for n in names) and "zero" not in names
-
-
-def zero_target(load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str]]:
-    """(load_dir, tag) when this load names a plain ZeRO checkpoint rather than a universal one:
-    ``tag`` given and its folder holds ZeRO shards and no ``zero/``; or no tag, no
-    ``latest_universal`` and a ``latest`` naming such a folder. None otherwise."""
-    load_dir = os.fspath(load_dir)
-    if tag is not None:
-        return (load_dir, str(tag)) if _is_zero_tag_folder(os.path.join(load_dir, str(tag))) else None
-    if os.path.lexists(os.path.join(load_dir, "latest_universal")) or \
-            not os.path.lexists(os.path.join(load_dir, "latest")):
-        return None
-    folder = follow_pointer(load_dir, "latest")
-    return (load_dir, os.path.basename(folder)) if _is_zero_tag_folder(folder) else None
-
-
-def load_zero(engine, load_dir: str, tag: str, original, *args, **kwargs):
-    """``original`` (DeepSpeed's ``load_checkpoint``) over the view of ``<load_dir>/<tag>``."""
-    folder = os.path.join(load_dir, tag)
-    if not any(n.endswith(MODEL_STATES_SUFFIX) for n in os.listdir(folder)):
-        raise CheckpointFormatError(f"{folder}: no *_model_states.pt file")
-    zero_view.register(folder, lambda: zero_view.ZeroView(folder))
-    config = engine._config
-    saved = config.load_universal_checkpoint
-    config.load_universal_checkpoint = True
-    try:
-        return original(engine, load_dir, tag, *args, **kwargs)
-    finally:
-        config.load_universal_checkpoint = saved
-        zero_view.unregister(folder)
+from . import hooks
+from .resume import is_zero_tag_folder, load_zero, zero_target
 
 
 def load_checkpoint(engine, load_dir, tag: Optional[str] = None, **kwargs):
@@ -65,7 +19,7 @@ def load_checkpoint(engine, load_dir, tag: Optional[str] = None, **kwargs):
     DeepSpeed's ``engine.load_checkpoint`` returns: ``(load_path, client_state)``. Called on every
     rank, like ``engine.load_checkpoint``; the other keyword arguments are its own."""
     load_dir = os.fspath(load_dir)
-    if tag is None and _is_zero_tag_folder(load_dir):
+    if tag is None and is_zero_tag_folder(load_dir):
         load_dir, tag = os.path.split(os.path.abspath(load_dir))
     elif tag is None and os.path.lexists(os.path.join(load_dir, "latest")):
         # `latest`, as DeepSpeed's own load reads it, even where a `latest_universal` lies beside it
@@ -76,8 +30,6 @@ def load_checkpoint(engine, load_dir, tag: Optional[str] = None, **kwargs):
         raise CheckpointFormatError(f"{where}: not a ZeRO checkpoint tag folder (no *_optim_states.pt, or it "
                                     "already has a universal zero/ folder: load that with load_universal)")
     from deepspeed.runtime.engine import DeepSpeedEngine
-
-    from . import hooks
 
     already = hooks.installed()
     if not hooks.install():

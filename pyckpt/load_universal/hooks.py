@@ -20,8 +20,8 @@ import time
 from typing import Callable, Dict, Optional, Tuple
 
 from ..errors import UnsupportedCheckpointError
-from . import model_state_file, zero3, zero12, zero_view
-from .zero12 import Unsupported
+from . import model_state_file, resume, zero3, zero12, zero_view
+from .unsupported import Unsupported
 
 logger = logging.getLogger("pyckpt")
 
@@ -132,17 +132,15 @@ def _with_mapped_model_states(original: Callable) -> Callable:
 
 def _engine_load(original: Callable):
     """``DeepSpeedEngine.load_checkpoint`` under ``enable()``: a universal load maps the model-state
-    file once, and one that names a plain ZeRO checkpoint resumes from it directly (:mod:`.direct`)."""
-    from . import direct
-
+    file once, and one that names a plain ZeRO checkpoint resumes from it directly (:mod:`.resume`)."""
     mapped = _with_mapped_model_states(original)
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         if not self.load_universal_checkpoint():
             return original(self, load_dir, tag, *args, **kwargs)
-        target = direct.zero_target(load_dir, tag)
+        target = resume.zero_target(load_dir, tag)
         if target is not None:
-            return direct.load_zero(self, *target, mapped, *args, **kwargs)
+            return resume.load_zero(self, *target, mapped, *args, **kwargs)
         return mapped(self, load_dir, tag, *args, **kwargs)
 
     load_checkpoint.__wrapped__ = original

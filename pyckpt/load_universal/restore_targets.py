@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 
 from ..deepspeed.restore_meta import autoep_runs
 from ..deepspeed.universal_slice import Run
+from .unsupported import Unsupported
 
 AUTOEP_META = "ds_autoep_uc_meta"
 
@@ -32,8 +33,6 @@ def _affine_of(meta) -> dict:
 
 def _checked(runs: List[Run], shape, cut, what: str) -> Tuple[List[Run], tuple]:
     if tuple(cut.shape) != tuple(shape):
-        from .zero12 import Unsupported
-
         raise Unsupported(f"{what}: DeepSpeed cuts {tuple(cut.shape)}, pyckpt's runs {tuple(shape)}")
     return runs, tuple(shape)
 

@@ -17,11 +17,9 @@ from typing import Dict, List
 
 from ..deepspeed.universal_slice import narrow, tp_slice_runs, total
 from .gather import TensorFill
+from . import restore_targets
 from .state_files import FolderStates
-
-
-class Unsupported(Exception):
-    """A layout this backend does not load yet: DeepSpeed's own loader takes the call."""
+from .unsupported import Unsupported
 
 
 def _step_equal(a, b) -> bool:
@@ -36,8 +34,7 @@ def _runs(lp, sf, key: str, autotp, tp_rank: int, tp_size: int, ep_rank: int, ep
     """The live parameter's flattened slice of state file ``sf``, as runs of its tensor: DeepSpeed's
     order (experts, then the tensor-parallel cut), with the parameter's AutoEP / AutoTP metadata
     checked by DeepSpeed's own resolvers first."""
-    from ..deepspeed.restore_meta import NotACopy
-    from . import restore_targets
+    from ..deepspeed.restore_meta import NotACopy, autotp_runs
 
     where = sf.source.path
     try:
@@ -48,8 +45,9 @@ def _runs(lp, sf, key: str, autotp, tp_rank: int, tp_size: int, ep_rank: int, ep
             if experts is not None:
                 shape = experts[1]
         expected = restore_targets.autotp_numel(lp, sf.meta, shape, tp_rank, tp_size, key) if autotp else None
+        cut = (lambda shape, base: autotp_runs(autotp, shape, base, tp_rank, tp_size, key)) if autotp else None
         runs = tp_slice_runs(sf.tensor.shape, sf.meta, tuple(lp.shape), tp_rank, tp_size, ep_rank, ep_size, where,
-                             experts=experts, autotp=autotp, state_key=key)
+                             experts=experts, autotp=cut)
     except NotACopy as exc:
         raise Unsupported(f"{where}: {exc}") from None
     if expected is not None and total(runs) != expected:

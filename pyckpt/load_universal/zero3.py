@@ -21,9 +21,10 @@ from typing import Dict, List
 
 from ..deepspeed.universal_slice import zero3_partition_runs
 from ..errors import CheckpointFormatError
+from . import restore_targets
 from .gather import TensorFill
 from .state_files import FolderStates, loss_scaler
-from .zero12 import Unsupported
+from .unsupported import Unsupported
 
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 # Keys of a param group that name the live engine's MoE group (DeepSpeed's
@@ -41,7 +42,6 @@ def _state_runs(opt, param, sf, autotp) -> list:
 
     from ..deepspeed.restore_meta import NotACopy, autotp_runs
     from ..deepspeed.universal_slice import remap, total
-    from . import restore_targets
 
     where = sf.source.path
     n = sf.tensor.numel()

@@ -1,0 +1,59 @@
+"""Resuming from a plain ZeRO checkpoint through DeepSpeed's universal load: telling such a load
+apart, and running DeepSpeed's ``load_checkpoint`` over the checkpoint's universal view.
+
+DeepSpeed's ``load_checkpoint`` runs as under ``"checkpoint": {"load_universal": true}`` (the engine
+flag is raised for the call only): it reads the tag's model-state file for the scheduler, counters and
+``client_state``, skips the module weights, and hands the optimizer state to the hooked
+``_load_universal_checkpoint``, which finds the view registered for the tag folder (:mod:`.zero_view`)
+and gathers each rank's runs from the ZeRO shards. Each rank builds the view itself (the shards'
+pickles are read, not their tensors) inside the planning step, so a broken checkpoint fails every
+rank together.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+from ..deepspeed.discovery import follow_pointer
+from ..errors import CheckpointFormatError
+from . import zero_view
+from .model_state_file import MODEL_STATES_SUFFIX
+
+
+def is_zero_tag_folder(path: str) -> bool:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(n.endswith("_optim_states.pt") for n in names) and "zero" not in names
+
+
+def zero_target(load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str]]:
+    """(load_dir, tag) when this load names a plain ZeRO checkpoint rather than a universal one:
+    ``tag`` given and its folder holds ZeRO shards and no ``zero/``; or no tag, no
+    ``latest_universal`` and a ``latest`` naming such a folder. None otherwise."""
+    load_dir = os.fspath(load_dir)
+    if tag is not None:
+        return (load_dir, str(tag)) if is_zero_tag_folder(os.path.join(load_dir, str(tag))) else None
+    if os.path.lexists(os.path.join(load_dir, "latest_universal")) or \
+            not os.path.lexists(os.path.join(load_dir, "latest")):
+        return None
+    folder = follow_pointer(load_dir, "latest")
+    return (load_dir, os.path.basename(folder)) if is_zero_tag_folder(folder) else None
+
+
+def load_zero(engine, load_dir: str, tag: str, original, *args, **kwargs):
+    """``original`` (DeepSpeed's ``load_checkpoint``) over the view of ``<load_dir>/<tag>``."""
+    folder = os.path.join(load_dir, tag)
+    if not any(n.endswith(MODEL_STATES_SUFFIX) for n in os.listdir(folder)):
+        raise CheckpointFormatError(f"{folder}: no *_model_states.pt file")
+    zero_view.register(folder, lambda: zero_view.ZeroView(folder))
+    config = engine._config
+    saved = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        return original(engine, load_dir, tag, *args, **kwargs)
+    finally:
+        config.load_universal_checkpoint = saved
+        zero_view.unregister(folder)
