@@ -19,6 +19,7 @@ import torch.distributed as tdist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "dsharness"))
+sys.path.insert(0, HERE)  # tests/pagecache.py
 import worker as W  # noqa: E402  (dsharness/worker.py, already imported by the supervisor)
 from pagecache import evict, resident_bytes  # noqa: E402
 

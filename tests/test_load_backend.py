@@ -331,3 +331,22 @@ def test_each_rank_brings_only_its_share_into_the_page_cache(wide, name, how):
         # the issue's bound, 1.05x the share: each run may round out to a page at both ends (ZeRO-3
         # shards hold a rank's elements in a dozen runs per file here: 16 pages over, 1.6%)
         assert r["own_bytes"] * 0.98 <= r["touched"] <= r["own_bytes"] * 1.05, (rank, r)
+
+
+def test_an_expert_count_mismatch_fails_with_deepspeeds_error(universal, tmp_path):
+    """A universal expert state whose ep_num_experts disagrees with the target model's experts: every
+    rank raises DeepSpeed's own ValueError (its resolver checks the metadata first), none changed its
+    state."""
+    name = "z1-fp32-autoep"
+    root = tmp_path / name
+    shutil.copytree(universal[name].root, root)
+    state = root / TAG / "zero" / "model.layers.0.mlp.experts.w1" / "fp32.pt"
+    saved = torch.load(state, weights_only=False)  # the test's own file
+    saved["ep_num_experts"] = 6
+    torch.save(saved, state)
+    cfg = _target(CASES[name][0], {"world_size": 4, "ep_size": 4})
+    (res, ) = _launch(4, [_call("failing", cfg, root=str(root), tag=TAG)], None, "autoep mismatch", 300)
+    for rank, x in enumerate(res["ranks"]):
+        assert x["error"] == ("ValueError", "AutoEP universal checkpoint expert count disagrees with target logical "
+                              "shape: checkpoint=6, target=(8, 6, 10)."), (rank, x["error"])
+        assert x["changed"] == [], (rank, x["changed"])
