@@ -223,7 +223,8 @@ def failing(task: dict, rank: int, world_size: int) -> dict:
 def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
     """Resume from the plain ZeRO checkpoint in `root` (its `latest`): through
     pyckpt.deepspeed.load_checkpoint on an engine without load_universal ("api"), or through
-    engine.load_checkpoint(root, tag) with load_universal and pyckpt enabled ("enable")."""
+    engine.load_checkpoint(root, tag) with load_universal and pyckpt enabled ("enable"; tag None
+    where no latest_universal lies in root)."""
     import pyckpt.deepspeed
     from pyckpt.load_universal import hooks
 
@@ -234,7 +235,10 @@ def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
         assert not engine.load_universal_checkpoint(), "the engine's flag is restored"
     else:
         engine = W.make_engine(cfg, world_size, load_universal=True)
-        tag = open(os.path.join(root, "latest")).read().strip()
+        # with no latest_universal beside it, DeepSpeed's own tag resolution finds nothing: pyckpt
+        # follows `latest`; with one (a converted folder), the ZeRO tag has to be named
+        has_universal = os.path.exists(os.path.join(root, "latest_universal"))
+        tag = open(os.path.join(root, "latest")).read().strip() if has_universal else None
         with pyckpt.deepspeed.enable():
             path, client = engine.load_checkpoint(root, tag=tag)
     return _observe(engine, cfg, rank, client, dict(hooks.last_load, path=path))

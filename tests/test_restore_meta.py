@@ -10,6 +10,8 @@ from __future__ import annotations
 import deepspeed.checkpoint.affine as affine
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from deepspeed.checkpoint.universal_checkpoint import _resolve_autotp_partition
 
 from pyckpt.deepspeed.restore_meta import NotACopy, affine_runs, autotp_runs
@@ -109,3 +111,33 @@ def test_autotp_errors_are_deepspeeds(meta, shape, tp):
 def test_no_metadata_or_no_partition_dim_falls_back_to_the_generic_cut():
     assert autotp_runs(None, (4, 4), [(0, 16)], 0, 2, "fp32") is None
     assert autotp_runs(_meta(partition_dim=None, logical_shape=(4, 4)), (4, 4), [(0, 16)], 0, 2, "fp32") is None
+
+
+@st.composite
+def _split_maps(draw):
+    """A random DeepSpeed affine map: a contiguous or fused-sub-parameter split of a random 1- to 3-d
+    tensor along a random dimension, with random (uneven, possibly zero) per-rank widths."""
+    ndim = draw(st.integers(1, 3))
+    shape = [draw(st.integers(1, 7)) for _ in range(ndim)]
+    dim = draw(st.integers(0, ndim - 1))
+    tp = draw(st.integers(1, 4))
+    n_sub = draw(st.integers(1, 3))
+    subs = []
+    for _ in range(n_sub):
+        widths = [draw(st.integers(0, 4)) for _ in range(tp)]
+        if sum(widths) == 0:
+            widths[0] = 1
+        subs.append(widths)
+    shape[dim] = sum(sum(w) for w in subs)
+    if n_sub == 1:
+        return affine.contiguous_split_map(tuple(shape), subs[0], dim), tuple(shape)
+    return affine.sub_param_map(tuple(shape), [sum(w) for w in subs], subs, dim), tuple(shape)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_split_maps())
+def test_affine_runs_match_deepspeed_on_random_splits(case):
+    m, shape = case
+    for rank in m.pieces_by_rank:
+        expected = m.extract(_index(shape), rank).flatten()
+        assert torch.equal(_elements(affine_runs(m.to_dict(), rank)), expected), (shape, rank)
