@@ -129,10 +129,15 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
             if step is not None:
                 opt.optimizer.state[flat]["step"] = step
             for key in sorted(buffers):
-                buffer = torch.zeros_like(flat)
+                # DeepSpeed's buffer is zero outside the fragments (map_to_flat_opt_states); the gather
+                # writes the fragments and zeroes only the rest, instead of zeroing it all first
+                buffer = torch.empty_like(flat)
                 fill = TensorFill(buffer)
+                covered = []
                 for sf, part, hp_start in buffers[key]:
-                    fill.add(sf.source, sf.tensor, part, hp_start)
+                    covered.append((hp_start, hp_start + fill.add(sf.source, sf.tensor, part, hp_start)))
+                for lo, hi in _gaps(covered, buffer.numel()):
+                    fill.add(None, None, [(None, hi - lo)], lo)
                 fill.run(workers)
                 nbytes += fill.bytes_read
                 for lp, hp_start, numel in links:
@@ -144,6 +149,17 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
         return nbytes
 
     return apply
+
+
+def _gaps(covered, n: int):
+    """The ranges of [0, n) that no (start, stop) of ``covered`` reaches."""
+    at = 0
+    for lo, hi in sorted(covered):
+        if lo > at:
+            yield at, lo
+        at = max(at, hi)
+    if at < n:
+        yield at, n
 
 
 def _global_view(gs, opt) -> dict:

@@ -144,7 +144,7 @@ def plan(opt, checkpoint_dir: str, load_optimizer_states: bool, load_from_fp32_w
             step = gs.step
             opt.optimizer.state[flat]["step"] = step.clone() if torch.is_tensor(step) else step
             for key in KEYS[1:] + tuple(k for k in extra if k not in KEYS):
-                buffer = torch.zeros_like(flat)
+                buffer = torch.empty_like(flat)  # _fill writes every element, zeros included
                 fill = _fill(buffer, entries, key)
                 fill.run(workers)
                 nbytes += fill.bytes_read
