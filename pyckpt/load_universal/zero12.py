@@ -5,6 +5,8 @@ built from each rank's own bytes: the loss-scaler fields (``_load_global_state``
 fragment of the flat fp32 partition filled in place (padding untouched), one new flat buffer per
 optimizer state key shaped, typed and placed like the partition (zero at padding) with each
 parameter's ``optim_fragment[key]`` a view of it, the group's ``step`` and its hyper-parameters.
+Each parameter's slice of a state file follows DeepSpeed's order: its experts (AutoEP placement, or
+the legacy contiguous rows), then its tensor-parallel cut (AutoTP metadata, or the generic rules).
 
 One difference, on purpose: a rank whose partition of a group is padding only gets that group's
 step and zero state buffers (from the group's first parameter's folder), as a run that never
@@ -16,8 +18,8 @@ from __future__ import annotations
 from typing import Dict, List
 
 from ..deepspeed.universal_slice import narrow, tp_slice_runs, total
-from .gather import TensorFill
 from . import restore_targets
+from .gather import TensorFill
 from .state_files import FolderStates
 from .unsupported import Unsupported
 
