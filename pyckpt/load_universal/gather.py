@@ -3,19 +3,24 @@
 One :class:`TensorFill` per destination tensor (a flat fp32 partition, a new optimizer-state
 buffer): Python lists where each run of each state file lands; the native executor then copies (or
 casts) them with the GIL released, in parallel windows, into the tensor's own memory. CPU tensors
-are written in place. Other devices get the runs through a host staging copy of the tensor, then
-one copy to the device; elements no run covers keep their values in both cases.
+are written in place. A device tensor is filled through two host staging buffers of
+``STAGING_BYTES`` (pinned for CUDA) in turn: while the device copies one window's covered bytes
+asynchronously, the executor gathers the next window into the other buffer, so host memory stays two
+windows whatever the tensor's size. Elements no run covers keep their values either way.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..deepspeed.universal_slice import Run
 from ..errors import CheckpointFormatError
 from ..formats.pickle_read import ITEMSIZE, TensorRef
 from ..formats.torch_zip import SourceFile
 from ..native import cast_kind, execute_into, op_table
+
+# Bytes per staging buffer for device destinations (two are used in turn).
+STAGING_BYTES = 64 << 20
 
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
                  "torch.float64": "float64"}
@@ -39,6 +44,7 @@ class TensorFill:
         self._sources: List[str] = []
         self._index: Dict[str, int] = {}
         self._rows: List[tuple] = []
+        self._in_sizes: List[int] = []  # source bytes per element, per row
         self.bytes_read = 0
 
     def add(self, source: Optional[SourceFile], tensor: Optional[TensorRef], runs: Sequence[Run], dst: int) -> int:
@@ -58,6 +64,7 @@ class TensorFill:
         for src, n in runs:
             if src is None:
                 self._rows.append((-1, 0, 0, 0, dst * out_size, n * out_size, 0, 1, 0))
+                self._in_sizes.append(out_size)
                 dst += n
                 continue
             # a file's tensor is one byte range; a planned one (zero_view) may span several shards
@@ -68,20 +75,73 @@ class TensorFill:
                 if s == len(self._sources):
                     self._sources.append(path)
                 self._rows.append((s, off, 0, 0, dst * out_size, nbytes, kind, 1, 0))  # nbytes: source bytes
+                self._in_sizes.append(in_size)
                 self.bytes_read += nbytes
                 dst += nbytes // in_size
         return n_total
 
-    def run(self, workers: int = 0) -> None:
+    def run(self, workers: int = 0, staging: Optional[int] = None) -> None:
+        """Gather every run into the tensor. ``staging``: the staging window in bytes, to take the
+        device path for a CPU tensor too (tests); device tensors always take it."""
         if not self._rows:
             return
+        t = self.tensor.detach()
+        if not t.is_contiguous():
+            raise CheckpointFormatError("pyckpt loads only into contiguous tensors")
+        if t.device.type == "cpu" and staging is None:
+            import torch
+
+            execute_into(self._sources, op_table(self._rows), t.view(-1).view(torch.uint8).numpy(), workers)
+            return
+        self._run_staged(t, workers, staging or STAGING_BYTES)
+
+    def _windows(self, window: int) -> Iterator[Tuple[int, int, List[tuple], List[Tuple[int, int]]]]:
+        """(start, stop, rows shifted to the window, the window's byte ranges they write, merged) for
+        each window of destination bytes that a row reaches; rows are cut at window edges on element
+        boundaries, their source ranges alike."""
+        out_size = self.itemsize
+        window = max(out_size, window - window % out_size)
+        spans = sorted((r[4], r[4] + r[5] // i * out_size, r, i) for r, i in zip(self._rows, self._in_sizes))
+        k = 0
+        while k < len(spans):
+            w0 = spans[k][0] - spans[k][0] % window
+            w1 = w0 + window
+            rows, written = [], []
+            while k < len(spans) and spans[k][0] < w1:
+                lo, hi, r, i = spans[k]
+                a, b = max(lo, w0), min(hi, w1)
+                src_off = r[1] + (a - lo) // out_size * i if r[0] >= 0 else 0
+                rows.append((r[0], src_off, 0, 0, a - w0, (b - a) // out_size * i, r[6], 1, 0))
+                if written and written[-1][1] == a - w0:
+                    written[-1] = (written[-1][0], b - w0)
+                else:
+                    written.append((a - w0, b - w0))
+                if hi > w1:  # the rest of this row belongs to the next window
+                    spans[k] = (w1, hi, (r[0], r[1] + (w1 - lo) // out_size * i if r[0] >= 0 else 0) + r[2:], i)
+                    break
+                k += 1
+            yield w0, w1, rows, written
+
+    def _run_staged(self, t, workers: int, window: int) -> None:
         import torch
 
-        t = self.tensor.detach()
-        host = t if t.device.type == "cpu" else t.to("cpu")
-        if not host.is_contiguous():
-            raise CheckpointFormatError("pyckpt loads only into contiguous tensors")
-        buf = host.view(-1).view(torch.uint8).numpy()
-        execute_into(self._sources, op_table(self._rows), buf, workers)
-        if host is not t:
-            t.copy_(host)
+        flat = t.view(-1).view(torch.uint8)
+        cuda = t.device.type == "cuda"
+        size = min(window, flat.numel())
+        buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        done = [None, None]  # the event after each buffer's last device copy
+        for k, (w0, w1, rows, written) in enumerate(self._windows(window)):
+            b = k % 2
+            if done[b] is not None:
+                done[b].synchronize()  # its previous window's copies have left the buffer
+            w1 = min(w1, flat.numel())
+            host = buffers[b][:w1 - w0]
+            execute_into(self._sources, op_table(rows), host.numpy(), workers)
+            for lo, hi in written:
+                flat[w0 + lo:w0 + hi].copy_(host[lo:hi], non_blocking=cuda)
+            if cuda:
+                done[b] = torch.cuda.Event()
+                done[b].record()
+        if cuda:
+            torch.cuda.current_stream(t.device).synchronize()  # the buffers are freed on return
+

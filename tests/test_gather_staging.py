@@ -1,0 +1,82 @@
+"""The load backend's gather into live tensors (pyckpt/load_universal/gather.py): in place on CPU, and
+through two host staging windows for device tensors. The staged path runs on CPU tensors here (the
+same windows, cuts and copies; only pinning and asynchrony are CUDA's), against the in-place path:
+casts, zero runs, runs cut at every window edge, and bytes no run covers keeping their values."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pyckpt.formats.torch_zip import SourceFile
+from pyckpt.load_universal.gather import TensorFill
+
+
+@pytest.fixture()
+def sources(tmp_path):
+    torch.manual_seed(0)
+    values = {"a": torch.randn(1000, dtype=torch.bfloat16), "b": torch.randn(777), "c": torch.randn(64).half()}
+    out = {}
+    for name, t in values.items():
+        path = os.fspath(tmp_path / f"{name}.pt")
+        torch.save({"param": t}, path)
+        sf = SourceFile(path)
+        out[name] = (sf, sf.load()["param"], t)
+    return out
+
+
+def _fill(dest, sources) -> TensorFill:
+    """Runs that cast, skip, zero and leave gaps: dest[0:300] <- a[100:400] (bf16), a gap of 5,
+    dest[305:1082] <- b whole, zeros [1082:1100], dest[1150:1180] <- c[10:40] (fp16), b[0:3] at the end."""
+    fill = TensorFill(dest)
+    sa, ta, _ = sources["a"]
+    sb, tb, _ = sources["b"]
+    sc, tc, _ = sources["c"]
+    fill.add(sa, ta, [(100, 300)], 0)
+    fill.add(sb, tb, [(0, 777)], 305)
+    fill.add(None, None, [(None, 18)], 1082)
+    fill.add(sc, tc, [(10, 30)], 1150)
+    fill.add(sb, tb, [(0, 3)], dest.numel() - 3)
+    return fill
+
+
+def _expected(sources, n):
+    a, b, c = (sources[k][2] for k in "abc")
+    out = torch.full((n, ), 7.5)
+    out[0:300] = a[100:400].float()
+    out[305:1082] = b
+    out[1082:1100] = 0
+    out[1150:1180] = c[10:40].float()
+    out[n - 3:] = b[:3]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 4, 10, 4096, 1 << 20])
+def test_staged_windows_fill_exactly_what_the_in_place_gather_fills(sources, window):
+    n = 1300
+    dest = torch.full((n, ), 7.5)
+    fill = _fill(dest, sources)
+    fill.run(staging=window)
+    assert torch.equal(dest, _expected(sources, n))
+    assert fill.bytes_read == 300 * 2 + 777 * 4 + 30 * 2 + 3 * 4
+
+
+def test_windows_cut_rows_on_element_boundaries(sources):
+    fill = _fill(torch.zeros(1300), sources)
+    seen = 0
+    for w0, w1, rows, written in fill._windows(12):  # 3 fp32 elements a window
+        assert w1 - w0 == 12
+        for lo, hi in written:
+            assert 0 <= lo < hi <= 12 and lo % 4 == 0 and hi % 4 == 0
+            seen += hi - lo
+    assert seen == (300 + 777 + 18 + 30 + 3) * 4, "every written byte once; the gaps never"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA destinations need a GPU")
+def test_a_cuda_tensor_is_filled_through_pinned_windows(sources):
+    n = 1300
+    dest = torch.full((n, ), 7.5, device="cuda")
+    _fill(dest, sources).run(staging=4096)
+    assert torch.equal(dest.cpu(), _expected(sources, n))
