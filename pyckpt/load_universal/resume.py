@@ -16,7 +16,7 @@ import os
 from typing import Optional, Tuple
 
 from ..deepspeed.discovery import follow_pointer
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from . import zero_view
 from .model_state_file import MODEL_STATES_SUFFIX
 
@@ -48,12 +48,23 @@ def load_zero(engine, load_dir: str, tag: str, original, *args, **kwargs):
     folder = os.path.join(load_dir, tag)
     if not any(n.endswith(MODEL_STATES_SUFFIX) for n in os.listdir(folder)):
         raise CheckpointFormatError(f"{folder}: no *_model_states.pt file")
+    # Under the universal flag DeepSpeed takes the weights from the optimizer's load only: an engine
+    # that would not reach it would come back with its module weights untouched.
+    if not engine.zero_optimization() or engine.zero_nvme_offload_optimizer():
+        raise UnsupportedCheckpointError(f"{folder}: resuming straight from a ZeRO checkpoint needs an engine with "
+                                         "ZeRO stage 1-3 and no NVMe optimizer offload; load it with "
+                                         "engine.load_checkpoint as saved")
     zero_view.register(folder, lambda: zero_view.ZeroView(folder))
     config = engine._config
     saved = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
     try:
-        return original(engine, load_dir, tag, *args, **kwargs)
+        out = original(engine, load_dir, tag, *args, **kwargs)
+        if not zero_view.used(folder):
+            raise UnsupportedCheckpointError(f"{folder}: DeepSpeed's load did not reach pyckpt's optimizer-state load "
+                                             f"(optimizer {type(engine.optimizer).__name__}); nothing but the "
+                                             "model-state metadata was restored")
+        return out
     finally:
         config.load_universal_checkpoint = saved
         zero_view.unregister(folder)

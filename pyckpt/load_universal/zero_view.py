@@ -145,6 +145,11 @@ def unregister(tag_folder: str) -> None:
     _VIEWS.pop(os.path.realpath(tag_folder), None)
 
 
+def used(checkpoint_folder: str) -> bool:
+    """Whether a planner has built the view registered for this folder."""
+    return isinstance(_VIEWS.get(os.path.realpath(checkpoint_folder)), ZeroView)
+
+
 def registered(checkpoint_folder: str) -> bool:
     return os.path.realpath(checkpoint_folder) in _VIEWS
 
