@@ -45,18 +45,26 @@ class ParamStates:
     step: Any = None
 
 
-def read_scalar(source: SourceFile, t: TensorRef):
-    """A 0-d or 1-element tensor's value as a new torch tensor of its dtype (what torch.load gives)."""
+def scalar_tensor(dtype: str, shape, numel: int, read, where: str):
+    """A 0-d or 1-element tensor's value as a new torch tensor of its dtype (what torch.load gives);
+    ``read(nbytes)`` returns its bytes."""
     import struct
 
     import torch
 
-    code = _SCALAR_DTYPES.get(t.dtype)
-    if code is None or t.numel() != 1:
-        raise CheckpointFormatError(f"{source.path}: step is {t!r}; expected one float or integer element")
-    off, n = source.tensor_byte_range(t, 0, 1)
-    (value, ) = struct.unpack("<" + code, source.read_bytes(off, n))
-    return torch.tensor(value, dtype=getattr(torch, t.dtype)).reshape(t.shape)
+    code = _SCALAR_DTYPES.get(dtype)
+    if code is None or numel != 1:
+        raise CheckpointFormatError(f"{where}: step is {dtype}{list(shape)}; expected one float or integer element")
+    (value, ) = struct.unpack("<" + code, read(ITEMSIZE[dtype]))
+    return torch.tensor(value, dtype=getattr(torch, dtype)).reshape(tuple(shape))
+
+
+def read_scalar(source: SourceFile, t: TensorRef):
+    def read(nbytes: int) -> bytes:
+        off, n = source.tensor_byte_range(t, 0, 1)
+        return source.read_bytes(off, n)
+
+    return scalar_tensor(t.dtype, t.shape, t.numel(), read, source.path)
 
 
 def read_step(source: SourceFile, obj):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import struct
 from typing import Dict, List, Tuple
 
 from ..deepspeed.discovery import discover
@@ -25,10 +24,7 @@ from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..formats.pickle_read import ITEMSIZE
 from ..formats.pickle_write import NewTensor
 from ..universal import metadata_errors
-from .state_files import GlobalState, ParamStates, StateFile, global_state_of
-
-_SCALAR = {"float32": "f", "float64": "d", "int64": "q", "int32": "i"}
-
+from .state_files import GlobalState, ParamStates, StateFile, global_state_of, scalar_tensor
 
 class VirtualStateFile:
     """One planned ``zero/<name>/<key>.pt`` tensor: element runs resolve to byte ranges of the shards."""
@@ -75,14 +71,10 @@ class VirtualStateFile:
 
 
 def _scalar(t: NewTensor, where: str):
-    import torch
-
-    code = _SCALAR.get(t.dtype)
-    if code is None or t.numel() != 1 or len(t.pieces) != 1:
+    if len(t.pieces) != 1:
         raise CheckpointFormatError(f"{where}: step is {t.dtype}{list(t.shape)}; expected one float or integer")
     p = t.pieces[0]
-    (value, ) = struct.unpack("<" + code, p.src.read_bytes(p.src_off, ITEMSIZE[t.dtype]))
-    return torch.tensor(value, dtype=getattr(torch, t.dtype)).reshape(t.shape)
+    return scalar_tensor(t.dtype, t.shape, t.numel(), lambda n: p.src.read_bytes(p.src_off, n), where)
 
 
 class ZeroView:
