@@ -43,3 +43,17 @@ class PlanCheckError(PyckptError, ValueError):
     """The native executor refused the copy plan: a rule the planner enforces was broken anyway.
 
     Seeing one means a bug in pyckpt or an input that got past its checks; nothing was published."""
+
+
+class RanksFailedError(PyckptError, RuntimeError):
+    """A step of a run spread over several processes failed on one or more of them; every process
+    raises this, naming each failing rank and its message (``failures``: rank -> message)."""
+
+    def __init__(self, what: str, failures: dict, size: int):
+        self.what, self.failures, self.size = what, dict(failures), size
+        by_message: dict = {}
+        for rank in sorted(failures):
+            by_message.setdefault(failures[rank], []).append(rank)
+        parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
+                 for message, ranks in by_message.items()]
+        super().__init__(f"{what} failed on {len(failures)} of {size} ranks; {'; '.join(parts)}")

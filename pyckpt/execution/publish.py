@@ -19,6 +19,7 @@ A run writes into a hidden staging folder beside OUTPUT and publishes it with on
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -30,7 +31,7 @@ import warnings
 from typing import Callable, List, Optional
 
 from ..native import _core
-from ..errors import OutputExistsError, PyckptError
+from ..errors import OutputExistsError, PyckptError, RanksFailedError
 
 STAGING, OLD, POINTER_TMP, LOCK = "pyckpt-tmp", "pyckpt-old", "pyckpt-ptr", "pyckpt-lock"
 
@@ -44,6 +45,13 @@ def _fault_point(name: str) -> None:
     fault-injection tests can stop a run between any two renames. Costs one environment lookup."""
     if os.environ.get("PYCKPT_TEST_KILL_AT") == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rank_fault_point(rank: int) -> None:
+    """Test hook: ``PYCKPT_TEST_FAIL_RANK=<rank>`` makes that rank of a spread run fail once it has
+    written its share, as a full disk would, so tests can see every rank raise and nothing remain."""
+    if os.environ.get("PYCKPT_TEST_FAIL_RANK") == str(rank):
+        raise OSError(errno.EIO, f"injected failure on rank {rank} (PYCKPT_TEST_FAIL_RANK)")
 
 
 def owner_id() -> str:
@@ -272,22 +280,77 @@ def _fsync_dir(path: str) -> None:
 
 def write_published(plan, output: str, *, overwrite: bool = False, fsync: bool = False,
                     pointer: Optional[str] = "latest_universal", workers: Optional[int] = None,
-                    progress: bool = False, notify: Optional[Callable[[str], None]] = None) -> dict:
+                    progress: bool = False, notify: Optional[Callable[[str], None]] = None, ranks=None) -> dict:
     """Runs ``plan`` into a staging folder beside ``output`` and publishes it (see :class:`Publisher`).
 
     An exception raised once the output is in place carries ``pyckpt_published`` (the output),
     ``pyckpt_pointer`` (the pointer file's name, or None) and ``pyckpt_pointer_written``, so the
-    caller can tell the user what is on disk although the run did not finish."""
+    caller can tell the user what is on disk although the run did not finish.
+
+    With ``ranks`` (a :class:`~pyckpt.execution.distributed.TorchRanks` of more than one process,
+    every one calling with the same plan and arguments) the output files are shared out among them
+    (:func:`write_published_together`); the byte counts returned are the totals of all ranks."""
+    from .distributed import several
     from .executor import execute
 
+    if several(ranks):
+        return write_published_together(plan, output, ranks, overwrite=overwrite, fsync=fsync, pointer=pointer,
+                                        workers=workers, progress=progress, notify=notify)
     with Publisher(output, overwrite=overwrite, fsync=fsync, pointer=pointer, notify=notify) as out:
         try:
             stats = execute(plan, out.staging, workers, progress, fsync=fsync)
             out.publish()
         except BaseException as exc:
             if out.published:
-                exc.pyckpt_published = output
-                exc.pyckpt_pointer = pointer
-                exc.pyckpt_pointer_written = out.pointer_written
+                _mark_published(exc, output, pointer, out.pointer_written)
             raise
     return stats
+
+
+def _mark_published(exc: BaseException, output: str, pointer: Optional[str], pointer_written: bool) -> None:
+    exc.pyckpt_published = output
+    exc.pyckpt_pointer = pointer
+    exc.pyckpt_pointer_written = pointer_written
+
+
+def write_published_together(plan, output: str, ranks, *, overwrite: bool = False, fsync: bool = False,
+                             pointer: Optional[str] = "latest_universal", workers: Optional[int] = None,
+                             progress: bool = False, notify: Optional[Callable[[str], None]] = None) -> dict:
+    """:func:`write_published` by several processes: rank 0 locks, cleans and makes the staging folder,
+    every rank writes its share of the files into it, and only when all succeeded does rank 0 publish.
+    A failure anywhere leaves no output and no staging folder, and raises
+    :class:`~pyckpt.errors.RanksFailedError` on every rank."""
+    from .distributed import agreed, describe_failure, split_outputs
+    from .executor import execute
+
+    share = split_outputs(plan, ranks.size)[ranks.rank]
+    lead = ranks.rank == 0
+    with contextlib.ExitStack() as stack:
+        with agreed(ranks, "preparing the output") as vote:
+            if lead:
+                # rank 0 holds the lock to the end; leaving this block by any route removes staging
+                out = stack.enter_context(Publisher(output, overwrite=overwrite, fsync=fsync, pointer=pointer,
+                                                    notify=notify))
+                vote.value = out.staging
+        staging = vote.values[0]
+        with agreed(ranks, "writing the output files") as vote:
+            vote.value = execute(share, staging, workers, progress, fsync=fsync)
+            _rank_fault_point(ranks.rank)
+        totals = {key: sum(stats[key] for stats in vote.values) for key in vote.values[0]}
+        # Publishing is rank 0's alone; the others wait on its outcome (one broadcast), so that they
+        # too return only once the output is in place, or raise when it is not.
+        failure, outcome = None, None
+        if lead:
+            try:
+                out.publish()
+            except Exception as exc:
+                failure = exc
+                outcome = (describe_failure(exc), out.published, out.pointer_written)
+        outcome = ranks.broadcast(outcome)
+        if outcome is not None:
+            message, published, pointer_written = outcome
+            error = RanksFailedError("publishing the output", {0: message}, ranks.size)
+            if published:
+                _mark_published(error, output, pointer, pointer_written)
+            raise error from failure
+    return totals
