@@ -24,6 +24,7 @@ from .deepspeed.names import check_tag
 from .deepspeed.universal_read import consolidate_universal, discover_universal, find_universal_folder
 from .deepspeed.autoep.hf_names import preset_of, to_hf_names
 from .errors import CheckpointFormatError, UnsupportedCheckpointError
+from .execution.distributed import agreed, plan_digest, several
 from .execution.publish import write_published
 from .formats.pickle_read import ITEMSIZE
 from .formats.safetensors import TensorEntry, layout
@@ -203,7 +204,7 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
               max_shard_size: Union[int, str] = "5GB", torch_bin: bool = False,
               exclude_frozen_parameters: bool = False, dense_only: bool = False, overwrite: bool = False,
               dry_run: bool = False, workers: Optional[int] = None, progress: bool = False, fsync: bool = False,
-              notify: Optional[Callable[[str], None]] = None) -> ExportReport:
+              notify: Optional[Callable[[str], None]] = None, ranks=None) -> ExportReport:
     """Export a DeepSpeed ZeRO checkpoint (tag folder, or the folder holding ``latest``) as Hugging Face
     safetensors model files in the new folder ``output``. ``input`` may also be a Universal Checkpoint
     converted from one (its folder, or the folder holding ``latest_universal``): the files are the same.
@@ -216,18 +217,27 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     them, with an index when there is more than one. ``torch_bin`` writes ``pytorch_model*.bin``
     (torch.save files, aliases kept as shared storage) instead. The output is complete or absent; an existing
     ``output`` is replaced only with ``overwrite=True``.
+
+    ``ranks``: several processes share the files, as for
+    :func:`pyckpt.universal.convert_to_universal`; each file is written by one process, so only a
+    sharded export (``max_shard_size`` below the model's size) is spread.
     """
     t0 = time.perf_counter()
-    ck, plan, target, count, total = plan_export(input, dtype, max_shard_size, exclude_frozen_parameters,
-                                                 dense_only, tag, torch_bin)
+    ranks = several(ranks)
     output = os.path.abspath(os.fspath(output))
+    with agreed(ranks, "planning the export", same=True) as vote:
+        ck, plan, target, count, total = plan_export(input, dtype, max_shard_size, exclude_frozen_parameters,
+                                                     dense_only, tag, torch_bin)
+        if not dry_run:
+            check_apart(input, ck.folder, output)
+        if ranks:
+            vote.value = plan_digest(plan)
     report = ExportReport(ck.folder, output, target, count, len(plan.raw_files) + len(plan.archives), total)
     if dry_run:
         report.plan_text = plan.describe()
         return report
-    check_apart(input, ck.folder, output)
     stats = write_published(plan, output, overwrite=overwrite, fsync=fsync, pointer=None, workers=workers,
-                            progress=progress, notify=notify)
+                            progress=progress, notify=notify, ranks=ranks)
     report.bytes_written = stats["bytes_written"]
     report.seconds = time.perf_counter() - t0
     return report

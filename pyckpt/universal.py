@@ -16,6 +16,7 @@ from typing import Callable, Optional
 from .deepspeed.discovery import discover
 from .deepspeed.universal_plan import build_plan
 from .errors import CheckpointFormatError, PyckptError
+from .execution.distributed import agreed, plan_digest, several
 from .execution.publish import write_published
 
 
@@ -53,7 +54,7 @@ class ConversionReport:
 def convert_to_universal(input, output, workers: Optional[int] = None, *, inject_missing_state: bool = False,
                          overwrite: bool = False, progress: bool = False, dry_run: bool = False,
                          strict: bool = True, dense_only: bool = False, fsync: bool = False,
-                         notify: Optional[Callable[[str], None]] = None) -> ConversionReport:
+                         notify: Optional[Callable[[str], None]] = None, ranks=None) -> ConversionReport:
     """Convert a DeepSpeed ZeRO checkpoint (tag folder or its parent with ``latest``) to Universal format.
 
     ``output`` is the universal tag folder to create (e.g. ``ckpt/global_step100_universal``);
@@ -71,21 +72,34 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     ``fsync=True`` (``--fsync``) also makes it survive a power loss: every file and folder is flushed
     before the rename and ``latest_universal`` after it. Off by default, as for ``cp`` and DeepSpeed:
     flushing waits for the disk, which otherwise writes back while the next job runs.
+
+    ``ranks`` (:func:`pyckpt.execution.distributed.from_launcher`'s TorchRanks): the processes of a
+    torch.distributed job share the work, every one calling with the same arguments. Each plans,
+    the plans must agree, and each writes its share of the output files (balanced by bytes, so each
+    reads about 1/K of the checkpoint) into one staging folder on the shared filesystem, which
+    rank 0 publishes when all succeeded. The output is bit-equal to a single process's. Every rank
+    returns the report with the totals of all, or raises :class:`~pyckpt.errors.RanksFailedError`
+    naming each failing rank; nothing is published then.
     """
     t0 = time.perf_counter()
-    with metadata_errors(input):
-        ck = discover(input)
-    with metadata_errors(ck.folder):
-        plan, counts = build_plan(ck, inject_missing_state, dense_only, strict)
+    ranks = several(ranks)
     output = os.path.abspath(os.fspath(output))
+    with agreed(ranks, "planning the conversion", same=True) as vote:
+        with metadata_errors(input):
+            ck = discover(input)
+        with metadata_errors(ck.folder):
+            plan, counts = build_plan(ck, inject_missing_state, dense_only, strict)
+        if not dry_run:
+            check_apart(input, ck.folder, output)
+        if ranks:
+            vote.value = plan_digest(plan)
     report = ConversionReport(ck.folder, output, ck.stage, ck.dp, ck.tp, ck.pp, counts["params"], 0, 0,
                               len(plan.archives) + len(plan.copies), 0.0)
     if dry_run:
         report.plan_text = plan.describe()
         return report
-    check_apart(input, ck.folder, output)
     stats = write_published(plan, output, overwrite=overwrite, fsync=fsync, workers=workers, progress=progress,
-                            notify=notify)
+                            notify=notify, ranks=ranks)
     report.tensor_bytes = stats["tensor_bytes"]
     report.bytes_written = stats["bytes_written"]
     report.files = stats["files"]
