@@ -22,6 +22,11 @@ class UsageError(Exception):
     """A usage mistake argparse cannot see (flags that exclude each other): exit 2 with the usage."""
 
 
+class ReportedElsewhere(Exception):
+    """A failure another process of the same run reports (rank 0 of a torchrun launch prints the
+    message every rank raised): exit 1 without repeating the line."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM/SIGHUP, raised where Python next runs so that clean-up runs as for Ctrl-C."""
 
@@ -102,6 +107,8 @@ def execute(command, parser, args) -> int:
         return interrupted(exc, writes)
     except UsageError as exc:
         parser.error(str(exc))
+    except ReportedElsewhere:
+        return getattr(command, "ERROR_EXIT", 1)
     except Exception as exc:  # one clear line, the traceback only on request
         if args.debug:
             raise
@@ -145,6 +152,33 @@ def report_done(args, report) -> int:
     if not args.quiet:
         print(f"pyckpt: {report.summary()}", file=sys.stderr)
     return 0
+
+
+def processes():
+    """(ranks, lead) for a command that writes an output: the torch.distributed processes it runs
+    among (None for a single process) and whether this one speaks for the run (rank 0), which alone
+    shows progress, notes, the closing line and a failure every rank shares."""
+    from .execution.distributed import from_launcher
+    ranks = from_launcher()
+    return ranks, ranks is None or ranks.rank == 0
+
+
+def shared_failure(lead: bool):
+    """Wraps a spread run: on ranks other than the lead, a failure every rank raised (and rank 0
+    prints) becomes ReportedElsewhere, so the exit status is still 1 there."""
+    import contextlib
+
+    from .errors import RanksFailedError
+
+    @contextlib.contextmanager
+    def wrapped():
+        try:
+            yield
+        except RanksFailedError:
+            if lead:
+                raise
+            raise ReportedElsewhere() from None
+    return wrapped()
 
 
 def note(text: str) -> None:

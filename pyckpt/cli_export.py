@@ -26,6 +26,16 @@ OUTPUT is the folder to create. It appears complete or not at all (written into 
 folder and renamed when done); an existing OUTPUT is replaced only with --overwrite. No tensor is
 assembled in memory: the bytes go from the memory-mapped input files straight into the
 outputs, cast to --dtype on the way. Input files are never unpickled with code execution.
+
+Several processes share the work when started by torchrun, on one node or many:
+  torchrun --nproc_per_node K [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] \\
+      -m pyckpt.export INPUT OUTPUT --max_shard_size 2GB
+Each file is written by one process, which reads only its bytes of the checkpoint: a model that fits
+in one model.safetensors goes to one process, so choose --max_shard_size to get several shards.
+Files are shared out balanced by bytes, into one hidden folder on a filesystem every node sees that
+rank 0 publishes when every process succeeded; the output is the same, bit for bit, as one
+process's. A failure on any process publishes nothing and every process exits 1; rank 0 alone
+prints (progress, the closing line, --json, --dry-run, the error).
 """
 
 EPILOG = """\
@@ -59,7 +69,9 @@ def add_arguments(p) -> None:
                    "safetensors, as zero_to_fp32.py does without --safe_serialization")
     p.add_argument("--exclude_frozen_parameters", "--exclude-frozen-parameters", action="store_true",
                    help="leave frozen (requires_grad=False) parameters out")
-    p.add_argument("--workers", "-j", type=int, default=None, help="copy threads (default: one per CPU core)")
+    p.add_argument("--workers", "-j", type=int, default=None,
+                   help="copy threads (default: one per CPU core; under torchrun, the cores divided among the "
+                   "node's processes)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (swapped in when complete)")
     p.add_argument("--fsync", action="store_true",
                    help="flush every output file and folder to disk before publishing (survives power loss)")
@@ -69,17 +81,21 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from .execution.distributed import default_workers
     from .export import export_hf
     if args.workers is not None and args.workers < 0:
         raise UsageError("--workers must be 0 (one per core) or more")
     if args.torch_bin and args.safe_serialization:
         raise UsageError("--torch-bin and --safe_serialization ask for different formats: choose one")
-    report = export_hf(args.input, args.output, tag=args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                       torch_bin=args.torch_bin,
-                       exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,
-                       dry_run=args.dry_run, workers=args.workers, progress=not args.quiet, fsync=args.fsync,
-                       notify=None if args.quiet else note)
-    return report_done(args, report)
+    ranks, lead = cli_common.processes()
+    workers = args.workers if args.workers is not None or ranks is None else default_workers()
+    with cli_common.shared_failure(lead):
+        report = export_hf(args.input, args.output, tag=args.tag, dtype=args.dtype,
+                           max_shard_size=args.max_shard_size, torch_bin=args.torch_bin,
+                           exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,
+                           dry_run=args.dry_run, workers=workers, progress=lead and not args.quiet,
+                           fsync=args.fsync, notify=note if lead and not args.quiet else None, ranks=ranks)
+    return report_done(args, report) if lead else 0
 
 
 def main(argv=None) -> int:

@@ -29,6 +29,15 @@ hidden sibling folder and renamed when done. Input files are never unpickled wit
 An existing OUTPUT is replaced only with --overwrite, by an atomic swap (OUTPUT always exists, old or
 new). Runs into one OUTPUT take turns (a lock file .NAME.pyckpt-lock beside it). A run that was
 killed leaves hidden .NAME.pyckpt-* entries; the next run into OUTPUT removes them, or --clean does.
+
+Several processes share the work when started by torchrun, on one node or many:
+  torchrun --nproc_per_node K [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] \\
+      -m pyckpt.convert INPUT OUTPUT
+Each of the K*M processes writes its share of the output files (balanced by bytes) and reads only
+their bytes of the checkpoint, all into one hidden folder that rank 0 publishes when every process
+succeeded; INPUT and OUTPUT's parent must be on a filesystem every node sees. The output is the
+same, bit for bit, as one process's. A failure on any process publishes nothing and every process
+exits 1; rank 0 alone prints (progress, the closing line, --json, --dry-run, the error).
 """
 
 EPILOG = """\
@@ -51,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input_folder", "--input-folder", dest="input_folder", help="alias of INPUT")
     p.add_argument("--output_folder", "--output-folder", dest="output_folder", help="alias of OUTPUT")
     p.add_argument("--workers", "-j", type=int, default=None,
-                   help="copy threads (default: one per CPU core)")
+                   help="copy threads (default: one per CPU core; under torchrun, the cores divided among the "
+                   "node's processes)")
     p.add_argument("--num_extract_workers", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--num_merge_workers", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--inject_missing_state", "--inject-missing-state", action="store_true",
@@ -94,12 +104,17 @@ def run(args) -> int:
     workers = args.workers
     if workers is None and (args.num_extract_workers or args.num_merge_workers):
         workers = max(args.num_extract_workers or 0, args.num_merge_workers or 0)
+    from .execution.distributed import default_workers
     from .universal import convert_to_universal
-    report = convert_to_universal(src, dst, workers, inject_missing_state=args.inject_missing_state,
-                                  overwrite=args.overwrite, progress=not args.quiet, dry_run=args.dry_run,
-                                  strict=args.strict, dense_only=args.dense_only, fsync=args.fsync,
-                                  notify=None if args.quiet else note)
-    return report_done(args, report)
+    ranks, lead = cli_common.processes()
+    if workers is None and ranks is not None:
+        workers = default_workers()
+    with cli_common.shared_failure(lead):
+        report = convert_to_universal(src, dst, workers, inject_missing_state=args.inject_missing_state,
+                                      overwrite=args.overwrite, progress=lead and not args.quiet,
+                                      dry_run=args.dry_run, strict=args.strict, dense_only=args.dense_only,
+                                      fsync=args.fsync, notify=note if lead and not args.quiet else None, ranks=ranks)
+    return report_done(args, report) if lead else 0
 
 
 if __name__ == "__main__":
