@@ -1,0 +1,216 @@
+"""Rank code for tests/test_save_glue.py, run in a dsharness launch through `call` tasks.
+
+Every function trains a small engine on each rank and saves through `pyckpt.deepspeed.save_checkpoint`;
+rank 0 returns what the test checks (each rank's outcome is gathered, so "every rank raised the same"
+is checked too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import sys
+
+import torch
+import torch.distributed as tdist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "dsharness"))
+sys.path.insert(0, HERE)
+import worker as W  # noqa: E402  (dsharness/worker.py, already imported by the supervisor)
+from dsharness import compare_states  # noqa: E402
+from hf_client_worker import build_tokenizer  # noqa: E402
+
+import pyckpt.deepspeed as pd  # noqa: E402
+
+MODEL_CONFIG = {"model_type": "pyckpt-test", "hidden_size": 8, "dtype": "float32"}
+
+
+def _client_state(cfg: dict) -> dict:
+    # as dsharness's run_save: the ZeRO checkpoint carries universal_checkpoint_info
+    return {"universal_checkpoint_info": {}} if cfg["uc_info"] else {}
+
+
+def _engine(cfg: dict, ws: int, rank: int, steps: int):
+    engine = W.make_engine(cfg, ws)
+    engine.train()
+    for step in range(steps):
+        W.train_step(engine, cfg, rank, step)
+    return engine
+
+
+def _gather(value) -> list:
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, value)
+    return out
+
+
+def _tokenizer(task: dict, rank: int):
+    folder = os.path.join(task["root"], f"tokenizer-source-{rank}")
+    return build_tokenizer(folder)
+
+
+def _reload(cfg: dict, ws: int, root: str, tag=None):
+    """A fresh engine resumed by DeepSpeed's own load_checkpoint: (its state, load path, client state)."""
+    engine = W.make_engine(cfg, ws)
+    path, client = engine.load_checkpoint(root, tag=tag)
+    opt = engine.optimizer
+    if getattr(opt, "_hp_optimizer_states_linked", True) is False:
+        # ZeRO-1/2 link the fragments' moment views at the first step; a state read before any
+        # step (as here, right after the load) needs them linked now
+        opt._lazy_init_hp_params_optimizer_state()
+    state = W.gather_state(engine)
+    state["meta"]["global_steps"] = engine.global_steps
+    engine.destroy()
+    return state, path, client
+
+
+def equal(task: dict, rank: int, ws: int) -> dict:
+    """A bare engine.save_checkpoint and the glue's save of the same state, then a resume from the glue's."""
+    from pyckpt.save.space import estimate_rank_bytes
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 2)
+    client = {**_client_state(cfg), "note": "from the test"}
+    engine.save_checkpoint(os.path.join(root, "bare"), tag="t", client_state=dict(client))
+    estimate = estimate_rank_bytes(engine)
+    ok = pd.save_checkpoint(engine, os.path.join(root, "glue"), tag="t", tokenizer=_tokenizer(task, rank),
+                            model_config=MODEL_CONFIG, client_state=dict(client))
+    saved = W.gather_state(engine)
+    lrs = [g["lr"] for g in engine.optimizer.param_groups]
+    engine.destroy()
+    loaded, path, client_loaded = _reload(cfg, ws, os.path.join(root, "glue"))
+    return {"ok": _gather(ok), "estimates": _gather(estimate), "problems": compare_states(saved, loaded),
+            "load_path": str(path), "client_note": client_loaded.get("note"), "lrs": lrs,
+            "global_steps": loaded["meta"]["global_steps"]}
+
+
+@contextlib.contextmanager
+def _fault(kind: str, active: bool):
+    """One rank's save breaks: an exception from torch.save, a file-size limit, a folder it may not write."""
+    if not active:
+        yield
+        return
+    if kind == "exception":
+        real = torch.save
+
+        def failing_save(*args, **kwargs):
+            raise RuntimeError("injected failure in torch.save")
+
+        torch.save = failing_save
+        try:
+            yield
+        finally:
+            torch.save = real
+    elif kind == "fsize":
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        # above the rank's log file (stdout), below the optimizer shard it is about to write
+        limit = os.fstat(1).st_size + (1 << 20)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    elif kind == "readonly":
+        # Permission bits do not stop root: the rank writes as nobody (as under NFS root squashing),
+        # so the staging folder rank 0 made is read-only to it. The launch's rendezvous file (the
+        # process group's store) stays usable to it, as a TCP store would be.
+        import json
+
+        store = json.load(open(sys.argv[1]))["store"]
+        os.chmod(os.path.dirname(store), 0o711)
+        os.chmod(store, 0o666)
+        os.setegid(65534)
+        os.seteuid(65534)
+        try:
+            yield
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+    else:
+        raise ValueError(kind)
+
+
+def _listing(root: str) -> list:
+    return sorted(os.listdir(root))
+
+
+def fault(task: dict, rank: int, ws: int) -> dict:
+    """A good save, a save that fails on rank 1, one more training step, a good save; then the first loads."""
+    from pyckpt.save import SaveError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    first = pd.save_checkpoint(engine, root, tag="good", client_state=_client_state(cfg))
+    good = W.gather_state(engine)
+    before = _listing(root)
+    W.train_step(engine, cfg, rank, 1)
+    error = None
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    with _fault(task["fault"], rank == 1):
+        try:
+            result = pd.save_checkpoint(engine, root, tag="bad", client_state=_client_state(cfg),
+                                        on_error=task["on_error"])
+        except SaveError as exc:
+            result, error = "raised", str(exc)
+    logging.getLogger("pyckpt").removeHandler(handler)
+    after = _listing(root)
+    latest_after = open(os.path.join(root, "latest")).read()
+    loss = W.train_step(engine, cfg, rank, 2)
+    last = pd.save_checkpoint(engine, root, tag="next", client_state=_client_state(cfg))
+    latest_last = open(os.path.join(root, "latest")).read()
+    engine.destroy()
+    loaded, path, _ = _reload(cfg, ws, root, tag="good")
+    return {"first": first, "results": _gather(result), "errors": _gather(error), "warned": _gather(warned), "before": before, "after": after,
+            "latest_after": latest_after, "loss_after": loss, "last": _gather(last), "latest_last": latest_last,
+            "final": _listing(root), "problems": compare_states(good, loaded), "load_path": str(path)}
+
+
+def partial(task: dict, rank: int, ws: int) -> dict:
+    """The save called on rank 0 only, then on rank 1 only, then on both."""
+    from pyckpt.save import CollectiveCallError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    errors = {}
+    for alone in (0, 1):
+        if rank == alone:
+            try:
+                pd.save_checkpoint(engine, root, tag=f"only{alone}", arrival_timeout=3)
+                errors[alone] = None
+            except CollectiveCallError as exc:
+                errors[alone] = str(exc)
+        tdist.barrier()
+    listing = _listing(root) if os.path.isdir(root) else []
+    both = pd.save_checkpoint(engine, root, tag="both", client_state=_client_state(cfg))
+    engine.destroy()
+    return {"errors": _gather(errors), "listing": listing, "both": _gather(both), "final": _listing(root)}
+
+
+def no_space(task: dict, rank: int, ws: int) -> dict:
+    """The filesystem says it has 1000 bytes free."""
+    import pyckpt.save.collective_save as cs
+    from pyckpt.save import SaveError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    real = cs.free_bytes
+    cs.free_bytes = lambda path: 1000
+    try:
+        pd.save_checkpoint(engine, root, tag="big")
+        error = None
+    except SaveError as exc:
+        error = str(exc)
+    finally:
+        cs.free_bytes = real
+    engine.destroy()
+    return {"errors": _gather(error), "listing": _listing(root)}

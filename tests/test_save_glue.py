@@ -1,0 +1,185 @@
+"""`pyckpt.deepspeed.save_checkpoint` with real DeepSpeed 0.19.8 on CPU (tests/save_glue_worker.py).
+
+The glue's checkpoint must be DeepSpeed's own (every file of a bare `engine.save_checkpoint` of the
+same state, tensor by tensor) plus the tokenizer, config and training-state files, and DeepSpeed must
+resume from it. When one rank's save fails (an exception, a file-size limit, a folder it may not
+write), no rank hangs (every launch carries a timeout), nothing is published, `latest` and the
+previous checkpoint stay, and with on_error="warn" training goes on and the next save succeeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsharness as h
+from dsharness import _launch
+
+pytestmark = pytest.mark.slow
+
+WORKER = str(Path(__file__).resolve().parent / "save_glue_worker.py")
+TIMEOUT_S = 240
+
+EQUAL = {
+    "z1-fp32": h.Config(1, "fp32", 2),
+    "z2-fp32-wide": h.Config(2, "fp32", 2, model="wide"),
+    "z3-bf16": h.Config(3, "bf16", 2),
+}
+# (config, the fault on rank 1, on_error)
+FAULTS = {
+    "exception-z3-raise": (h.Config(3, "fp32", 2), "exception", "raise"),
+    "fsize-z2-warn": (h.Config(2, "fp32", 2, model="wide"), "fsize", "warn"),
+    "readonly-z1-raise": (h.Config(1, "bf16", 2), "readonly", "raise"),
+    "readonly-z3-warn": (h.Config(3, "bf16", 2), "readonly", "warn"),
+}
+DEEPSPEED_EXTRAS = {"latest", "zero_to_fp32.py", "zero_to_torch.py"}
+
+
+def _call(function: str, cfg: h.Config, root: Path, **extra) -> dict:
+    return {"kind": "call", "module": WORKER, "function": function, "cfg": dataclasses.asdict(cfg),
+            "root": str(root), **extra}
+
+
+def _visible(names) -> list:
+    """A folder listing without the lock files pyckpt leaves beside its outputs (by design)."""
+    return sorted(n for n in names if not n.endswith(".pyckpt-lock"))
+
+
+@pytest.fixture(scope="session")
+def equal_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("save_glue")
+    tasks = [_call("equal", cfg, base / name) for name, cfg in EQUAL.items()]
+    for task in tasks:
+        os.makedirs(task["root"])
+    results = _launch(2, tasks, None, "save glue vs bare", TIMEOUT_S)
+    return {name: (base / name, res) for name, res in zip(EQUAL, results)}
+
+
+def _same(a, b, where: str) -> list:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dtype != b.dtype or a.shape != b.shape \
+                or not torch.equal(a, b):
+            return [where]
+        return []
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"]
+        return [p for k in a for p in _same(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b) or type(a) is not type(b):
+            return [f"{where}: {type(a).__name__}[{len(a)}] != {type(b).__name__}[{len(b)}]"]
+        return [p for i, (x, y) in enumerate(zip(a, b)) for p in _same(x, y, f"{where}[{i}]")]
+    if a == b:
+        return []
+    if type(a) is type(b) and hasattr(a, "__dict__"):  # e.g. DeepSpeed's loss scaler, which has no __eq__
+        return _same(vars(a), vars(b), f"{where}.__dict__")
+    return [f"{where}: {a!r} != {b!r}"]
+
+
+@pytest.mark.parametrize("name", EQUAL)
+def test_the_glue_writes_deepspeeds_own_checkpoint_plus_its_companions(equal_runs, name):
+    root, res = equal_runs[name]
+    bare, glue = root / "bare" / "t", root / "glue" / "t"
+    assert res["ok"] == [True, True]
+    deepspeed_files = sorted(os.listdir(bare))
+    extras = set(os.listdir(glue)) - set(deepspeed_files)
+    assert set(deepspeed_files) <= set(os.listdir(glue))
+    assert {"config.json", "training_state.json", "tokenizer.json", "tokenizer_config.json"} <= extras
+    for fname in deepspeed_files:
+        with zipfile.ZipFile(bare / fname) as za, zipfile.ZipFile(glue / fname) as zb:
+            assert za.namelist() == zb.namelist(), fname
+        # both files were written by DeepSpeed in this test, not taken as input
+        a = torch.load(bare / fname, weights_only=False)
+        b = torch.load(glue / fname, weights_only=False)
+        assert _same(a, b, fname) == []
+    # beside the tag folder: DeepSpeed's recovery scripts and `latest`, nothing else but pyckpt's lock
+    assert _visible(os.listdir(root / "glue")) == sorted(DEEPSPEED_EXTRAS | {"t"})
+    assert (root / "glue" / "latest").read_text() == "t"
+    assert json.loads((glue / "config.json").read_text()) == {"model_type": "pyckpt-test", "hidden_size": 8,
+                                                              "dtype": "float32"}
+    state = json.loads((glue / "training_state.json").read_text())
+    cfg = EQUAL[name]
+    assert state["tag"] == "t" and state["global_steps"] == 2 and state["zero_stage"] == cfg.stage
+    assert state["world"]["world_size"] == 2 and state["learning_rates"] == res["lrs"]
+    assert state["versions"]["deepspeed"] == "0.19.8"
+
+
+@pytest.mark.parametrize("name", EQUAL)
+def test_deepspeed_resumes_from_the_glues_checkpoint(equal_runs, name):
+    root, res = equal_runs[name]
+    assert res["load_path"].startswith(str(root / "glue" / "t") + os.sep)
+    assert res["problems"] == []
+    assert res["global_steps"] == 2 and res["client_note"] == "from the test"
+
+
+def test_the_free_space_estimate_covers_what_deepspeed_writes(equal_runs):
+    for name, (root, res) in equal_runs.items():
+        written = sum(os.path.getsize(root / "bare" / "t" / f) for f in os.listdir(root / "bare" / "t"))
+        estimate = sum(res["estimates"])
+        assert written <= estimate, name
+    # at 1M parameters the per-file allowance no longer dominates: the estimate is close
+    root, res = equal_runs["z2-fp32-wide"]
+    written = sum(os.path.getsize(root / "bare" / "t" / f) for f in os.listdir(root / "bare" / "t"))
+    assert sum(res["estimates"]) <= 1.1 * written
+
+
+@pytest.mark.parametrize("name", FAULTS)
+def test_a_save_failing_on_one_rank_publishes_nothing_and_hangs_no_rank(tmp_path, name):
+    cfg, fault, on_error = FAULTS[name]
+    root = tmp_path / "ckpt"
+    (res, ) = _launch(2, [_call("fault", cfg, root, fault=fault, on_error=on_error)], None, f"save fault {name}",
+                      TIMEOUT_S)
+    assert res["first"] is True
+    if on_error == "raise":
+        assert res["results"] == ["raised", "raised"]
+        first, second = res["errors"]
+        assert first == second  # every rank raises the same message
+        assert res["warned"] == [[], []]
+        assert "rank 1: " in first and "rank 0:" not in first
+        assert "Nothing was published (latest still names good)" in first
+        if fault == "exception":
+            assert "rank 1: writing" in first and "injected failure in torch.save" in first
+        if fault == "readonly":
+            assert "Permission denied" in first
+    else:
+        assert res["results"] == [False, False] and res["errors"] == [None, None]
+        # logged once, by rank 0, with the failing rank's message
+        (message, ), none = res["warned"]
+        assert none == [] and "rank 1: " in message and "latest still names good" in message
+    # nothing of the failed save is visible, latest unchanged, no staging left
+    assert _visible(res["after"]) == _visible(res["before"])
+    assert res["latest_after"] == "good"
+    # training went on and the next save succeeded
+    assert res["last"] == [True, True] and res["latest_last"] == "next"
+    assert _visible(res["final"]) == sorted(DEEPSPEED_EXTRAS | {"good", "next"})
+    # the checkpoint from before the failure loads, equal to the state it saved
+    assert res["load_path"].startswith(str(root / "good") + os.sep)
+    assert res["problems"] == []
+
+
+def test_a_call_on_some_ranks_only_is_named_not_hung(tmp_path):
+    root = tmp_path / "ckpt"
+    (res, ) = _launch(2, [_call("partial", h.Config(2, "fp32", 2), root)], None, "save on one rank", TIMEOUT_S)
+    rank0, rank1 = res["errors"]
+    assert set(rank0) == {0} and set(rank1) == {1}
+    assert "called on rank(s) 0 and not on rank(s) 1" in rank0[0]
+    assert "called on rank(s) 1 and not on rank(s) 0" in rank1[1]
+    assert "if rank == 0:" in rank0[0]
+    assert res["listing"] == []  # nothing was written: the arrival comes first
+    assert res["both"] == [True, True]
+    assert _visible(res["final"]) == sorted(DEEPSPEED_EXTRAS | {"both"})
+
+
+def test_too_little_free_space_fails_before_writing_with_the_numbers(tmp_path):
+    root = tmp_path / "ckpt"
+    (res, ) = _launch(2, [_call("no_space", h.Config(2, "fp32", 2), root)], None, "save without space", TIMEOUT_S)
+    first, second = res["errors"]
+    assert first == second and "not enough free space for checkpoint big" in first
+    assert "1000 B is free" in first and "nothing was written" in first
+    assert _visible(res["listing"]) == []
