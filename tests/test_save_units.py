@@ -1,0 +1,148 @@
+"""The save glue's parts without a training run: arrival, orphan cleaning, the preflight decision,
+the guarded writes, the training-state file (tests/test_save_glue.py runs the whole with DeepSpeed)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pyckpt.save import CollectiveCallError
+from pyckpt.save.arrival import Arrival
+from pyckpt.save.collective_save import _orphans, _preflight_problem, clean_orphans
+from pyckpt.save.companions import _plain, training_state
+from pyckpt.save.guarded_io import WriteFailures, guarded
+
+
+def test_arrival_passes_when_every_rank_came_and_can_be_used_again():
+    store = dist.HashStore()
+    other = Arrival("save/x", 1, 2, store)
+    store.set(other._key(1), b"1")  # rank 1 arrived
+    mine = Arrival("save/x", 0, 2, store)
+    mine.wait(5, "the call")
+    mine.done()
+    other.done()
+    assert mine.missing() == [0, 1]
+
+
+def test_arrival_names_the_ranks_that_did_not_come():
+    store = dist.HashStore()
+    store.set("pyckpt/arrival/save/x/2", b"1")
+    with pytest.raises(CollectiveCallError) as err:
+        Arrival("save/x", 0, 4, store).wait(0.2, "pyckpt.deepspeed.save_checkpoint")
+    assert "called on rank(s) 0, 2 and not on rank(s) 1, 3" in str(err.value)
+    assert "pyckpt.deepspeed.save_checkpoint is collective" in str(err.value)
+    # this rank's arrival was withdrawn, so a later round under the same name starts clean
+    assert not store.check(["pyckpt/arrival/save/x/0"])
+
+
+def _make(path: str, folder: bool = True) -> None:
+    if folder:
+        os.makedirs(os.path.join(path, "sub"))
+    else:
+        open(path, "w").close()
+
+
+def test_orphans_of_every_tag_are_removed_unless_a_live_run_holds_their_lock(tmp_path):
+    _make(tmp_path / ".global_step2.pyckpt-tmp-host-1-ab")
+    _make(tmp_path / ".global_step3.pyckpt-tmp-my.host-2-cd")
+    _make(str(tmp_path / ".latest.pyckpt-ptr-host-3-ef"), folder=False)
+    _make(tmp_path / ".busy.pyckpt-tmp-host-4-aa")
+    _make(tmp_path / "global_step1")
+    _make(tmp_path / ".hidden_of_someone_else")
+    assert _orphans(str(tmp_path)) == ["busy", "global_step2", "global_step3", "latest"]
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys\n"
+        f"fd = os.open({str(tmp_path / '.busy.pyckpt-lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        removed = clean_orphans(str(tmp_path))
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    assert sorted(removed) == [".global_step2.pyckpt-tmp-host-1-ab", ".global_step3.pyckpt-tmp-my.host-2-cd",
+                               ".latest.pyckpt-ptr-host-3-ef"]
+    left = sorted(n for n in os.listdir(tmp_path) if not n.endswith(".pyckpt-lock"))
+    assert left == [".busy.pyckpt-tmp-host-4-aa", ".hidden_of_someone_else", "global_step1"]
+
+
+def _pre(**changes):
+    base = [{"tag": "t", "dir": "/ck", "need": 100, "free": 10_000, "error": None, "staging": ".t.pyckpt-tmp-x"},
+            {"tag": "t", "dir": "/ck", "need": 300, "free": 10_000, "error": None, "staging": None}]
+    for rank, fields in changes.items():
+        base[int(rank[1:])].update(fields)
+    return base
+
+
+def test_preflight_agrees_or_says_why_not():
+    assert _preflight_problem(_pre(), "/ck", "t") is None
+    assert "the ranks name different checkpoints (s, t in /ck)" in _preflight_problem(_pre(r1={"tag": "s"}), "/ck", "t")
+    problem = _preflight_problem(_pre(r0={"error": "preparing /ck: PermissionError: no"}), "/ck", "t")
+    assert problem == "could not start saving t in /ck: rank 0: preparing /ck: PermissionError: no; nothing was written"
+    problem = _preflight_problem(_pre(r1={"need": 20_000, "free": 5_000}), "/ck", "t")
+    assert problem == ("not enough free space for checkpoint t in /ck: it needs about 19.6 KiB (2 ranks, the most "
+                       "19.5 KiB on rank 1) and 4.9 KiB is free; nothing was written")
+
+
+class _Engine(types.SimpleNamespace):
+    def _copy_recovery_script(self, save_path):
+        raise OSError(28, "No space left on device")
+
+
+class _FailingCheckpointEngine:
+    def __init__(self):
+        self.saved = []
+
+    def save(self, state_dict, path):
+        self.saved.append(path)
+        raise OSError(27, "File too large")
+
+    def makedirs(self, path, exist_ok=False):
+        pass
+
+    def is_decoupled(self):
+        return False
+
+
+def test_a_failed_write_is_recorded_and_the_rest_skipped_then_the_engine_is_restored():
+    inner = _FailingCheckpointEngine()
+    engine = _Engine(checkpoint_engine=inner)
+    failures = WriteFailures()
+    with guarded(engine, failures):
+        assert engine.checkpoint_engine.is_decoupled() is False  # everything else passes through
+        engine.checkpoint_engine.makedirs("/ck/t", exist_ok=True)
+        engine.checkpoint_engine.save({}, "/ck/t/a.pt")
+        engine.checkpoint_engine.save({}, "/ck/t/b.pt")
+        engine._copy_recovery_script("/ck")
+    assert failures.messages == ["writing /ck/t/a.pt: OSError: [Errno 27] File too large"]
+    assert inner.saved == ["/ck/t/a.pt"]
+    assert engine.checkpoint_engine is inner
+    with pytest.raises(OSError):  # the engine's own method again
+        engine._copy_recovery_script("/ck")
+
+
+def test_the_training_state_is_plain_json():
+    scheduler = types.SimpleNamespace(state_dict=lambda: {"last_batch_iteration": 4, "warmup": torch.tensor(0.5),
+                                                          "big": torch.zeros(100), "fn": len, "inf": float("inf")})
+    engine = types.SimpleNamespace(
+        optimizer=types.SimpleNamespace(param_groups=[{"lr": 1e-3}, {"lr": torch.tensor(2e-3)}]),
+        lr_scheduler=scheduler, global_steps=5, global_samples=40, skipped_steps=1, num_stages=1,
+        zero_optimization_stage=lambda: 2, dp_world_size=4, mp_world_size=1)
+    state = json.loads(json.dumps(training_state(engine, "global_step5", 4)))
+    assert state["global_steps"] == 5 and state["global_samples"] == 40 and state["skipped_steps"] == 1
+    assert state["learning_rates"] == [1e-3, pytest.approx(2e-3)]
+    assert state["lr_scheduler"]["last_batch_iteration"] == 4 and state["lr_scheduler"]["big"] == "tensor(100,)"
+    assert state["lr_scheduler"]["inf"] == "inf" and state["lr_scheduler"]["fn"].startswith("<built-in")
+    assert state["world"] == {"world_size": 4, "data_parallel": 4, "model_parallel": 1, "pipeline_parallel": 1}
+    assert state["versions"]["torch"] == importlib.metadata.version("torch")
+    assert _plain({1: (2, 3)}) == {"1": [2, 3]}
