@@ -89,7 +89,8 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
                 torch_bin: bool = False):
     """(plan, report fields) of an export, nothing written."""
     ck, state = read_consolidated(input, tag, exclude_frozen, dense_only)
-    config, config_bytes = _read_config(os.path.dirname(ck.folder))
+    companions = _companion_folder(ck.folder)
+    config, config_bytes = _read_config(companions)
     target = resolve_dtype(dtype, config)
     limit = parse_size(max_shard_size)
     named = _hf_module_names(ck, state, config, plan_notes := [])
@@ -120,7 +121,7 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
         plan.add_raw_file(index_name, shards.index_json())
     if state.aliases and not torch_bin:
         plan.notes.append(f"  tied aliases left out of safetensors (re-tied on load): {', '.join(state.aliases)}")
-    _add_companions(plan, os.path.dirname(ck.folder), config, config_bytes, target)
+    _add_companions(plan, companions, config, config_bytes, target)
     return ck, plan, target, len(shards.weight_map()), shards.total_size
 
 
@@ -163,6 +164,15 @@ def _hf_module_names(ck, state, config: Optional[dict], notes: list):
     notes.append(f"  AutoEP layers under the Hugging Face names of model_type {config['model_type']!r} "
                  f"({preset[0]}, {preset[1]}.gate_up_proj, {preset[1]}.down_proj)")
     return to_hf_names(state.tensors, layers, preset, ck.folder)
+
+
+def _companion_folder(tag_folder: str) -> str:
+    """Where the model's config and tokenizer lie: in the tag folder itself (pyckpt's save glue puts
+    them there), else beside it (the Hugging Face Trainer's checkpoint-N/ holds them next to
+    global_stepN/)."""
+    if any(os.path.lexists(os.path.join(tag_folder, name)) for name in COMPANION_FILES):
+        return tag_folder
+    return os.path.dirname(tag_folder)
 
 
 def _add_companions(plan: Plan, folder: str, config: Optional[dict], config_bytes: Optional[bytes],

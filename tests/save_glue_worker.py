@@ -214,3 +214,13 @@ def no_space(task: dict, rank: int, ws: int) -> dict:
         cs.free_bytes = real
     engine.destroy()
     return {"errors": _gather(error), "listing": _listing(root)}
+
+
+def converted(task: dict, rank: int, ws: int) -> dict:
+    """A save that the ranks then convert together to Universal and export for Hugging Face."""
+    cfg = task["cfg"]
+    engine = _engine(cfg, ws, rank, 2)
+    ok = pd.save_checkpoint(engine, task["root"], tag="t", model_config=MODEL_CONFIG, client_state=_client_state(cfg),
+                            universal=True, export="hf")
+    engine.destroy()
+    return {"ok": _gather(ok)}

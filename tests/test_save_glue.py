@@ -39,6 +39,7 @@ FAULTS = {
     "readonly-z3-warn": (h.Config(3, "bf16", 2), "readonly", "warn"),
 }
 DEEPSPEED_EXTRAS = {"latest", "zero_to_fp32.py", "zero_to_torch.py"}
+CONVERTED = h.Config(3, "fp32", 2)
 
 
 def _call(function: str, cfg: h.Config, root: Path, **extra) -> dict:
@@ -57,8 +58,12 @@ def equal_runs(tmp_path_factory):
     tasks = [_call("equal", cfg, base / name) for name, cfg in EQUAL.items()]
     for task in tasks:
         os.makedirs(task["root"])
-    results = _launch(2, tasks, None, "save glue vs bare", TIMEOUT_S)
-    return {name: (base / name, res) for name, res in zip(EQUAL, results)}
+    # in the same launch (one start-up): a save converted by the ranks together
+    tasks.append(_call("converted", CONVERTED, base / "converted"))
+    *results, converted = _launch(2, tasks, None, "save glue vs bare", TIMEOUT_S)
+    runs = {name: (base / name, res) for name, res in zip(EQUAL, results)}
+    runs["converted"] = (base / "converted", converted)
+    return runs
 
 
 def _same(a, b, where: str) -> list:
@@ -119,7 +124,8 @@ def test_deepspeed_resumes_from_the_glues_checkpoint(equal_runs, name):
 
 
 def test_the_free_space_estimate_covers_what_deepspeed_writes(equal_runs):
-    for name, (root, res) in equal_runs.items():
+    for name in EQUAL:
+        root, res = equal_runs[name]
         written = sum(os.path.getsize(root / "bare" / "t" / f) for f in os.listdir(root / "bare" / "t"))
         estimate = sum(res["estimates"])
         assert written <= estimate, name
@@ -183,3 +189,24 @@ def test_too_little_free_space_fails_before_writing_with_the_numbers(tmp_path):
     assert first == second and "not enough free space for checkpoint big" in first
     assert "1000 B is free" in first and "nothing was written" in first
     assert _visible(res["listing"]) == []
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_universal_and_export_after_the_save_equal_single_process_runs(equal_runs, tmp_path):
+    from pyckpt import convert_to_universal
+    from pyckpt.export import export_hf
+
+    root, res = equal_runs["converted"]
+    assert res["ok"] == [True, True]
+    assert _visible(os.listdir(root)) == sorted(DEEPSPEED_EXTRAS | {"t", "t_universal", "t_hf", "latest_universal"})
+    assert (root / "latest").read_text() == "t" and (root / "latest_universal").read_text() == "t_universal"
+    convert_to_universal(root / "t", tmp_path / "u")
+    export_hf(root / "t", tmp_path / "hf")
+    assert _files(root / "t_universal") == _files(tmp_path / "u")
+    hf = _files(root / "t_hf")
+    assert hf == _files(tmp_path / "hf")
+    # the model config the glue saved into the checkpoint went on into the export
+    assert json.loads(hf["config.json"])["model_type"] == "pyckpt-test"
