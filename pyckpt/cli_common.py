@@ -154,31 +154,31 @@ def report_done(args, report) -> int:
     return 0
 
 
-def processes():
-    """(ranks, lead) for a command that writes an output: the torch.distributed processes it runs
-    among (None for a single process) and whether this one speaks for the run (rank 0), which alone
-    shows progress, notes, the closing line and a failure every rank shares."""
-    from .execution.distributed import from_launcher
-    ranks = from_launcher()
-    return ranks, ranks is None or ranks.rank == 0
-
-
-def shared_failure(lead: bool):
-    """Wraps a spread run: on ranks other than the lead, a failure every rank raised (and rank 0
-    prints) becomes ReportedElsewhere, so the exit status is still 1 there."""
+def among_processes():
+    """A context for a command that writes an output, giving (ranks, lead): the torch.distributed
+    processes it runs among (None for a single process) and whether this one speaks for the run
+    (rank 0), which alone shows progress, notes, the closing line and a failure every rank shares.
+    On the other ranks such a shared failure becomes ReportedElsewhere (exit 1, no second line); a
+    process group made for the run is taken down on the way out."""
     import contextlib
 
     from .errors import RanksFailedError
+    from .execution.distributed import from_launcher
 
     @contextlib.contextmanager
-    def wrapped():
+    def context():
+        ranks = from_launcher()
+        lead = ranks is None or ranks.rank == 0
         try:
-            yield
+            yield ranks, lead
         except RanksFailedError:
             if lead:
                 raise
             raise ReportedElsewhere() from None
-    return wrapped()
+        finally:
+            if ranks is not None:
+                ranks.close()
+    return context()
 
 
 def note(text: str) -> None:

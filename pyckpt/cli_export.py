@@ -87,9 +87,8 @@ def run(args) -> int:
         raise UsageError("--workers must be 0 (one per core) or more")
     if args.torch_bin and args.safe_serialization:
         raise UsageError("--torch-bin and --safe_serialization ask for different formats: choose one")
-    ranks, lead = cli_common.processes()
-    workers = args.workers if args.workers is not None or ranks is None else default_workers()
-    with cli_common.shared_failure(lead):
+    with cli_common.among_processes() as (ranks, lead):
+        workers = args.workers if args.workers is not None or ranks is None else default_workers()
         report = export_hf(args.input, args.output, tag=args.tag, dtype=args.dtype,
                            max_shard_size=args.max_shard_size, torch_bin=args.torch_bin,
                            exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,

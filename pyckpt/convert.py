@@ -106,10 +106,9 @@ def run(args) -> int:
         workers = max(args.num_extract_workers or 0, args.num_merge_workers or 0)
     from .execution.distributed import default_workers
     from .universal import convert_to_universal
-    ranks, lead = cli_common.processes()
-    if workers is None and ranks is not None:
-        workers = default_workers()
-    with cli_common.shared_failure(lead):
+    with cli_common.among_processes() as (ranks, lead):
+        if workers is None and ranks is not None:
+            workers = default_workers()
         report = convert_to_universal(src, dst, workers, inject_missing_state=args.inject_missing_state,
                                       overwrite=args.overwrite, progress=lead and not args.quiet,
                                       dry_run=args.dry_run, strict=args.strict, dense_only=args.dense_only,

@@ -38,11 +38,12 @@ class TorchRanks:
     """The processes of a torch.distributed group (the default group unless ``group`` is given), with
     the two object collectives a spread conversion needs."""
 
-    def __init__(self, group: Any = None):
+    def __init__(self, group: Any = None, owned: bool = False):
         import torch.distributed as dist
 
         self._dist = dist
         self.group = group
+        self.owned = owned  # the default group was initialised for this run: close() takes it down
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
@@ -59,6 +60,13 @@ class TorchRanks:
         root = src if self.group is None else self._dist.get_global_rank(self.group, src)
         self._dist.broadcast_object_list(box, src=root, group=self.group)
         return box[0]
+
+    def close(self) -> None:
+        """Takes down a process group :func:`from_launcher` initialised (one it found is the caller's).
+        A process that exits with its gloo group still up can abort in the group's destructor."""
+        if self.owned and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+            self.owned = False
 
 
 def from_launcher() -> Optional[TorchRanks]:
@@ -86,6 +94,7 @@ def from_launcher() -> Optional[TorchRanks]:
     if not dist.is_initialized():
         from datetime import timedelta
         dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        return TorchRanks(owned=True)
     return TorchRanks()
 
 
