@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Sets up and runs the built-in example: DeepSpeed trains a tiny model on 2 CPU ranks and saves a ZeRO
-# checkpoint; pyckpt converts it to Universal format; the result is checked against DeepSpeed's own
-# converter, tensor by tensor.
+# Sets up and runs the built-in example, a checkpoint's whole life (pyckpt/demo.py): DeepSpeed trains a
+# small Llama with a locally built tokenizer on 2 CPU ranks and saves through pyckpt's save glue; torchrun
+# converts it to Universal format with 2 processes (checked against DeepSpeed's converter, tensor by
+# tensor); pyckpt exports it for Hugging Face; transformers loads the export (logits checked bit for
+# bit); DeepSpeed resumes on 3 ranks through pyckpt's accelerated loader (state checked).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
