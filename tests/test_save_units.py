@@ -144,5 +144,6 @@ def test_the_training_state_is_plain_json():
     assert state["lr_scheduler"]["last_batch_iteration"] == 4 and state["lr_scheduler"]["big"] == "tensor(100,)"
     assert state["lr_scheduler"]["inf"] == "inf" and state["lr_scheduler"]["fn"].startswith("<built-in")
     assert state["world"] == {"world_size": 4, "data_parallel": 4, "model_parallel": 1, "pipeline_parallel": 1}
-    assert state["versions"]["torch"] == importlib.metadata.version("torch")
+    assert state["versions"]["torch"] == torch.__version__
+    assert state["versions"]["pyckpt"] == importlib.metadata.version("pyckpt")
     assert _plain({1: (2, 3)}) == {"1": [2, 3]}
