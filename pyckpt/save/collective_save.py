@@ -30,6 +30,7 @@ import time
 from typing import Any, List, Optional
 
 from ..errors import PyckptError
+from ..execution.distributed import TorchRanks
 from ..execution.publish import LOCK, OLD, POINTER_TMP, STAGING, Publisher, clean
 from .arrival import Arrival
 from .companions import write_model_config, write_tokenizer, write_training_state
@@ -102,29 +103,6 @@ def _failed_ranks(outcomes: List[Optional[str]]) -> str:
     return "; ".join(f"rank {r}: {m}" for r, m in bad)
 
 
-class _Collective:
-    """The process group's all-gather and broadcast of small Python values."""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(f"{WHAT} needs torch.distributed to be initialised (deepspeed.initialize does it)")
-        self.dist = dist
-        self.rank = dist.get_rank()
-        self.size = dist.get_world_size()
-
-    def all_gather(self, value) -> list:
-        out = [None] * self.size
-        self.dist.all_gather_object(out, value)
-        return out
-
-    def broadcast(self, value):
-        box = [value]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
 def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=None,
                     client_state: Optional[dict] = None, on_error: str = "raise", universal: bool = False,
                     export: Optional[str] = None, exclude_frozen_parameters: bool = False,
@@ -169,7 +147,7 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
                          "filesystem all ranks share, so that rank 0 can publish it whole")
     save_dir = os.path.abspath(os.fspath(save_dir))
     tag = _check_tag(str(tag if tag is not None else f"global_step{engine.global_steps}"))
-    group = _Collective()
+    group = _process_group()
     rank = group.rank
 
     arrival = Arrival(f"save/{save_dir}/{tag}", rank, group.size)
@@ -224,6 +202,14 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     if rank == 0:
         log.info("pyckpt: saved %s in %.2f s", os.path.join(save_dir, tag), time.perf_counter() - t0)
     return _convert(save_dir, tag, universal, export, on_error, rank)
+
+
+def _process_group() -> TorchRanks:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{WHAT} needs torch.distributed to be initialised (deepspeed.initialize does it)")
+    return TorchRanks()
 
 
 def _preflight_problem(pre: List[dict], save_dir: str, tag: str) -> Optional[str]:
@@ -296,8 +282,6 @@ def _convert(save_dir: str, tag: str, universal: bool, export: Optional[str], on
     """The optional conversions of the published checkpoint, by all ranks together."""
     if not universal and not export:
         return True
-    from ..execution.distributed import TorchRanks
-
     ranks = TorchRanks()
     source = os.path.join(save_dir, tag)
     jobs: List[Any] = []

@@ -1,0 +1,178 @@
+"""The save glue against a bare DeepSpeed save, in one training job, rounds alternating.
+
+    torchrun --standalone --nproc_per_node 4 benchmarks/save.py /tmp/bench12/save --params 200M --stage 2 \
+        --rounds 5 --universal-rounds 2 --json benchmarks/results/save_z2_200M_dp4.json
+
+Every rank trains one step of the benchmarks' Linear stack (make_real_checkpoint.py's model), then:
+
+* ``bare``: ``engine.save_checkpoint(dir, tag)``, DeepSpeed's own save;
+* ``glue``: ``pyckpt.deepspeed.save_checkpoint(engine, dir, tag)``: the same files under a staging tag,
+  the arrival check, the free-space estimate, two agreements, the training-state file, the rename and
+  an atomic ``latest``;
+
+alternating which goes first, each timed from a barrier to the last rank's return, the checkpoint
+deleted and the page cache synced after each (so every save starts with no dirty pages). Then, with
+``--universal-rounds``, a resumable-anywhere checkpoint two ways: ``save_checkpoint(universal=True)``
+(the ranks convert together) against a bare save followed by DeepSpeed's ``ds_to_universal.py``
+(defaults, run from rank 0 while the others wait, as a job script would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from make_real_checkpoint import build_model, ds_config  # noqa: E402
+
+
+def _timed(fn) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out", help="scratch folder for the checkpoints (emptied after every round)")
+    p.add_argument("--params", default="200M")
+    p.add_argument("--width", type=int, default=4096)
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--universal-rounds", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    import pyckpt.deepspeed as pd
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, layers = build_model(args.params, args.width)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(args.stage), model_parameters=model.parameters())
+    loss = engine(torch.randn(1, args.width)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    client = {"universal_checkpoint_info": {}}
+
+    def clear():
+        # Every timed save starts with no dirty pages: without the sync, the second save of a round
+        # runs into the writeback of the first one's 3 GB and the order decides the ratio.
+        if rank == 0:
+            if os.path.exists(args.out):
+                shutil.rmtree(args.out)
+            os.sync()
+        dist.barrier()
+
+    clear()
+    # The glue's own cost, free of the I/O noise between rounds: its wall time less the DeepSpeed
+    # save inside it (the slowest rank's), measured in the same call.
+    inner = []
+    deepspeed_save = engine.save_checkpoint
+
+    def timed_deepspeed_save(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return deepspeed_save(*a, **kw)
+        finally:
+            inner.append(time.perf_counter() - t0)
+
+    def glue(d, tag):
+        engine.save_checkpoint = timed_deepspeed_save
+        try:
+            pd.save_checkpoint(engine, d, tag=tag, client_state=client)
+        finally:
+            del engine.save_checkpoint
+
+    ways = {"bare": lambda d, tag: engine.save_checkpoint(d, tag=tag, client_state=client), "glue": glue}
+    rounds = []
+    written = None
+    for r in range(args.rounds):
+        order = ["bare", "glue"] if r % 2 == 0 else ["glue", "bare"]
+        row = {"round": r, "order": order}
+        for way in order:
+            folder = os.path.join(args.out, way)
+            row[way] = _timed(lambda: ways[way](folder, f"r{r}"))
+            if rank == 0:
+                written = _size(os.path.join(folder, f"r{r}"))
+            clear()
+        row["glue_over_bare"] = row["glue"] / row["bare"]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, inner.pop())
+        row["glue_deepspeed_part"] = max(gathered)
+        row["glue_own"] = row["glue"] - row["glue_deepspeed_part"]
+        row["glue_own_over_bare"] = row["glue_own"] / row["bare"]
+        rounds.append(row)
+        if rank == 0:
+            print(f"round {r}: bare {row['bare']:.2f} s, glue {row['glue']:.2f} s (DeepSpeed's save inside: "
+                  f"{row['glue_deepspeed_part']:.2f} s, the glue's own: {row['glue_own'] * 1e3:.0f} ms = "
+                  f"{100 * row['glue_own_over_bare']:.1f}% of the bare save), glue/bare {row['glue_over_bare']:.3f}",
+                  flush=True)
+
+    universal = []
+    script = os.path.join(os.path.dirname(deepspeed.__file__), "checkpoint", "ds_to_universal.py")
+    for r in range(args.universal_rounds):
+        row = {"round": r}
+        order = ["pyckpt", "deepspeed"] if r % 2 == 0 else ["deepspeed", "pyckpt"]
+        for way in order:
+            folder = os.path.join(args.out, way)
+            if way == "pyckpt":
+                row[way] = _timed(lambda: pd.save_checkpoint(engine, folder, tag="u", client_state=client,
+                                                             universal=True))
+            else:
+                def save_then_convert():
+                    engine.save_checkpoint(folder, tag="u", client_state=client)
+                    if rank == 0:
+                        subprocess.run([sys.executable, script, "--input_folder", os.path.join(folder, "u"),
+                                        "--output_folder", os.path.join(folder, "u_universal")], check=True,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+                row[way] = _timed(save_then_convert)
+            clear()
+        row["deepspeed_over_pyckpt"] = row["deepspeed"] / row["pyckpt"]
+        universal.append(row)
+        if rank == 0:
+            print(f"universal round {r}: save + ds_to_universal {row['deepspeed']:.2f} s, "
+                  f"save_checkpoint(universal=True) {row['pyckpt']:.2f} s, ratio {row['deepspeed_over_pyckpt']:.2f}",
+                  flush=True)
+
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        result = {"params": params, "stage": args.stage, "world_size": world, "cores": os.cpu_count(),
+                  "checkpoint_bytes": written, "rounds": rounds, "universal": universal,
+                  "median_glue_over_bare": statistics.median(r["glue_over_bare"] for r in rounds),
+                  "median_glue_own_over_bare": statistics.median(r["glue_own_over_bare"] for r in rounds),
+                  "median_glue_own_seconds": statistics.median(r["glue_own"] for r in rounds),
+                  "median_deepspeed_over_pyckpt": statistics.median(r["deepspeed_over_pyckpt"] for r in universal)
+                  if universal else None}
+        print(json.dumps({k: v for k, v in result.items() if k.startswith("median") or k == "checkpoint_bytes"}))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    engine.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
