@@ -50,14 +50,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_tokenizer(folder: str):
-    """A word-level tokenizer trained on SENTENCES, saved with save_pretrained."""
+def build_tokenizer(folder: str, sentences=SENTENCES):
+    """A word-level tokenizer trained on ``sentences``, saved with save_pretrained (no hub)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[BOS]", "[EOS]"]))
+    tok.train_from_iterator(sentences, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[BOS]", "[EOS]"]))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]",
                                    eos_token="[EOS]")
     fast.save_pretrained(folder)

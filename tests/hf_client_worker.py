@@ -30,16 +30,9 @@ SENTENCES = ["the quick brown fox jumps over the lazy dog", "a checkpoint cut in
 
 def build_tokenizer(folder: str):
     """A word-level tokenizer trained on SENTENCES, saved as save_pretrained saves it (no hub)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from pyckpt.demo import build_tokenizer as build
 
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[BOS]", "[EOS]"]))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]",
-                                   eos_token="[EOS]")
-    fast.save_pretrained(folder)
-    return fast
+    return build(folder, SENTENCES)
 
 
 def batch(tokenizer) -> torch.Tensor:
