@@ -268,10 +268,12 @@ def _env(ds_environ) -> dict:
     return env
 
 
-def _torchrun(nproc: int, module: str, *args, env: dict):
+def _torchrun(nproc: int, module: str, *args, env: dict, cwd):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m", module,
            *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    # cwd outside the source folder: `-m pyckpt...` must import the installed package (the source
+    # folder has no native module unless installed in place, as on CI)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=cwd)
 
 
 LAUNCHES = [("s2_fp32_dp4", 2), ("s3_fp32_dp4", 4)]
@@ -283,7 +285,7 @@ LAUNCHES = [("s2_fp32_dp4", 2), ("s3_fp32_dp4", 4)]
 def test_torchrun_convert_equals_one_process(checkpoints, ds_environ, tmp_path, name, nproc):
     ck = checkpoints[name]
     convert_to_universal(ck.root, tmp_path / "one" / "u")
-    proc = _torchrun(nproc, "pyckpt.convert", ck.root, tmp_path / "many" / "u", "--json", env=_env(ds_environ))
+    proc = _torchrun(nproc, "pyckpt.convert", ck.root, tmp_path / "many" / "u", "--json", env=_env(ds_environ), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _files(tmp_path / "many") == _files(tmp_path / "one")
     assert (tmp_path / "many" / "latest_universal").read_text() == "u"
@@ -299,7 +301,7 @@ def test_torchrun_sharded_export_equals_one_process(checkpoints, ds_environ, tmp
     export_hf(ck.root, tmp_path / "one", max_shard_size=50)
     assert len([n for n in os.listdir(tmp_path / "one") if n.endswith(".safetensors")]) >= 3
     proc = _torchrun(nproc, "pyckpt.export", ck.root, tmp_path / "many", "--max_shard_size", "50",
-                     env=_env(ds_environ))
+                     env=_env(ds_environ), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _files(tmp_path / "many") == _files(tmp_path / "one")
     assert proc.stderr.count("pyckpt: exported") == 1
@@ -322,7 +324,8 @@ def test_a_failing_rank_fails_every_process_of_a_launch(checkpoints, ds_environ,
                "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "PYCKPT_TEST_FAIL_RANK": "2"}
         procs.append(subprocess.Popen([sys.executable, "-m", "pyckpt.convert", str(ck.root), str(tmp_path / "out" / "u")],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=tmp_path))
     outs = []
     try:
         for p in procs:
