@@ -147,3 +147,24 @@ def test_the_training_state_is_plain_json():
     assert state["versions"]["torch"] == torch.__version__
     assert state["versions"]["pyckpt"] == importlib.metadata.version("pyckpt")
     assert _plain({1: (2, 3)}) == {"1": [2, 3]}
+
+
+def test_setups_the_glue_cannot_publish_whole_are_refused_before_anything_runs(tmp_path):
+    from pyckpt.save import save_checkpoint
+
+    decoupled = types.SimpleNamespace(is_decoupled=lambda: True)
+    engine = types.SimpleNamespace(checkpoint_engine=decoupled, use_node_local_storage=lambda: False)
+    with pytest.raises(ValueError, match="writes after the call returns"):
+        save_checkpoint(engine, tmp_path)
+    engine = types.SimpleNamespace(checkpoint_engine=_FailingCheckpointEngine(), use_node_local_storage=lambda: True)
+    with pytest.raises(ValueError, match="use_node_local_storage is not supported"):
+        save_checkpoint(engine, tmp_path)
+    with pytest.raises(ValueError, match="on_error must be 'raise' or 'warn'"):
+        save_checkpoint(engine, tmp_path, on_error="ignore")
+    with pytest.raises(ValueError, match="export must be None or 'hf'"):
+        save_checkpoint(engine, tmp_path, export="gguf")
+    engine = types.SimpleNamespace(checkpoint_engine=_FailingCheckpointEngine(), use_node_local_storage=lambda: False)
+    for tag in (".hidden", "a/b", ".."):
+        with pytest.raises(ValueError, match="must be one folder name not starting with '.'"):
+            save_checkpoint(engine, tmp_path, tag=tag)
+    assert os.listdir(tmp_path) == []

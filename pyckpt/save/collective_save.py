@@ -138,11 +138,11 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
     ckpt_engine = engine.checkpoint_engine
-    if ckpt_engine.is_decoupled():
+    if getattr(ckpt_engine, "is_decoupled", lambda: False)():
         raise ValueError(f"{WHAT}: the checkpoint engine {type(ckpt_engine).__name__} writes after the call returns "
                          "(decoupled); pyckpt can only publish a checkpoint whose files are written when the save "
                          "returns. Use DeepSpeed's default checkpoint engine")
-    if engine.use_node_local_storage():
+    if getattr(engine, "use_node_local_storage", lambda: False)():
         raise ValueError(f"{WHAT}: checkpoint.use_node_local_storage is not supported: the checkpoint must be on one "
                          "filesystem all ranks share, so that rank 0 can publish it whole")
     save_dir = os.path.abspath(os.fspath(save_dir))

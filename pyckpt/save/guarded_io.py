@@ -71,7 +71,9 @@ class GuardedCheckpointEngine:
 def guarded(engine, failures: WriteFailures):
     """Within the block, ``engine``'s checkpoint writes record failures in ``failures``."""
     inner = engine.checkpoint_engine
-    copy_script = engine._copy_recovery_script  # the bound method; the instance attribute shadows it
+    # the bound method (the instance attribute below shadows it); DeepSpeed versions without it copy
+    # no recovery scripts this way
+    copy_script = getattr(engine, "_copy_recovery_script", None)
 
     def copy_recovery_script(save_path):
         if failures:
@@ -82,9 +84,11 @@ def guarded(engine, failures: WriteFailures):
             failures.record("copying DeepSpeed's recovery scripts into", save_path, exc)
 
     engine.checkpoint_engine = GuardedCheckpointEngine(inner, failures)
-    engine._copy_recovery_script = copy_recovery_script
+    if copy_script is not None:
+        engine._copy_recovery_script = copy_recovery_script
     try:
         yield
     finally:
         engine.checkpoint_engine = inner
-        del engine._copy_recovery_script
+        if copy_script is not None:
+            del engine._copy_recovery_script
