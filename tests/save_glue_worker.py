@@ -190,6 +190,9 @@ def partial(task: dict, rank: int, ws: int) -> dict:
                 errors[alone] = str(exc)
         tdist.barrier()
     listing = _listing(root) if os.path.isdir(root) else []
+    if rank == 0:  # what a save killed earlier would have left: the next save removes it
+        os.makedirs(os.path.join(root, ".global_step9.pyckpt-tmp-deadhost-123-0abc", "zero"))
+    tdist.barrier()
     both = pd.save_checkpoint(engine, root, tag="both", client_state=_client_state(cfg))
     engine.destroy()
     return {"errors": _gather(errors), "listing": listing, "both": _gather(both), "final": _listing(root)}

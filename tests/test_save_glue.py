@@ -179,6 +179,7 @@ def test_a_call_on_some_ranks_only_is_named_not_hung(tmp_path):
     assert "if rank == 0:" in rank0[0]
     assert res["listing"] == []  # nothing was written: the arrival comes first
     assert res["both"] == [True, True]
+    # the staging folder of a save killed earlier was removed by this one
     assert _visible(res["final"]) == sorted(DEEPSPEED_EXTRAS | {"both"})
 
 
