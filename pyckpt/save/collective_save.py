@@ -30,7 +30,7 @@ import time
 from typing import Any, List, Optional
 
 from ..errors import PyckptError
-from ..execution.distributed import TorchRanks
+from ..execution.distributed import TorchRanks, describe_failure
 from ..execution.publish import LOCK, OLD, POINTER_TMP, STAGING, Publisher, clean
 from .arrival import Arrival
 from .companions import write_model_config, write_tokenizer, write_training_state
@@ -92,10 +92,6 @@ def _check_tag(tag: str) -> str:
         raise ValueError(f"checkpoint tag {tag!r} must be one folder name not starting with '.' "
                          "(hidden names beside the checkpoints are pyckpt's staging)")
     return tag
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
 
 
 def _failed_ranks(outcomes: List[Optional[str]]) -> str:
@@ -164,14 +160,14 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
             publisher = stack.enter_context(Publisher(os.path.join(save_dir, tag), overwrite=True, fsync=fsync,
                                                       pointer="latest"))
         except Exception as exc:
-            local_error = f"preparing {save_dir}: {_one_line(exc)}"
+            local_error = f"preparing {save_dir}: {describe_failure(exc)}"
     with stack:
         try:
             need = estimate_rank_bytes(engine)
             free = free_bytes(save_dir)
         except Exception as exc:
             need, free = 0, None
-            local_error = local_error or f"estimating the checkpoint's size: {_one_line(exc)}"
+            local_error = local_error or f"estimating the checkpoint's size: {describe_failure(exc)}"
         staging_tag = os.path.basename(publisher.staging) if publisher else None
         pre = group.all_gather({"tag": tag, "dir": save_dir, "need": need, "free": free, "error": local_error,
                                 "staging": staging_tag})
@@ -258,7 +254,7 @@ def _publish(publisher: Publisher, outcomes: List[Optional[str]], save_dir: str,
         publisher.publish()
     except Exception as exc:
         where = "" if not publisher.published else f" (the folder {publisher.output} is in place, latest was not updated)"
-        return False, f"publishing checkpoint {tag} in {save_dir} failed{where}: {_one_line(exc)}"
+        return False, f"publishing checkpoint {tag} in {save_dir} failed{where}: {describe_failure(exc)}"
     return True, None
 
 
@@ -298,5 +294,5 @@ def _convert(save_dir: str, tag: str, universal: bool, export: Optional[str], on
             run(source, output, overwrite=True, ranks=ranks, **kwargs)
         except Exception as exc:
             return _fail(f"checkpoint {tag} was saved in {save_dir} (latest names it), but converting it to {what} "
-                         f"at {output} failed: {_one_line(exc)}", on_error, rank, published=True)
+                         f"at {output} failed: {describe_failure(exc)}", on_error, rank, published=True)
     return True

@@ -16,6 +16,8 @@ import contextlib
 import os
 from typing import List, Optional
 
+from ..execution.distributed import describe_failure
+
 
 class WriteFailures:
     """The writes that failed on this rank during one save (the first one is the cause)."""
@@ -28,7 +30,7 @@ class WriteFailures:
 
     def record(self, action: str, path, exc: BaseException) -> None:
         where = f" {os.fspath(path)}" if path is not None else ""
-        self.messages.append(f"{action}{where}: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
+        self.messages.append(f"{action}{where}: {describe_failure(exc)}")
 
     def first(self) -> Optional[str]:
         return self.messages[0] if self.messages else None
