@@ -6,7 +6,8 @@ casts) them with the GIL released, in parallel windows, into the tensor's own me
 are written in place. A device tensor is filled through two host staging buffers of
 ``STAGING_BYTES`` (pinned for CUDA) in turn: while the device copies one window's covered bytes
 asynchronously, the executor gathers the next window into the other buffer, so host memory stays two
-windows whatever the tensor's size. Elements no run covers keep their values either way.
+windows whatever the tensor's size. Elements no run covers keep their values either way. The few
+elements a plan computed in memory rather than mapped (:mod:`.zero_view`) are copied by torch.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class TensorFill:
         self._index: Dict[str, int] = {}
         self._rows: List[tuple] = []
         self._in_sizes: List[int] = []  # source bytes per element, per row
+        # (dst element, bytes, offset, count, dtype): elements a plan computed in memory (zero_view)
+        self._memory: List[tuple] = []
         self.bytes_read = 0
 
     def add(self, source: Optional[SourceFile], tensor: Optional[TensorRef], runs: Sequence[Run], dst: int) -> int:
@@ -54,46 +57,79 @@ class TensorFill:
         if dst < 0 or dst + n_total > self.numel:
             raise CheckpointFormatError(f"{source.path if source else 'zero fill'}: {n_total} elements at {dst} do not "
                                         f"fit the {self.numel}-element destination")
-        kind = None
-        if any(src is not None for src, _ in runs):
-            kind = cast_kind(tensor.dtype, self.dtype)
-            if kind is None:
-                raise CheckpointFormatError(f"{source.path}: cannot load {tensor.dtype} into a {self.dtype} tensor")
         out_size = self.itemsize
-        in_size = ITEMSIZE[tensor.dtype] if tensor is not None else out_size
         for src, n in runs:
             if src is None:
-                self._rows.append((-1, 0, 0, 0, dst * out_size, n * out_size, 0, 1, 0))
-                self._in_sizes.append(out_size)
+                self._zeros(dst, n)
                 dst += n
                 continue
-            # a file's tensor is one byte range; a planned one (zero_view) may span several shards
-            ranges = source.byte_runs(tensor, src, n) if hasattr(source, "byte_runs") else \
-                [(source.path, *source.tensor_byte_range(tensor, src, n))]
-            for path, off, nbytes in ranges:
-                s = self._index.setdefault(path, len(self._sources))
-                if s == len(self._sources):
-                    self._sources.append(path)
-                self._rows.append((s, off, 0, 0, dst * out_size, nbytes, kind, 1, 0))  # nbytes: source bytes
-                self._in_sizes.append(in_size)
-                self.bytes_read += nbytes
-                dst += nbytes // in_size
+            # a file's tensor is one byte range; a planned one (zero_view) may span several shards,
+            # be cast on the way or have been computed in memory
+            if hasattr(source, "byte_runs"):
+                pieces = source.byte_runs(tensor, src, n)
+            else:
+                off, _ = source.tensor_byte_range(tensor, src, n)
+                pieces = [(source.path, off, n, tensor.dtype)]
+            for where, off, count, dtype in pieces:
+                if where is None:
+                    self._zeros(dst, count)
+                elif isinstance(where, bytes):
+                    self._memory.append((dst, where, off, count, dtype))
+                else:
+                    kind = self._kind(dtype, tensor.dtype, where)
+                    s = self._index.setdefault(where, len(self._sources))
+                    if s == len(self._sources):
+                        self._sources.append(where)
+                    nbytes = count * ITEMSIZE[dtype]
+                    self._rows.append((s, off, 0, 0, dst * out_size, nbytes, kind, 1, 0))  # nbytes: source bytes
+                    self._in_sizes.append(ITEMSIZE[dtype])
+                    self.bytes_read += nbytes
+                dst += count
         return n_total
+
+    def _zeros(self, dst: int, n: int) -> None:
+        self._rows.append((-1, 0, 0, 0, dst * self.itemsize, n * self.itemsize, 0, 1, 0))
+        self._in_sizes.append(self.itemsize)
+
+    def _kind(self, src: str, planned: str, path: str) -> int:
+        """The op that brings ``src`` elements, planned as ``planned`` ones, into this tensor's dtype.
+        One cast straight to it gives the elements the two steps give when one of them is a copy or
+        the first widens a 16-bit float to float32 exactly."""
+        kind = None
+        if src == planned or planned == self.dtype or (planned == "float32" and src in ("bfloat16", "float16")):
+            kind = cast_kind(src, self.dtype)
+        if kind is None:
+            raise CheckpointFormatError(f"{path}: cannot load {src} (as {planned}) into a {self.dtype} tensor")
+        return kind
 
     def run(self, workers: int = 0, staging: Optional[int] = None) -> None:
         """Gather every run into the tensor. ``staging``: the staging window in bytes, to take the
         device path for a CPU tensor too (tests); device tensors always take it."""
-        if not self._rows:
+        if not self._rows and not self._memory:
             return
         t = self.tensor.detach()
         if not t.is_contiguous():
             raise CheckpointFormatError("pyckpt loads only into contiguous tensors")
-        if t.device.type == "cpu" and staging is None:
-            import torch
+        if self._rows:
+            if t.device.type == "cpu" and staging is None:
+                import torch
 
-            execute_into(self._sources, op_table(self._rows), t.view(-1).view(torch.uint8).numpy(), workers)
+                execute_into(self._sources, op_table(self._rows), t.view(-1).view(torch.uint8).numpy(), workers)
+            else:
+                self._run_staged(t, workers, staging or STAGING_BYTES)
+        self._copy_memory(t)
+
+    def _copy_memory(self, t) -> None:
+        """Computed elements (a few small tensors) are copied as DeepSpeed's loader copies a slice of
+        the tensor it read: ``Tensor.copy_``, which also casts and moves them to the device."""
+        if not self._memory:
             return
-        self._run_staged(t, workers, staging or STAGING_BYTES)
+        import torch
+
+        flat = t.view(-1)
+        for dst, data, off, count, dtype in self._memory:
+            chunk = bytearray(data[off:off + count * ITEMSIZE[dtype]])  # writable: torch.frombuffer shares it
+            flat[dst:dst + count].copy_(torch.frombuffer(chunk, dtype=getattr(torch, dtype)))
 
     def _windows(self, window: int) -> Iterator[Tuple[int, int, List[tuple], List[Tuple[int, int]]]]:
         """(start, stop, rows shifted to the window, the window's byte ranges they write, merged) for

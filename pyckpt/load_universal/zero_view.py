@@ -7,8 +7,9 @@ a converted folder, and gather each rank's element runs straight from the origin
 universal folder, no extra disk, each rank reading only its own bytes.
 
 Checkpoints saved without ``universal_checkpoint_info`` are read as ``--inject_missing_state`` reads
-them. Tensors the plan computes in memory (averaged tensor-parallel replicas) or casts (parameters
-without fp32 state) are not served yet: such a load stops with a message to convert first.
+them. The few tensors the plan computes in memory (averaged tensor-parallel replicas, scaled affine
+pieces) are served from the bytes planning computed (every rank plans, so every rank has read their
+sources); the ones it casts (the module fallback of parameters without fp32 state) are cast on the way.
 """
 
 from __future__ import annotations
@@ -20,49 +21,57 @@ from typing import Dict, List, Tuple
 from ..deepspeed.discovery import discover
 from ..deepspeed.universal_layout import STATE_META_TYPES
 from ..deepspeed.universal_plan import build_plan
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError
 from ..formats.pickle_read import ITEMSIZE
 from ..formats.pickle_write import NewTensor
+from ..native import KIND_COPY, KIND_SOURCE_DTYPE
 from ..universal import metadata_errors
 from .state_files import GlobalState, ParamStates, StateFile, global_state_of, scalar_tensor
 
 class VirtualStateFile:
-    """One planned ``zero/<name>/<key>.pt`` tensor: element runs resolve to byte ranges of the shards."""
+    """One planned ``zero/<name>/<key>.pt`` tensor: element runs resolve to byte ranges of the shards
+    (cast on the way where the plan casts), to zeros, or to the bytes the plan computed in memory."""
 
     def __init__(self, label: str, tensor: NewTensor):
         self.path = label
-        if tensor.data is not None or any(p.kind for p in tensor.pieces):
-            raise UnsupportedCheckpointError(
-                f"{label}: this tensor is computed in memory or cast (an averaged tensor-parallel replica, a "
-                "parameter without fp32 state), which resuming straight from a ZeRO checkpoint does not serve "
-                "yet; convert it with `python -m pyckpt.convert` and load the universal folder")
-        # (dst_off, src, src_off, nbytes): a strided piece (a tensor-parallel merge along a later
-        # dimension) is one row per source row
+        size = ITEMSIZE[tensor.dtype]
+        # (dst_off, dst_bytes, shard path | computed bytes | None for zeros, src_off, src dtype), in
+        # planned bytes; a strided piece (a tensor-parallel merge along a later dimension) is one row
+        # per source row
         rows = []
+        if tensor.data is not None:  # an averaged tensor-parallel replica, a scaled affine piece
+            rows.append((0, len(tensor.data), bytes(tensor.data), 0, tensor.dtype))
         for p in tensor.pieces:
+            dtype = tensor.dtype if p.kind == KIND_COPY or p.src is None else KIND_SOURCE_DTYPE.get(p.kind)
+            if dtype is None:
+                raise CheckpointFormatError(f"{label}: a piece of {p.src.path} is planned with conversion {p.kind}, "
+                                            "which a load cannot apply")
+            out_bytes = p.nbytes if p.src is None else p.nbytes // ITEMSIZE[dtype] * size
             for i in range(p.rows):
-                rows.append((p.dst_off + i * p.stride, p.src, p.src_off + i * p.nbytes, p.nbytes))
+                rows.append((p.dst_off + i * p.stride, out_bytes, None if p.src is None else p.src.path,
+                             p.src_off + i * p.nbytes, dtype))
         rows.sort(key=lambda r: r[0])
         self._pieces = rows
         self._starts = [r[0] for r in rows]
-        covered = sum(r[3] for r in rows)
-        if covered != tensor.numel() * ITEMSIZE[tensor.dtype]:
+        covered = sum(r[1] for r in rows)
+        if covered != tensor.numel() * size:
             raise CheckpointFormatError(f"{label}: the shards give {covered} bytes of a "
-                                        f"{tensor.numel() * ITEMSIZE[tensor.dtype]}-byte tensor")
+                                        f"{tensor.numel() * size}-byte tensor")
 
-    def byte_runs(self, tensor: NewTensor, start: int, n: int) -> List[Tuple[str, int, int]]:
-        """(shard path, offset, nbytes) of elements [start, start + n) of the planned tensor."""
+    def byte_runs(self, tensor: NewTensor, start: int, n: int) -> List[Tuple[object, int, int, str]]:
+        """Elements [start, start + n) of the planned tensor as (where, byte offset, element count,
+        dtype there): where is a shard's path, the computed bytes, or None for zeros."""
         size = ITEMSIZE[tensor.dtype]
         lo, hi = start * size, (start + n) * size
         out = []
         i = max(0, bisect.bisect_right(self._starts, lo) - 1)
         while lo < hi and i < len(self._pieces):
-            dst, src, src_off, nbytes = self._pieces[i]
+            dst, nbytes, where, src_off, dtype = self._pieces[i]
             a, b = max(lo, dst), min(hi, dst + nbytes)
             if a < b:
                 if a != lo:
                     break  # a hole: reported below
-                out.append((src.path, src_off + (a - dst), b - a))
+                out.append((where, src_off + (a - dst) // size * ITEMSIZE[dtype], (b - a) // size, dtype))
                 lo = b
             i += 1
         if lo < hi:
