@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node 4 benchmarks/load.py CKPT --stage 2 --rounds 3 \\
         --json benchmarks/results/load_z2_200M_dp4.json
 
-CKPT is a checkpoint of benchmarks/make_real_checkpoint.py (same --params and --width): every rank
+CKPT is a checkpoint of benchmarks/make_real_checkpoint.py (same --params, --width and --dtype): every rank
 builds the same model and engine with ``"checkpoint": {"load_universal": true}``, then loads into that
 engine again and again, each way in turn (the order rotates by round):
 
@@ -78,6 +78,8 @@ def main():
     p.add_argument("--params", default="200M")
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the training precision CKPT was made with (make_real_checkpoint.py --dtype)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", default="stock,pyckpt,direct,convert+stock",
                    help="comma-separated, from stock, pyckpt, direct, convert+stock")
@@ -95,6 +97,8 @@ def main():
 
     model, _ = build_model(args.params, args.width)
     cfg = dict(ds_config(args.stage), checkpoint={"load_universal": True})
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
     deepspeed.init_distributed(dist_backend="gloo")
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     rank, world = tdist.get_rank(), tdist.get_world_size()
@@ -156,9 +160,9 @@ def main():
     everyone = [None] * world
     tdist.all_gather_object(everyone, rounds)
     if rank == 0:
-        result = {"ckpt": args.ckpt, "stage": args.stage, "world_size": world, "params": args.params,
+        result = {"ckpt": args.ckpt, "stage": args.stage, "dtype": args.dtype, "world_size": world, "params": args.params,
                   "rounds": everyone}
-        print(f"checkpoint load, ZeRO-{args.stage}, {world} ranks ({args.ckpt})")
+        print(f"checkpoint load, ZeRO-{args.stage} {args.dtype}, {world} ranks ({args.ckpt})")
         for i in range(args.rounds):
             wall = {m: max(everyone[r][i][m]["seconds"] for r in range(world)) for m in modes}
             line = ", ".join(f"{m} {s:.2f} s" for m, s in wall.items())
