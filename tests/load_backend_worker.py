@@ -127,11 +127,26 @@ def diff(a: dict, b: dict, skip=()) -> list:
     return out
 
 
+def poison_optimizer_state(engine) -> int:
+    """NaN into every optimizer-state tensor the engine holds before a load (its initial zero
+    moments): pyckpt refills those buffers instead of allocating new ones, so an element its gather
+    failed to write would otherwise keep a plausible zero. Returns the tensors poisoned."""
+    n = 0
+    for state in engine.optimizer.optimizer.state.values():
+        for key, value in state.items():
+            if key != "step" and torch.is_tensor(value) and value.is_floating_point() and value.numel():
+                value.fill_(float("nan"))
+                n += 1
+    return n
+
+
 def _load(cfg, world_size: int, rank: int, root: str, tag: str, backend: bool, **kw):
     import pyckpt.deepspeed
     from pyckpt.load_universal import hooks
 
     engine = W.make_engine(cfg, world_size, load_universal=True)
+    if backend:
+        poison_optimizer_state(engine)
     handle = pyckpt.deepspeed.enable() if backend else None
     try:
         path, client = engine.load_checkpoint(root, tag=tag, **kw)
@@ -230,11 +245,13 @@ def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
 
     if how == "api":
         engine = W.make_engine(cfg, world_size)
+        poison_optimizer_state(engine)
         path, client = pyckpt.deepspeed.load_checkpoint(engine, root)
         assert not pyckpt.deepspeed.enabled(), "the hooks are removed again"
         assert not engine.load_universal_checkpoint(), "the engine's flag is restored"
     else:
         engine = W.make_engine(cfg, world_size, load_universal=True)
+        poison_optimizer_state(engine)
         # with no latest_universal beside it, DeepSpeed's own tag resolution finds nothing: pyckpt
         # follows `latest`; with one (a converted folder), the ZeRO tag has to be named
         has_universal = os.path.exists(os.path.join(root, "latest_universal"))

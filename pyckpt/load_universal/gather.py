@@ -34,6 +34,21 @@ def dtype_name(tensor) -> str:
     return name
 
 
+def state_buffer(state: dict, key: str, like):
+    """The tensor to load optimizer state ``key`` into: the optimizer's current one when it is shaped,
+    typed and placed like ``like`` (the flat fp32 partition), else a new one. Stock DeepSpeed makes a
+    new buffer and drops the old; refilling the old one gives the same values without allocating and
+    first touching a partition's worth of fresh pages per state (zeroed by the kernel, page by page),
+    and without holding both at once."""
+    import torch
+
+    old = state.get(key)
+    if (torch.is_tensor(old) and old.shape == like.shape and old.dtype == like.dtype and old.device == like.device
+            and old.is_contiguous() and old.data_ptr() != like.data_ptr() and not old.requires_grad):
+        return old.detach()
+    return torch.empty_like(like)
+
+
 class TensorFill:
     """The runs that fill one destination tensor (1-D, contiguous)."""
 

@@ -19,7 +19,7 @@ from typing import Dict, List
 
 from ..deepspeed.universal_slice import narrow, tp_slice_runs, total
 from . import restore_targets
-from .gather import TensorFill
+from .gather import TensorFill, state_buffer
 from .state_files import FolderStates
 from .unsupported import Unsupported
 
@@ -119,8 +119,6 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
         groups.append((group, ckpt_group, flat, fp32, buffers, links, steps[0] if steps else None))
 
     def apply(workers: int = 0) -> int:
-        import torch
-
         opt._load_global_state(_global_view(gs, opt))
         nbytes = 0
         for group, ckpt_group, flat, fp32, buffers, links, step in groups:
@@ -133,7 +131,7 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
             for key in sorted(buffers):
                 # DeepSpeed's buffer is zero outside the fragments (map_to_flat_opt_states); the gather
                 # writes the fragments and zeroes only the rest, instead of zeroing it all first
-                buffer = torch.empty_like(flat)
+                buffer = state_buffer(opt.optimizer.state[flat], key, flat)
                 fill = TensorFill(buffer)
                 covered = []
                 for sf, part, hp_start in buffers[key]:

@@ -22,7 +22,7 @@ from typing import Dict, List
 from ..deepspeed.universal_slice import zero3_partition_runs
 from ..errors import CheckpointFormatError
 from . import restore_targets
-from .gather import TensorFill
+from .gather import TensorFill, state_buffer
 from .state_files import FolderStates, loss_scaler
 from .unsupported import Unsupported
 
@@ -144,7 +144,8 @@ def plan(opt, checkpoint_dir: str, load_optimizer_states: bool, load_from_fp32_w
             step = gs.step
             opt.optimizer.state[flat]["step"] = step.clone() if torch.is_tensor(step) else step
             for key in KEYS[1:] + tuple(k for k in extra if k not in KEYS):
-                buffer = torch.empty_like(flat)  # _fill writes every element, zeros included
+                # _fill writes every element, zeros included
+                buffer = state_buffer(opt.optimizer.state[flat], key, flat)
                 fill = _fill(buffer, entries, key)
                 fill.run(workers)
                 nbytes += fill.bytes_read
