@@ -3,7 +3,7 @@
 ``enable()`` replaces the universal load of DeepSpeed's ZeRO-1/2, BF16 and ZeRO-3 optimizers
 (:mod:`.hooks`); ``engine.load_checkpoint(...)`` with ``"checkpoint": {"load_universal": true}`` then
 parses the state files with pyckpt's safe reader and gathers each rank's element runs natively into
-its flat partitions and new optimizer-state buffers (:mod:`.zero12`, :mod:`.zero3`). A load that
+its flat partitions and optimizer-state buffers (:mod:`.zero12`, :mod:`.zero3`). A load that
 names a plain ZeRO checkpoint instead, and ``load_checkpoint(engine, dir)``, resume from the ZeRO
 shards directly, read as the universal folder they would convert to (:mod:`.direct`). Public as
 ``pyckpt.deepspeed.enable`` / ``disable`` / ``load_checkpoint``.

@@ -2,8 +2,9 @@
 
 The state DeepSpeed 0.19.8's ``ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir`` leaves,
 built from each rank's own bytes: the loss-scaler fields (``_load_global_state``), every mapped
-fragment of the flat fp32 partition filled in place (padding untouched), one new flat buffer per
-optimizer state key shaped, typed and placed like the partition (zero at padding) with each
+fragment of the flat fp32 partition filled in place (padding untouched), one flat buffer per
+optimizer state key shaped, typed and placed like the partition (zero at padding; the optimizer's
+current one refilled where it fits, where DeepSpeed allocates a new one) with each
 parameter's ``optim_fragment[key]`` a view of it, the group's ``step`` and its hyper-parameters.
 Each parameter's slice of a state file follows DeepSpeed's order: its experts (AutoEP placement, or
 the legacy contiguous rows), then its tensor-parallel cut (AutoTP metadata, or the generic rules).
