@@ -175,4 +175,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Without interpreter shutdown: DeepSpeed keeps references to its process groups, so gloo's
+    # threads outlive destroy_process_group, and one still releasing the last collective's tensors
+    # during finalization aborts the process (std::terminate, SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
