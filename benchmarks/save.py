@@ -169,16 +169,10 @@ def main() -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     engine.destroy()
-    dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    # Without interpreter shutdown: DeepSpeed keeps references to its process groups, so gloo's
-    # threads outlive destroy_process_group, and one still releasing the last collective's tensors
-    # during finalization aborts the process (std::terminate, SIGABRT).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from pyckpt.execution.distributed import leave_and_exit
+
+    leave_and_exit(main())

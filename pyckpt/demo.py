@@ -183,18 +183,11 @@ def _resume(rank: int, work: str, port: int, stage: int) -> None:
 
 
 def _finish(engine) -> None:
-    """Leave the process group together, then end the rank without interpreter shutdown: DeepSpeed
-    keeps references to its groups, so gloo's threads outlive destroy_process_group, and one still
-    releasing the last collective's tensors asks for the GIL during finalization, where Python ends
-    the asking thread and the C++ runtime aborts the process (SIGABRT, seen about once in 8 runs)."""
-    import torch.distributed as dist
+    """The rank's end: the engine's resources, then the group left together (see leave_and_exit)."""
+    from .execution.distributed import leave_and_exit
 
     engine.destroy()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_and_exit(0)
 
 
 def _spawn(fn, nprocs: int, *args) -> None:

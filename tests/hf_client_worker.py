@@ -181,15 +181,10 @@ def main() -> int:
     for job in spec["jobs"]:
         (run_trainer if job["kind"] == "trainer" else run_engine)(job, tokenizer, rank)
         print(f"HF-CLIENT done {job['out']}", flush=True)
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    # Without interpreter shutdown: DeepSpeed keeps references to its process groups, so gloo's
-    # threads outlive destroy_process_group, and one still releasing the last collective's tensors
-    # during finalization aborts the process (std::terminate, SIGABRT).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from pyckpt.execution.distributed import leave_and_exit
+
+    leave_and_exit(main())

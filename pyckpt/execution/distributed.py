@@ -98,6 +98,24 @@ def from_launcher() -> Optional[TorchRanks]:
     return TorchRanks()
 
 
+def leave_and_exit(code: int = 0):
+    """Leave the default process group together, then end this process without interpreter shutdown.
+
+    A DeepSpeed job keeps references to its process groups, so gloo's threads outlive
+    ``destroy_process_group``; one still releasing the last collective's tensors asks for the GIL
+    during finalization, where Python ends the asking thread and the C++ runtime aborts the process
+    (SIGABRT after every rank had finished). For the end of a rank's script, after its output is
+    written and closed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def several(ranks: Optional[TorchRanks]) -> Optional[TorchRanks]:
     """``ranks`` when there is more than one process to share the work, else None (a single
     process runs exactly as without torch.distributed)."""
