@@ -72,4 +72,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from pyckpt.execution.distributed import leave_and_exit
+
     main()
+    leave_and_exit(0)

@@ -191,8 +191,10 @@ class TensorFill:
             for lo, hi in written:
                 flat[w0 + lo:w0 + hi].copy_(host[lo:hi], non_blocking=cuda)
             if cuda:
+                # on the stream the copies above ran on, the destination device's, which need not
+                # be the current device (Event.record's default)
                 done[b] = torch.cuda.Event()
-                done[b].record()
+                done[b].record(torch.cuda.current_stream(t.device))
         if cuda:
             torch.cuda.current_stream(t.device).synchronize()  # the buffers are freed on return
 
