@@ -53,7 +53,7 @@ def _expected(sources, n):
     return out
 
 
-@pytest.mark.parametrize("window", [None, 4, 10, 4096, 1 << 20])
+@pytest.mark.parametrize("window", [None, 1, 2, 4, 10, 4095, 4096, 1 << 20])
 def test_staged_windows_fill_exactly_what_the_in_place_gather_fills(sources, window):
     n = 1300
     dest = torch.full((n, ), 7.5)

@@ -146,12 +146,16 @@ class TensorFill:
             chunk = bytearray(data[off:off + count * ITEMSIZE[dtype]])  # writable: torch.frombuffer shares it
             flat[dst:dst + count].copy_(torch.frombuffer(chunk, dtype=getattr(torch, dtype)))
 
+    def _window_bytes(self, window: int) -> int:
+        """``window`` cut down to whole elements, at least one."""
+        return max(self.itemsize, window - window % self.itemsize)
+
     def _windows(self, window: int) -> Iterator[Tuple[int, int, List[tuple], List[Tuple[int, int]]]]:
         """(start, stop, rows shifted to the window, the window's byte ranges they write, merged) for
         each window of destination bytes that a row reaches; rows are cut at window edges on element
         boundaries, their source ranges alike."""
         out_size = self.itemsize
-        window = max(out_size, window - window % out_size)
+        window = self._window_bytes(window)
         spans = sorted((r[4], r[4] + r[5] // i * out_size, r, i) for r, i in zip(self._rows, self._in_sizes))
         k = 0
         while k < len(spans):
@@ -178,6 +182,7 @@ class TensorFill:
 
         flat = t.view(-1).view(torch.uint8)
         cuda = t.device.type == "cuda"
+        window = self._window_bytes(window)
         size = min(window, flat.numel())
         buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         done = [None, None]  # the event after each buffer's last device copy
