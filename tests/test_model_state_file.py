@@ -1,7 +1,9 @@
 """The universal load's model-state file reader (pyckpt/load_universal/model_state_file.py): one
-weights-only memory-mapped read per path, DeepSpeed's own reader for what torch's restricted
-unpickler refuses, other files untouched; and enable()/disable() patching DeepSpeed only on the
-version the hooks were proven against, restoring it exactly."""
+weights-only memory-mapped read per path with pyckpt's allowlist, a refusal naming the file for
+anything else (DeepSpeed's own reader only for a trusted checkpoint), other files untouched; the
+check before a universal load goes back to DeepSpeed's unpickling loader (pickle_policy, hooks); and
+enable()/disable() patching DeepSpeed only on the version the hooks were proven against, restoring it
+exactly."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import os
 import pytest
 import torch
 
+from pyckpt.errors import CheckpointFormatError, UnsafePickleError
 from pyckpt.load_universal.model_state_file import MappedModelStates
+from pyckpt.load_universal.pickle_policy import allowed_globals
 
 
 class Recorder:
@@ -26,9 +30,16 @@ class Recorder:
         return torch.load(path, map_location=map_location, weights_only=False)
 
 
+RAN = []  # what unpickling a UserObject did; it must stay empty where pyckpt refuses the file
+
+
 class UserObject:  # what a client_state may hold; torch's weights-only reader refuses it
     def __init__(self, value):
         self.value = value
+
+    def __setstate__(self, state):
+        RAN.append(state)
+        self.__dict__.update(state)
 
 
 def _rchar() -> int:
@@ -42,6 +53,7 @@ def test_a_model_state_file_is_mapped_once_and_its_module_not_read(tmp_path):
     torch.save({"module": module, "global_steps": 3, "param_shapes": [{"w": torch.Size([4 << 20])}]}, path)
     inner = Recorder()
     engine = MappedModelStates(inner)
+    allowed_globals()  # its first call imports the modules of the allowlist: their source is read
     r0 = _rchar()
     first = engine.load(path, map_location=lambda s, loc: s)
     second = engine.load(path)
@@ -55,16 +67,48 @@ def test_a_model_state_file_is_mapped_once_and_its_module_not_read(tmp_path):
     assert engine.name == "recorder", "everything else is the wrapped engine's"
 
 
-def test_a_file_the_weights_only_reader_refuses_goes_to_deepspeeds_reader(tmp_path, caplog):
+def test_a_file_off_the_allowlist_is_refused_and_nothing_in_it_runs(tmp_path):
     path = os.fspath(tmp_path / "mp_rank_00_model_states.pt")
     torch.save({"module": {}, "my_state": UserObject(7)}, path)
     inner = Recorder()
     engine = MappedModelStates(inner)
+    RAN.clear()
+    with pytest.raises(UnsafePickleError) as caught:
+        engine.load(path)
+    message = str(caught.value)
+    assert path in message and "UserObject" in message and "trust_pickles=True" in message
+    assert RAN == [] and inner.calls == [] and engine.mapped == [] and engine.refused == []
+
+
+def test_a_trusted_file_off_the_allowlist_goes_to_deepspeeds_reader(tmp_path, caplog):
+    path = os.fspath(tmp_path / "mp_rank_00_model_states.pt")
+    torch.save({"module": {}, "my_state": UserObject(7)}, path)
+    inner = Recorder()
+    engine = MappedModelStates(inner, trust_pickles=True)
     with caplog.at_level("WARNING", logger="pyckpt"):
         state = engine.load(path)
     assert state["my_state"].value == 7
     assert inner.calls == [path] and engine.refused == [path] and engine.mapped == []
     assert path in caplog.text and "DeepSpeed's own loader" in caplog.text
+
+
+def test_allowlisted_objects_and_legacy_files_are_read_here(tmp_path):
+    """Megatron-style ``args`` (argparse.Namespace) and DeepSpeed's loss scaler in a client_state,
+    and a file in torch's pre-zip format (read without a mapping), never reach DeepSpeed's reader."""
+    import argparse
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    state = {"module": {}, "args": argparse.Namespace(lr=0.5, layers=[1, 2]), "scaler": DynamicLossScaler(8, 1000, 1, False, True)}
+    zipped, legacy = os.fspath(tmp_path / "a_model_states.pt"), os.fspath(tmp_path / "b_model_states.pt")
+    torch.save(state, zipped)
+    torch.save(state, legacy, _use_new_zipfile_serialization=False)
+    inner = Recorder()
+    engine = MappedModelStates(inner)
+    for path in (zipped, legacy):
+        got = engine.load(path)
+        assert got["args"] == state["args"] and got["scaler"].cur_scale == 8
+    assert inner.calls == [] and engine.mapped == [zipped, legacy]
 
 
 def test_other_files_are_not_intercepted(tmp_path):
@@ -75,15 +119,15 @@ def test_other_files_are_not_intercepted(tmp_path):
     assert inner.calls == [path]
 
 
-def test_a_damaged_model_state_file_fails_as_deepspeed_would(tmp_path):
+def test_a_damaged_model_state_file_fails_naming_it(tmp_path):
     path = tmp_path / "mp_rank_00_model_states.pt"
     torch.save({"module": {}, "global_steps": 1}, path)
     path.write_bytes(path.read_bytes()[:100])
     inner = Recorder()
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(CheckpointFormatError, match="unreadable") as caught:
         MappedModelStates(inner).load(os.fspath(path))
-    assert inner.calls == [os.fspath(path)], "DeepSpeed's reader gets the file and raises its own error"
-    assert caught.value is not None
+    assert os.fspath(path) in str(caught.value)
+    assert inner.calls == [], "no unpickler of DeepSpeed's gets a file pyckpt could not read"
 
 
 def test_enable_leaves_an_unproven_deepspeed_alone(monkeypatch, caplog):

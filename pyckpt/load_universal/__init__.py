@@ -14,11 +14,12 @@ from __future__ import annotations
 
 class _Enabled:
     """What ``enable()`` returns: truthy when the hooks are in place; as a context manager, it
-    removes them again on exit if this call installed them."""
+    removes them again on exit if this call installed them, and restores the trust setting."""
 
-    def __init__(self, active: bool, installed_here: bool):
+    def __init__(self, active: bool, installed_here: bool, trust_before: bool):
         self.active = active
         self._installed_here = installed_here
+        self._trust_before = trust_before
 
     def __bool__(self) -> bool:
         return self.active
@@ -27,6 +28,9 @@ class _Enabled:
         return self
 
     def __exit__(self, *exc) -> None:
+        from . import hooks
+
+        hooks.trust_pickles(self._trust_before)
         if self._installed_here:
             disable()
 
@@ -34,13 +38,20 @@ class _Enabled:
         return f"<pyckpt accelerated universal load: {'enabled' if self.active else 'not enabled'}>"
 
 
-def enable() -> _Enabled:
+def enable(trust_pickles: bool = False) -> _Enabled:
     """Route DeepSpeed's universal checkpoint loads through pyckpt. Returns a falsy handle (and
-    leaves DeepSpeed alone, with a warning) on a DeepSpeed version pyckpt was not proven against."""
+    leaves DeepSpeed alone, with a warning) on a DeepSpeed version pyckpt was not proven against.
+
+    pyckpt unpickles nothing its allowlist of checkpoint types refuses: a model-state file whose
+    ``client_state`` holds other objects, or a universal folder this backend hands back to DeepSpeed
+    holding such a file, stops the load with ``UnsafePickleError`` naming the file.
+    ``trust_pickles=True`` gives those files to DeepSpeed's own readers instead, as without pyckpt."""
     from . import hooks
 
     already = hooks.installed()
-    return _Enabled(hooks.install(), installed_here=not already)
+    active = hooks.install()
+    before = hooks.trust_pickles(trust_pickles if active else None)
+    return _Enabled(active, installed_here=active and not already, trust_before=before)
 
 
 def disable() -> None:
@@ -56,9 +67,10 @@ def enabled() -> bool:
     return hooks.installed()
 
 
-def load_checkpoint(engine, load_dir, tag=None, **kwargs):
+def load_checkpoint(engine, load_dir, tag=None, *, trust_pickles: bool = False, **kwargs):
     """Resume ``engine`` from a plain ZeRO checkpoint at any world size, without converting it
-    (see :func:`pyckpt.load_universal.direct.load_checkpoint`)."""
+    (see :func:`pyckpt.load_universal.direct.load_checkpoint`; ``trust_pickles`` as for
+    :func:`enable`)."""
     from .direct import load_checkpoint as load
 
-    return load(engine, load_dir, tag, **kwargs)
+    return load(engine, load_dir, tag, trust_pickles=trust_pickles, **kwargs)

@@ -12,12 +12,13 @@ from . import hooks
 from .resume import is_zero_tag_folder, load_zero, zero_target
 
 
-def load_checkpoint(engine, load_dir, tag: Optional[str] = None, **kwargs):
+def load_checkpoint(engine, load_dir, tag: Optional[str] = None, *, trust_pickles: bool = False, **kwargs):
     """Restore ``engine`` from a DeepSpeed ZeRO checkpoint saved at any data-parallel world size,
     without converting it: ``load_dir`` is the folder holding ``latest`` (the Hugging Face Trainer's
     ``checkpoint-N/``), or the tag folder itself; ``tag`` overrides ``latest``. Returns what
     DeepSpeed's ``engine.load_checkpoint`` returns: ``(load_path, client_state)``. Called on every
-    rank, like ``engine.load_checkpoint``; the other keyword arguments are its own."""
+    rank, like ``engine.load_checkpoint``; the other keyword arguments are its own.
+    ``trust_pickles``: as for ``pyckpt.deepspeed.enable``, for this call."""
     load_dir = os.fspath(load_dir)
     if tag is None and is_zero_tag_folder(load_dir):
         load_dir, tag = os.path.split(os.path.abspath(load_dir))
@@ -35,8 +36,10 @@ def load_checkpoint(engine, load_dir, tag: Optional[str] = None, **kwargs):
     if not hooks.install():
         raise UnsupportedCheckpointError("pyckpt resumes from ZeRO checkpoints with DeepSpeed "
                                          f"{', '.join(hooks.PROVEN_VERSIONS)} only")
+    trust_before = hooks.trust_pickles(trust_pickles)
     try:
         return load_zero(engine, *target, hooks.universal_load(DeepSpeedEngine), **kwargs)
     finally:
+        hooks.trust_pickles(trust_before)
         if not already:
             hooks.uninstall()

@@ -10,7 +10,9 @@ Every rank plans its load first, changing nothing; the ranks then agree with one
 rank is inside ``load_checkpoint``, a collective call, so all of them reach it). If any rank's plan
 failed, all raise, each naming the failing ranks, and none has changed its state; no rank is left
 waiting in DeepSpeed's later collectives. If any rank met a layout this backend does not load yet,
-all ranks hand the call to DeepSpeed's own method, with a warning.
+all ranks hand the call to DeepSpeed's own method, with a warning, once every rank has found each
+file that method may unpickle parsable by pyckpt's allowlist reader (:mod:`.pickle_policy`; skipped
+for a checkpoint the user trusts).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import logging
 import time
 from typing import Callable, Dict, Optional, Tuple
 
-from ..errors import UnsupportedCheckpointError
-from . import model_state_file, resume, zero3, zero12, zero_view
+from ..errors import UnsafePickleError, UnsupportedCheckpointError
+from . import model_state_file, pickle_policy, resume, zero3, zero12, zero_view
 from .unsupported import Unsupported
 
 logger = logging.getLogger("pyckpt")
@@ -41,6 +43,16 @@ _ORIGINALS: Dict[type, Callable] = {}
 _ENGINE_ORIGINAL: Dict[type, Callable] = {}
 # What the last load through pyckpt did on this rank, for tests and benchmarks.
 last_load: Dict[str, object] = {}
+# enable(trust_pickles=...): whether files pyckpt's allowlist refuses may go to DeepSpeed's readers
+_settings = {"trust_pickles": False}
+
+
+def trust_pickles(value: Optional[bool] = None) -> bool:
+    """The current setting; with ``value``, set it and return the previous one."""
+    previous = _settings["trust_pickles"]
+    if value is not None:
+        _settings["trust_pickles"] = bool(value)
+    return previous
 
 
 def _agree(failure: Optional[str], unsupported: Optional[str]) -> Tuple[list, list]:
@@ -94,6 +106,15 @@ def _load(planner: Callable, original: Callable):
                                 + "; no rank changed its state")
         if unsupported_all:
             rank, reason = unsupported_all[0]
+            if not _settings["trust_pickles"]:
+                # DeepSpeed unpickles with torch.load(weights_only=False): every rank checks the files
+                # first, and all stop together if any was refused, before DeepSpeed reads one
+                mine = pickle_policy.check_universal_pickles(checkpoint_folder)
+                refusals, _ = _agree(mine, None)
+                if refusals:
+                    where, message = refusals[0]
+                    raise UnsafePickleError(f"pyckpt: DeepSpeed's own loader would take this universal load "
+                                            f"(rank {rank}: {reason}), but rank {where} refused a file: {message}")
             logger.warning("pyckpt: DeepSpeed's own loader takes this universal load (rank %d: %s)", rank, reason)
             last_load.clear()
             last_load.update(backend="deepspeed", reason=reason)
@@ -119,7 +140,7 @@ def _with_mapped_model_states(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         last_load.clear()
         inner = self.checkpoint_engine
-        self.checkpoint_engine = wrapper = model_state_file.MappedModelStates(inner)
+        self.checkpoint_engine = wrapper = model_state_file.MappedModelStates(inner, _settings["trust_pickles"])
         try:
             return original(self, *args, **kwargs)
         finally:

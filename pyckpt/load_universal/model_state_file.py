@@ -8,11 +8,12 @@ once in ``load``), each a full ``torch.load(weights_only=False)`` that reads and
 ``module`` (b·P/T bytes for ZeRO-1/2).
 
 While a universal ``load_checkpoint`` runs, the engine's ``TorchCheckpointEngine`` is wrapped so that
-model-state files are opened with ``torch.load(mmap=True, weights_only=True)``, once per path: only
-the pickle is read, the tensors stay unread pages of the mapping, and torch's restricted unpickler
-executes nothing from the file. A file that the restricted unpickler refuses (a ``client_state``
-holding arbitrary objects) goes to DeepSpeed's own reader, exactly as without pyckpt, with a warning.
-Other engines (Nebula, decoupled, fast writers) and other files are left alone.
+model-state files are opened with ``torch.load(mmap=True, weights_only=True)`` and pyckpt's allowlist
+(:mod:`.pickle_policy`), once per path: only the pickle is read, the tensors stay unread pages of the
+mapping, and torch's restricted unpickler executes nothing from the file. A file it refuses (a
+``client_state`` holding arbitrary objects) stops the load with the file and the global named, or,
+for a trusted checkpoint, goes to DeepSpeed's own reader as without pyckpt. Other engines (Nebula,
+decoupled, fast writers) and other files are left alone.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from __future__ import annotations
 import logging
 import os
 from typing import Dict
+
+from ..errors import CheckpointFormatError
+from .pickle_policy import first_line, read_model_states, refused
 
 logger = logging.getLogger("pyckpt")
 
@@ -29,8 +33,9 @@ MODEL_STATES_SUFFIX = "_model_states.pt"
 class MappedModelStates:
     """Stands in for the engine's checkpoint engine during one universal load."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, trust_pickles: bool = False):
         self._inner = inner
+        self._trust = trust_pickles
         self._cache: Dict[str, dict] = {}
         # paths read here, and those handed to DeepSpeed's reader, for tests and benchmarks
         self.mapped = []
@@ -46,19 +51,25 @@ class MappedModelStates:
         if key not in self._cache:
             import pickle
 
-            import torch
-
             try:
-                state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            except (pickle.UnpicklingError, RuntimeError) as exc:
-                # torch reports a refused global as UnpicklingError; a non-zip (legacy) file as RuntimeError
-                logger.warning("pyckpt: %s is read by DeepSpeed's own loader (torch's weights-only reader "
-                               "refused it: %s)", path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                try:
+                    state = read_model_states(path)
+                except RuntimeError as exc:
+                    if "mmap" not in str(exc):
+                        raise
+                    state = read_model_states(path, mmap=False)  # a legacy (non-zip) file cannot be mapped
+            except RuntimeError as exc:  # a damaged archive
+                raise CheckpointFormatError(f"{path}: unreadable ({first_line(exc)})") from exc
+            except pickle.UnpicklingError as exc:  # how torch reports a global off the allowlist
+                if not self._trust:
+                    raise refused(path, f"torch's weights-only reader refused it with pyckpt's allowlist "
+                                        f"({first_line(exc)})") from None
+                logger.warning("pyckpt: %s is read by DeepSpeed's own loader, as trusted (torch's weights-only "
+                               "reader refused it: %s)", path, first_line(exc))
                 self.refused.append(path)
                 return self._inner.load(path, map_location=map_location)
             if not isinstance(state, dict):
-                self.refused.append(path)
-                return self._inner.load(path, map_location=map_location)
+                raise CheckpointFormatError(f"{path}: holds a {type(state).__name__}; a model-state file holds a dict")
             self._cache[key] = state
             self.mapped.append(path)
         # DeepSpeed may pop keys from what it gets; each caller gets its own top-level dict

@@ -1,0 +1,124 @@
+"""What a load through pyckpt lets DeepSpeed's own unpickling loader read
+(pyckpt/load_universal/pickle_policy.py, hooks.py): when the backend hands a universal load back to
+DeepSpeed (a layout it does not serve), every file that loader may unpickle must first parse with
+pyckpt's allowlist reader, or the load stops naming the file before anything in it runs; a trusted
+checkpoint goes to DeepSpeed as without pyckpt."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pyckpt.errors import UnsafePickleError
+from pyckpt.load_universal import hooks
+from pyckpt.load_universal.pickle_policy import check_universal_pickles
+from pyckpt.load_universal.unsupported import Unsupported
+
+RAN = []  # what unpickling a Payload did; it must stay empty wherever pyckpt refuses the file
+
+
+class Payload:
+    def __setstate__(self, state):
+        RAN.append(state)
+        self.__dict__.update(state)
+
+
+def _payload():
+    p = Payload.__new__(Payload)
+    p.__dict__["x"] = 1
+    return p
+
+
+@pytest.fixture()
+def folder(tmp_path):
+    """A universal tag folder as ds_to_universal writes it: zero/optimizer_state.pt and one folder of
+    state files per parameter."""
+    zero = tmp_path / "global_step1_universal" / "zero"
+    for name in ("a.weight", "b.weight"):
+        (zero / name).mkdir(parents=True)
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            torch.save({"param": torch.ones(3), "cat_dim": 0}, zero / name / f"{key}.pt")
+        torch.save(torch.tensor(2.0), zero / name / "step.pt")
+    torch.save({"optimizer_state_dict": {"param_groups": [{"lr": 0.1}]}, "param_groups": [{"lr": 0.1}]},
+               zero / "optimizer_state.pt")
+    RAN.clear()
+    return zero.parent
+
+
+def test_a_clean_folder_passes(folder):
+    assert check_universal_pickles(os.fspath(folder)) is None
+
+
+@pytest.mark.parametrize("victim", ["b.weight/exp_avg_sq.pt", "optimizer_state.pt", "a.weight/max_exp_avg_sq.pt"])
+def test_any_file_deepspeeds_loader_may_open_is_checked(folder, victim):
+    torch.save({"param": torch.ones(3), "hook": _payload()}, folder / "zero" / victim)
+    message = check_universal_pickles(os.fspath(folder))
+    assert message is not None and victim.split("/")[-1] in message and "Payload" in message
+    assert "trust_pickles=True" in message
+    assert RAN == []
+
+
+def test_a_linked_parameter_folder_is_checked_where_it_points(folder, tmp_path):
+    """DeepSpeed opens zero/<name>/<key>.pt through any link; the check reads the same files."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    torch.save({"param": _payload()}, elsewhere / "fp32.pt")
+    os.symlink(elsewhere, folder / "zero" / "c.weight")
+    message = check_universal_pickles(os.fspath(folder))
+    assert message is not None and "c.weight" in message and RAN == []
+
+
+def _wrapped():
+    calls = []
+
+    def planner(opt, checkpoint_folder, los, lfp32, view):
+        raise Unsupported("a layout this backend does not serve")
+
+    def original(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
+        calls.append(checkpoint_folder)
+        # what DeepSpeed's loader does with each file
+        for root, _, names in os.walk(os.path.join(checkpoint_folder, "zero"), followlinks=True):
+            for n in names:
+                torch.load(os.path.join(root, n), weights_only=False)
+
+    return hooks._load(planner, original), calls
+
+
+def test_a_load_handed_back_to_deepspeed_runs_its_loader_on_clean_files(folder):
+    load, calls = _wrapped()
+    load(None, os.fspath(folder), True, False)
+    assert calls == [os.fspath(folder)] and hooks.last_load["backend"] == "deepspeed"
+
+
+def test_a_load_handed_back_to_deepspeed_stops_before_it_unpickles_a_refused_file(folder):
+    torch.save({"param": torch.ones(3), "hook": _payload()}, folder / "zero" / "a.weight" / "exp_avg.pt")
+    load, calls = _wrapped()
+    with pytest.raises(UnsafePickleError, match="exp_avg.pt") as caught:
+        load(None, os.fspath(folder), True, False)
+    assert "rank 0 refused a file" in str(caught.value)
+    assert calls == [] and RAN == [], "DeepSpeed's loader never ran, nothing in the file ran"
+
+
+def test_a_trusted_checkpoint_goes_to_deepspeed_as_without_pyckpt(folder):
+    torch.save({"param": torch.ones(3), "hook": _payload()}, folder / "zero" / "a.weight" / "exp_avg.pt")
+    load, calls = _wrapped()
+    before = hooks.trust_pickles(True)
+    try:
+        load(None, os.fspath(folder), True, False)
+    finally:
+        hooks.trust_pickles(before)
+    assert calls == [os.fspath(folder)] and RAN == [{"x": 1}]
+
+
+def test_enable_sets_the_trust_for_its_block_only():
+    import pyckpt.deepspeed
+
+    assert hooks.trust_pickles() is False
+    with pyckpt.deepspeed.enable(trust_pickles=True):
+        assert hooks.trust_pickles() is True
+        with pyckpt.deepspeed.enable():
+            assert hooks.trust_pickles() is False
+        assert hooks.trust_pickles() is True and pyckpt.deepspeed.enabled(), "the inner block installed nothing"
+    assert hooks.trust_pickles() is False and not pyckpt.deepspeed.enabled()
