@@ -58,8 +58,10 @@ void gather_window(const Window& w, const WindowPlan& plan, const std::vector<Pi
         rows_touching(p, w.begin, w.end, i0, i1);
         if (i0 >= i1) continue;
         const uint8_t* base = p.src >= 0 ? sources.map(static_cast<std::size_t>(p.src)).data() + p.src_off : nullptr;
-        if (base)
-            sources.map(static_cast<std::size_t>(p.src)).prefetch(p.src_off + i0 * p.src_row, (i1 - i0) * p.src_row);
+        // the source bytes of rows [i0, i1): from row i0's start to row i1 - 1's end
+        const uint64_t span_off = p.src_off + i0 * p.src_stride;
+        const uint64_t span_len = (i1 - i0 - 1) * p.src_stride + p.src_row;
+        if (base) sources.map(static_cast<std::size_t>(p.src)).prefetch(span_off, span_len);
         for (uint64_t i = i0; i < i1; ++i) {
             const uint64_t row_dst = p.dst_off + i * p.stride;
             const uint64_t lo = std::max(row_dst, w.begin);
@@ -69,12 +71,12 @@ void gather_window(const Window& w, const WindowPlan& plan, const std::vector<Pi
             if (!base) {
                 std::memset(o, 0, hi - lo);
             } else if (p.kind == KIND_COPY) {
-                std::memcpy(o, base + i * p.src_row + (lo - row_dst), hi - lo);
+                std::memcpy(o, base + i * p.src_stride + (lo - row_dst), hi - lo);
             } else {
-                convert_byte_range(p.kind, base + i * p.src_row, lo - row_dst, hi - row_dst, o);
+                convert_byte_range(p.kind, base + i * p.src_stride, lo - row_dst, hi - row_dst, o);
             }
         }
-        if (base) drops.add(p.src, p.src_off + i0 * p.src_row, (i1 - i0) * p.src_row);
+        if (base) drops.add(p.src, span_off, span_len);
     }
 }
 

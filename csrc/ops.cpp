@@ -29,6 +29,7 @@ Piece make_piece(const OpRow& r, std::size_t index, SourceSet& sources, const st
     if (r.nbytes < 0) bad(index, tg, "negative nbytes");
     if (r.rows < 0) bad(index, tg, "negative rows");
     if (r.stride < 0) bad(index, tg, "negative stride");
+    if (r.src_stride < 0) bad(index, tg, "negative src_stride");
     if (r.dst_off < 0) bad(index, tg, "negative dst_off");
     if (r.src < -1 || (r.src >= 0 && static_cast<uint64_t>(r.src) >= sources.count()))
         throw PlanError(row_ctx(index) + ": source index " + std::to_string(r.src) + " out of range (" +
@@ -40,6 +41,7 @@ Piece make_piece(const OpRow& r, std::size_t index, SourceSet& sources, const st
     p.kind = r.kind;
     p.src_off = r.src >= 0 ? static_cast<uint64_t>(r.src_off) : 0;
     p.src_row = static_cast<uint64_t>(r.nbytes);
+    p.src_stride = r.src_stride > 0 ? static_cast<uint64_t>(r.src_stride) : p.src_row;
     p.dst_off = static_cast<uint64_t>(r.dst_off);
     p.rows = static_cast<uint64_t>(r.rows);
     p.stride = static_cast<uint64_t>(r.stride);
@@ -57,8 +59,14 @@ Piece make_piece(const OpRow& r, std::size_t index, SourceSet& sources, const st
         bad(index, tg, "stride " + std::to_string(p.stride) + " is smaller than the destination row size " +
                        std::to_string(p.dst_row) + ", so rows overlap");
 
+    if (p.rows > 1 && p.src_stride < p.src_row)
+        bad(index, tg, "src_stride " + std::to_string(p.src_stride) + " is smaller than nbytes " +
+                       std::to_string(p.src_row) + ", so source rows overlap");
+
+    // The source bytes span from the first row's start to the last row's end.
     uint64_t src_total, src_end;
-    if (!mul_ok(p.rows, p.src_row, src_total)) bad(index, tg, "rows * nbytes overflows");
+    if (!mul_ok(p.rows - 1, p.src_stride, src_total) || !add_ok(src_total, p.src_row, src_total))
+        bad(index, tg, "(rows - 1) * src_stride + nbytes overflows");
     if (p.src >= 0) {
         if (r.src_off < 0) bad(index, tg, "negative src_off");
         uint64_t sz = sources.size_of(static_cast<std::size_t>(p.src));
@@ -74,15 +82,17 @@ Piece make_piece(const OpRow& r, std::size_t index, SourceSet& sources, const st
         bad(index, tg, "destination range [" + std::to_string(p.dst_off) + ", " + std::to_string(p.dst_off + span) +
                        ") is outside " + tg.label + " (" + std::to_string(tg.size) + " bytes)");
 
-    // Rows that are adjacent in the destination (and always adjacent in the source) are one
-    // contiguous run; merging them lets whole windows take the zero-copy path.
-    if (p.rows > 1 && p.stride == p.dst_row) {
+    // Rows that are adjacent in the destination and in the source are one contiguous run;
+    // merging them lets whole windows take the zero-copy path.
+    if (p.rows > 1 && p.stride == p.dst_row && p.src_stride == p.src_row) {
         p.src_row *= p.rows;
         p.dst_row *= p.rows;
         p.rows = 1;
-        p.stride = 0;
     }
-    if (p.rows == 1) p.stride = 0;
+    if (p.rows == 1) {
+        p.stride = 0;
+        p.src_stride = p.src_row;
+    }
     return p;
 }
 

@@ -17,27 +17,33 @@
 namespace pyckpt {
 
 // The op table's column names, in order: the one definition that the binding exports as
-// OP_COLUMNS for Python to build tables by and that OpRow's layout is checked against.
-inline constexpr std::array<std::string_view, 9> kOpColumns = {"src",    "src_off", "out",  "rec",   "dst_off",
-                                                               "nbytes", "kind",    "rows", "stride"};
+// OP_COLUMNS for Python to build tables by and that OpRow's layout is checked against. The last
+// column, src_stride, may be left off (a table of kRequiredOpColumns columns): 0 there means the
+// rows of an op follow each other in the source.
+inline constexpr std::array<std::string_view, 10> kOpColumns = {"src",  "src_off", "out",    "rec",
+                                                                "dst_off", "nbytes", "kind", "rows",
+                                                                "stride",  "src_stride"};
+inline constexpr std::size_t kRequiredOpColumns = 9;
 
-// One row of the caller's int64 (N, 9) table, in column order.
+// One row of the caller's int64 (N, 10) table, in column order.
 struct OpRow {
-    int64_t src, src_off, out, rec, dst_off, nbytes, kind, rows, stride;
+    int64_t src, src_off, out, rec, dst_off, nbytes, kind, rows, stride, src_stride;
 };
 static_assert(sizeof(OpRow) == kOpColumns.size() * sizeof(int64_t), "OpRow must mirror a row of the op table");
 static_assert(offsetof(OpRow, stride) == 8 * sizeof(int64_t) && kOpColumns[8] == "stride" &&
+                  offsetof(OpRow, src_stride) == 9 * sizeof(int64_t) && kOpColumns[9] == "src_stride" &&
                   offsetof(OpRow, src_off) == 1 * sizeof(int64_t) && kOpColumns[1] == "src_off" &&
                   offsetof(OpRow, dst_off) == 4 * sizeof(int64_t) && kOpColumns[4] == "dst_off",
               "OpRow's fields must follow kOpColumns");
 
-// A validated op. Row i reads src_row bytes at src_off + i*src_row and produces dst_row bytes
+// A validated op. Row i reads src_row bytes at src_off + i*src_stride and produces dst_row bytes
 // at dst_off + i*stride within its target.
 struct Piece {
     int64_t src;  // source index, -1 for zero fill
     int64_t kind;
     uint64_t src_off;
     uint64_t src_row;
+    uint64_t src_stride;  // >= src_row; src_row where the rows follow each other in the source
     uint64_t dst_off;
     uint64_t dst_row;
     uint64_t rows;

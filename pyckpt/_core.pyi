@@ -80,8 +80,9 @@ class PickleScan:
 
 def scan_pickle(data: _Buffer) -> PickleScan: ...
 
-# ops: a C-contiguous int64 buffer of shape (N, 9) (a 2-D memoryview or numpy array; an empty 1-D one
-# for no rows; other integer numpy arrays are converted), columns [src, src_off, out, rec, dst_off, nbytes, kind, rows, stride].
+# ops: a C-contiguous int64 buffer of shape (N, 10) or (N, 9) (a 2-D memoryview or numpy array; an empty 1-D
+# one for no rows; other integer numpy arrays are converted), columns [src, src_off, out, rec, dst_off, nbytes,
+# kind, rows, stride, src_stride]; without the last, every op's rows follow each other in the source.
 # outputs: [(path, archive_name, [(record_name, size, inline_bytes_or_None), ...]), ...].
 def write_archives(sources: Sequence[_Path], outputs: Iterable[Tuple[_Path, Optional[str], Sequence[Tuple[str, int, Optional[_Buffer]]]]],
                    ops: _Buffer, workers: Optional[int] = 0, fsync: bool = False, progress: _Progress = None, *,

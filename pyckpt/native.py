@@ -78,13 +78,19 @@ def scan_pickle(data) -> "_core.PickleScan":
 
 
 def op_table(rows: Iterable[Sequence[int]]) -> memoryview:
-    """The executor's (N, 9) int64 table from rows in OP_COLUMNS order (empty: a flat empty view).
+    """The executor's (N, 10) int64 table from rows in OP_COLUMNS order (empty: a flat empty view);
+    a row may leave off the last column, ``src_stride`` (0: the op's rows follow each other in the
+    source).
 
     A memoryview of array('q') rather than a numpy array: importing numpy is a large part of a
     short command's wall time, and the executor takes any C-contiguous int64 buffer."""
     flat = array("q")
     width = len(OP_COLUMNS)
     for row in rows:
+        if len(row) == width - 1:
+            flat.extend(row)
+            flat.append(0)
+            continue
         if len(row) != width:
             raise ValueError(f"an op row has {len(row)} fields, the table {width}")
         flat.extend(row)

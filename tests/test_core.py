@@ -497,6 +497,40 @@ def test_narrowing_conversions_match_torch(tmp_path, name, kind, make, dtype):
         assert _core._f32_to_f16_portable(t.numpy().tobytes()) == dst.tobytes()
 
 
+@pytest.mark.parametrize("window", [0, 4, 6, 4099])
+def test_strided_source_rows_gather_a_column_block(tmp_path, window):
+    """src_stride: an op's rows spread out in the source, one after another in the destination (a
+    block of columns of a matrix), copied and cast, cut into any windows; a 9-column table means
+    src_stride 0, rows end to end in the source."""
+    m = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)
+    src = tmp_path / "m.bin"
+    src.write_bytes(m.numpy().tobytes())
+    # columns 3:7 of rows 2..10 as fp32, then of rows 0..11 cast to bf16 bits, then rows 4..5 whole
+    copy = [0, (2 * 10 + 3) * 4, 0, 0, 0, 4 * 4, _core.KIND_COPY, 9, 4 * 4, 10 * 4]
+    dst = np.zeros(9 * 4 + 2 * 10, dtype=np.float32)
+    whole = [0, 4 * 10 * 4, 0, 0, 9 * 4 * 4, 2 * 10 * 4, _core.KIND_COPY, 1, 0]
+    _core.execute_into([str(src)], np.array([copy, whole + [0]], dtype=np.int64), dst, 2, window_bytes=window)
+    assert np.array_equal(dst[:36], m[2:11, 3:7].reshape(-1).numpy())
+    assert np.array_equal(dst[36:], m[4:6].reshape(-1).numpy())
+    half = np.zeros(12 * 4, dtype=np.uint16)
+    cast = [0, 3 * 4, 0, 0, 0, 4 * 4, _core.KIND_F32_TO_BF16, 12, 4 * 2, 10 * 4]
+    _core.execute_into([str(src)], np.array([cast], dtype=np.int64), half, 1, window_bytes=window)
+    assert np.array_equal(half, m[:, 3:7].to(torch.bfloat16).reshape(-1).view(torch.int16).numpy().view(np.uint16))
+
+
+@pytest.mark.parametrize("row,match", [
+    ([0, 0, 0, 0, 0, 16, 0, 3, 16, 8], "source rows overlap"),
+    ([0, 0, 0, 0, 0, 16, 0, 3, 16, -40], "negative src_stride"),
+    ([0, 400, 0, 0, 0, 16, 0, 3, 16, 40], "outside"),  # the last row ends at 400 + 2*40 + 16 > 480
+    ([0, 0, 0, 0, 0, 16, 0, 5, 16, 1 << 62], "overflows"),  # 4 * 2**62 wraps
+])
+def test_strided_source_rows_are_checked_against_the_source(tmp_path, row, match):
+    src = tmp_path / "m.bin"
+    src.write_bytes(bytes(480))
+    with pytest.raises(_core.PlanError, match=match):
+        _core.execute_into([str(src)], np.array([row], dtype=np.int64), np.zeros(48, dtype=np.uint8), 1)
+
+
 def test_narrowing_ignores_caller_flush_denormal(tmp_path):
     """Subnormal halves come out the same whatever FTZ/DAZ mode the caller's threads inherit."""
     t = torch.tensor([6e-8, 3e-6, -6.1e-5, 1e-7, 5.96e-8, 1.0], dtype=torch.float32)
@@ -854,4 +888,5 @@ def test_type_stub_matches_the_module():
 
 def test_op_columns_come_from_the_native_schema():
     """The op table's column order is defined once in C++ (ops.hpp) and exported as OP_COLUMNS."""
-    assert _core.OP_COLUMNS == ("src", "src_off", "out", "rec", "dst_off", "nbytes", "kind", "rows", "stride")
+    assert _core.OP_COLUMNS == ("src", "src_off", "out", "rec", "dst_off", "nbytes", "kind", "rows", "stride",
+                                "src_stride")

@@ -80,3 +80,48 @@ def test_a_cuda_tensor_is_filled_through_pinned_windows(sources):
     dest = torch.full((n, ), 7.5, device="cuda")
     _fill(dest, sources).run(staging=4096)
     assert torch.equal(dest.cpu(), _expected(sources, n))
+
+
+def _matrix_source(tmp_path, dtype):
+    torch.manual_seed(1)
+    m = torch.randn(64, 48).to(dtype)
+    path = os.fspath(tmp_path / f"m_{dtype}.pt")
+    torch.save({"param": m}, path)
+    sf = SourceFile(path)
+    return sf, sf.load()["param"], m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 4, 36, 4096, 1 << 20])
+def test_a_cut_along_dim_1_gathers_as_strided_ops(tmp_path, dtype, window):
+    """A tensor-parallel cut along dim 1 (columns 12:24 of a 64 x 48 matrix: one run per matrix row),
+    narrowed to a ZeRO partition that starts and ends inside a row: three ops (the partial first
+    row, 62 strided whole rows, the partial last row) instead of 64, filling the destination exactly
+    as slicing does, in place and through staging windows that cut the strided op anywhere."""
+    from pyckpt.deepspeed.universal_slice import narrow, select_along
+
+    sf, ref, m = _matrix_source(tmp_path, dtype)
+    runs = narrow(select_along((64, 48), 1, [(12, 24)]), 5, 64 * 12 - 5 - 7)
+    n = 64 * 12 - 12 + 3  # the runs, then 3 elements no run covers
+    dest = torch.full((n, ), 7.5)
+    fill = TensorFill(dest)
+    fill.add(sf, ref, runs, 0)
+    assert [(r[7], r[9]) for r in fill._rows] == [(1, 0), (62, 48 * m.element_size()), (1, 0)]
+    fill.run(staging=window)
+    expected = torch.full((n, ), 7.5)
+    expected[:n - 3] = m[:, 12:24].reshape(-1)[5:-7].float()
+    assert torch.equal(dest, expected)
+    assert fill.bytes_read == (n - 3) * m.element_size()
+
+
+def test_runs_that_continue_in_the_source_become_one_op(sources):
+    """Adjacent runs in both source and destination merge into one contiguous op; runs at a changing
+    distance stay separate."""
+    sb, tb, b = sources["b"]
+    fill = TensorFill(torch.zeros(40))
+    fill.add(sb, tb, [(0, 5), (5, 5), (20, 5), (30, 5), (45, 5), (60, 5)], 0)
+    assert [(r[1], r[5], r[7], r[9]) for r in fill._rows] == [(sb.tensor_byte_range(tb, 0, 1)[0], 40, 1, 0),
+                                                              (sb.tensor_byte_range(tb, 20, 1)[0], 20, 2, 40),
+                                                              (sb.tensor_byte_range(tb, 45, 1)[0], 20, 2, 60)]
+    fill.run()
+    assert torch.equal(fill.tensor[:30], torch.cat([b[0:10], b[20:25], b[30:35], b[45:50], b[60:65]]))

@@ -51,6 +51,22 @@ struct BufferView {
     uint64_t size() const { return static_cast<uint64_t>(view.len); }
 };
 
+inline bool op_columns_ok(Py_ssize_t columns) {
+    return columns == static_cast<Py_ssize_t>(kOpColumns.size()) || columns == static_cast<Py_ssize_t>(kRequiredOpColumns);
+}
+
+// Rows of `columns` int64 fields into OpRows; columns left off are 0.
+inline std::vector<OpRow> ops_from_rows(const int64_t* data, Py_ssize_t n, Py_ssize_t columns) {
+    std::vector<OpRow> rows(static_cast<std::size_t>(n));
+    const auto width = static_cast<std::size_t>(columns);
+    if (width == kOpColumns.size()) {
+        if (!rows.empty()) std::memcpy(rows.data(), data, rows.size() * sizeof(OpRow));
+        return rows;
+    }
+    for (std::size_t i = 0; i < rows.size(); ++i) std::memcpy(&rows[i], data + i * width, width * sizeof(int64_t));
+    return rows;
+}
+
 // Copies the op table into OpRow structs so that Python threads mutating the array while
 // the GIL is released cannot invalidate what was validated.
 // An int64 buffer of shape (N, columns), or an empty one-dimensional one: what pyckpt's planner
@@ -67,10 +83,8 @@ inline std::optional<std::vector<OpRow>> ops_from_int64_buffer(const py::handle&
     std::string fmt = view.format ? view.format : "B";
     if (!fmt.empty() && (fmt[0] == '<' || fmt[0] == '=' || fmt[0] == '@')) fmt.erase(0, 1);
     const bool int64 = view.itemsize == 8 && (fmt == "q" || fmt == "l");
-    const auto columns = static_cast<Py_ssize_t>(kOpColumns.size());
-    if (int64 && view.ndim == 2 && view.shape[1] == columns) {
-        rows.emplace(static_cast<std::size_t>(view.shape[0]));
-        if (!rows->empty()) std::memcpy(rows->data(), view.buf, rows->size() * sizeof(OpRow));
+    if (int64 && view.ndim == 2 && op_columns_ok(view.shape[1])) {
+        rows = ops_from_rows(static_cast<const int64_t*>(view.buf), view.shape[0], view.shape[1]);
     } else if (int64 && view.ndim == 1 && view.shape[0] == 0) {
         rows.emplace();
     }
@@ -84,19 +98,18 @@ inline std::vector<OpRow> convert_ops(const py::handle& obj) {
     if (!arr) throw py::type_error("ops must be a numpy array");
     char k = arr.dtype().kind();
     if (k != 'i' && k != 'u') throw py::type_error("ops must be an integer array (int64)");
-    if (arr.ndim() != 2 || arr.shape(1) != static_cast<py::ssize_t>(kOpColumns.size())) {
-        std::string msg = "ops must have shape (N, " + std::to_string(kOpColumns.size()) + "): [";
+    if (arr.ndim() != 2 || !op_columns_ok(arr.shape(1))) {
+        std::string msg = "ops must have shape (N, " + std::to_string(kOpColumns.size()) + ") or (N, " +
+                          std::to_string(kRequiredOpColumns) + "): [";
         for (std::size_t c = 0; c < kOpColumns.size(); ++c) {
             if (c) msg += ", ";
             msg += kOpColumns[c];
         }
-        throw py::value_error(msg + "]");
+        throw py::value_error(msg + "], the last optional");
     }
     auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
     if (!a) throw py::error_already_set();
-    std::vector<OpRow> rows(static_cast<std::size_t>(a.shape(0)));
-    if (!rows.empty()) std::memcpy(rows.data(), a.data(), rows.size() * sizeof(OpRow));
-    return rows;
+    return ops_from_rows(a.data(), a.shape(0), a.shape(1));
 }
 
 inline std::vector<std::string> convert_paths(const py::handle& seq, const char* what) {

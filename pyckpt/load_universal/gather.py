@@ -12,6 +12,7 @@ elements a plan computed in memory rather than mapped (:mod:`.zero_view`) are co
 
 from __future__ import annotations
 
+import collections
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..deepspeed.universal_slice import Run
@@ -96,14 +97,33 @@ class TensorFill:
                     if s == len(self._sources):
                         self._sources.append(where)
                     nbytes = count * ITEMSIZE[dtype]
-                    self._rows.append((s, off, 0, 0, dst * out_size, nbytes, kind, 1, 0))  # nbytes: source bytes
-                    self._in_sizes.append(ITEMSIZE[dtype])
+                    self._add_row(s, off, dst * out_size, nbytes, kind, ITEMSIZE[dtype])
                     self.bytes_read += nbytes
                 dst += count
         return n_total
 
+    def _add_row(self, s: int, off: int, dst: int, nbytes: int, kind: int, in_size: int) -> None:
+        """Source bytes [off, off + nbytes) into destination bytes from ``dst``: a row of its own, or
+        one more row of the last op when they continue it. The destination is filled in order, so a
+        run that starts where the last ended in the destination and lies at the same distance again
+        in the source extends that op: a column block of a matrix (a cut along dim 1, one run per
+        matrix row) becomes one strided op instead of one per row."""
+        if self._rows and self._in_sizes[-1] == in_size:
+            ls, loff, _, _, ldst, lbytes, lkind, lrows, lstride, lsrc_stride = self._rows[-1]
+            out_row = lbytes // in_size * self.itemsize
+            if ls == s and lkind == kind and ldst + lrows * out_row == dst:
+                if lrows == 1 and off == loff + lbytes:  # contiguous in the source: a longer run
+                    self._rows[-1] = (s, loff, 0, 0, ldst, lbytes + nbytes, kind, 1, 0, 0)
+                    return
+                if nbytes == lbytes and (off - loff > lbytes if lrows == 1 else off == loff + lrows * lsrc_stride):
+                    stride = off - loff if lrows == 1 else lsrc_stride
+                    self._rows[-1] = (s, loff, 0, 0, ldst, lbytes, kind, lrows + 1, out_row, stride)
+                    return
+        self._rows.append((s, off, 0, 0, dst, nbytes, kind, 1, 0, 0))  # nbytes: source bytes per row
+        self._in_sizes.append(in_size)
+
     def _zeros(self, dst: int, n: int) -> None:
-        self._rows.append((-1, 0, 0, 0, dst * self.itemsize, n * self.itemsize, 0, 1, 0))
+        self._rows.append((-1, 0, 0, 0, dst * self.itemsize, n * self.itemsize, 0, 1, 0, 0))
         self._in_sizes.append(self.itemsize)
 
     def _kind(self, src: str, planned: str, path: str) -> int:
@@ -152,30 +172,56 @@ class TensorFill:
 
     def _windows(self, window: int) -> Iterator[Tuple[int, int, List[tuple], List[Tuple[int, int]]]]:
         """(start, stop, rows shifted to the window, the window's byte ranges they write, merged) for
-        each window of destination bytes that a row reaches; rows are cut at window edges on element
-        boundaries, their source ranges alike."""
-        out_size = self.itemsize
+        each window of destination bytes that a row reaches; ops are cut at window edges on element
+        boundaries (a strided op into whole rows before the edge, part of a row, and the rest)."""
         window = self._window_bytes(window)
-        spans = sorted((r[4], r[4] + r[5] // i * out_size, r, i) for r, i in zip(self._rows, self._in_sizes))
-        k = 0
-        while k < len(spans):
-            w0 = spans[k][0] - spans[k][0] % window
+        pending = collections.deque(sorted(((r[4], r, i) for r, i in zip(self._rows, self._in_sizes)),
+                                           key=lambda item: item[0]))
+        while pending:
+            w0 = pending[0][0] - pending[0][0] % window
             w1 = w0 + window
             rows, written = [], []
-            while k < len(spans) and spans[k][0] < w1:
-                lo, hi, r, i = spans[k]
-                a, b = max(lo, w0), min(hi, w1)
-                src_off = r[1] + (a - lo) // out_size * i if r[0] >= 0 else 0
-                rows.append((r[0], src_off, 0, 0, a - w0, (b - a) // out_size * i, r[6], 1, 0))
-                if written and written[-1][1] == a - w0:
-                    written[-1] = (written[-1][0], b - w0)
-                else:
-                    written.append((a - w0, b - w0))
-                if hi > w1:  # the rest of this row belongs to the next window
-                    spans[k] = (w1, hi, (r[0], r[1] + (w1 - lo) // out_size * i if r[0] >= 0 else 0) + r[2:], i)
-                    break
-                k += 1
+            while pending and pending[0][0] < w1:
+                _, r, i = pending.popleft()
+                head, tail = self._cut(r, i, w1)
+                pending.extendleft((t[4], t, i) for t in reversed(tail))
+                for h in head:
+                    lo, hi = h[4] - w0, h[4] - w0 + self._dst_span(h, i)
+                    rows.append(h[:4] + (lo, ) + h[5:])
+                    if written and written[-1][1] == lo:
+                        written[-1] = (written[-1][0], hi)
+                    else:
+                        written.append((lo, hi))
             yield w0, w1, rows, written
+
+    def _dst_span(self, r: tuple, in_size: int) -> int:
+        """Destination bytes op ``r`` writes (its rows lie end to end there)."""
+        return r[7] * (r[5] // in_size * self.itemsize)
+
+    def _cut(self, r: tuple, in_size: int, at: int) -> Tuple[List[tuple], List[tuple]]:
+        """Op ``r`` as the ops writing its destination bytes before ``at`` and those from ``at`` on."""
+        src, off, _, _, dst, nbytes, kind, rows, _, src_stride = r
+        out_row = nbytes // in_size * self.itemsize
+        if dst + rows * out_row <= at:
+            return [r], []
+        step = src_stride or nbytes
+
+        def op(o, d, n, k):  # k rows of n source bytes from o, written from d
+            return (src, o if src >= 0 else 0, 0, 0, d, n, kind, k, out_row if k > 1 else 0,
+                    step if k > 1 else 0)
+
+        full, part = divmod(at - dst, out_row)
+        part_in = part // self.itemsize * in_size
+        head, tail = [], []
+        if full:
+            head.append(op(off, dst, nbytes, full))
+        if part:
+            head.append(op(off + full * step, dst + full * out_row, part_in, 1))
+            tail.append(op(off + full * step + part_in, at, nbytes - part_in, 1))
+            full += 1
+        if full < rows:
+            tail.append(op(off + full * step, dst + full * out_row, nbytes, rows - full))
+        return head, tail
 
     def _run_staged(self, t, workers: int, window: int) -> None:
         import torch
