@@ -73,58 +73,91 @@ class TensorFill:
         if dst < 0 or dst + n_total > self.numel:
             raise CheckpointFormatError(f"{source.path if source else 'zero fill'}: {n_total} elements at {dst} do not "
                                         f"fit the {self.numel}-element destination")
-        out_size = self.itemsize
+        if source is not None and not hasattr(source, "byte_runs"):
+            self._fold(self._file_pieces(source, tensor, runs, dst))
+        else:
+            self._fold(self._planned_pieces(source, tensor, runs, dst))
+        return n_total
+
+    def _file_pieces(self, source: SourceFile, tensor: TensorRef, runs: Sequence[Run], dst: int):
+        """(source index, offset, destination byte, bytes, kind, source item size) per run of a tensor
+        of one file, one byte range: checked whole once, then each run by its element bounds (a cut
+        along dim 1 is a run per matrix row, so this is the plan's hot loop)."""
+        base, _ = source.tensor_byte_range(tensor, 0, tensor.numel())
+        total, size, out_size = tensor.numel(), ITEMSIZE[tensor.dtype], self.itemsize
+        kind = self._kind(tensor.dtype, tensor.dtype, source.path)
+        s = self._source_index(source.path)
         for src, n in runs:
             if src is None:
-                self._zeros(dst, n)
-                dst += n
-                continue
-            # a file's tensor is one byte range; a planned one (zero_view) may span several shards,
-            # be cast on the way or have been computed in memory
-            if hasattr(source, "byte_runs"):
-                pieces = source.byte_runs(tensor, src, n)
+                yield -1, 0, dst * out_size, n * out_size, 0, out_size
+            elif 0 <= src and 0 <= n and src + n <= total:
+                self.bytes_read += n * size
+                yield s, base + src * size, dst * out_size, n * size, kind, size
             else:
-                off, _ = source.tensor_byte_range(tensor, src, n)
-                pieces = [(source.path, off, n, tensor.dtype)]
+                raise CheckpointFormatError(f"{source.path}: slice [{src}, {src + n}) is outside tensor {tensor!r} of "
+                                            f"{total} elements")
+            dst += n
+
+    def _planned_pieces(self, source, tensor, runs: Sequence[Run], dst: int):
+        """The same for a planned tensor (zero_view), which may span several shards, be cast on the
+        way or have been computed in memory (those elements are set aside for ``Tensor.copy_``)."""
+        out_size = self.itemsize
+        for src, n in runs:
+            pieces = [(None, 0, n, None)] if src is None else source.byte_runs(tensor, src, n)
             for where, off, count, dtype in pieces:
                 if where is None:
-                    self._zeros(dst, count)
+                    yield -1, 0, dst * out_size, count * out_size, 0, out_size
                 elif isinstance(where, bytes):
                     self._memory.append((dst, where, off, count, dtype))
                 else:
-                    kind = self._kind(dtype, tensor.dtype, where)
-                    s = self._index.setdefault(where, len(self._sources))
-                    if s == len(self._sources):
-                        self._sources.append(where)
-                    nbytes = count * ITEMSIZE[dtype]
-                    self._add_row(s, off, dst * out_size, nbytes, kind, ITEMSIZE[dtype])
-                    self.bytes_read += nbytes
+                    size = ITEMSIZE[dtype]
+                    self.bytes_read += count * size
+                    yield (self._source_index(where), off, dst * out_size, count * size,
+                           self._kind(dtype, tensor.dtype, where), size)
                 dst += count
-        return n_total
 
-    def _add_row(self, s: int, off: int, dst: int, nbytes: int, kind: int, in_size: int) -> None:
-        """Source bytes [off, off + nbytes) into destination bytes from ``dst``: a row of its own, or
-        one more row of the last op when they continue it. The destination is filled in order, so a
-        run that starts where the last ended in the destination and lies at the same distance again
-        in the source extends that op: a column block of a matrix (a cut along dim 1, one run per
-        matrix row) becomes one strided op instead of one per row."""
-        if self._rows and self._in_sizes[-1] == in_size:
-            ls, loff, _, _, ldst, lbytes, lkind, lrows, lstride, lsrc_stride = self._rows[-1]
-            out_row = lbytes // in_size * self.itemsize
-            if ls == s and lkind == kind and ldst + lrows * out_row == dst:
-                if lrows == 1 and off == loff + lbytes:  # contiguous in the source: a longer run
-                    self._rows[-1] = (s, loff, 0, 0, ldst, lbytes + nbytes, kind, 1, 0, 0)
-                    return
-                if nbytes == lbytes and (off - loff > lbytes if lrows == 1 else off == loff + lrows * lsrc_stride):
-                    stride = off - loff if lrows == 1 else lsrc_stride
-                    self._rows[-1] = (s, loff, 0, 0, ldst, lbytes, kind, lrows + 1, out_row, stride)
-                    return
-        self._rows.append((s, off, 0, 0, dst, nbytes, kind, 1, 0, 0))  # nbytes: source bytes per row
-        self._in_sizes.append(in_size)
+    def _source_index(self, path: str) -> int:
+        s = self._index.setdefault(path, len(self._sources))
+        if s == len(self._sources):
+            self._sources.append(path)
+        return s
 
-    def _zeros(self, dst: int, n: int) -> None:
-        self._rows.append((-1, 0, 0, 0, dst * self.itemsize, n * self.itemsize, 0, 1, 0, 0))
-        self._in_sizes.append(self.itemsize)
+    def _fold(self, pieces) -> None:
+        """Pieces (source index or -1 for zeros, source offset, destination byte, source bytes, kind,
+        source item size), in destination order, into ops. A piece that starts where the current op
+        ends in the destination extends it: as a longer run where it also continues it in the
+        source, or as one more row where it lies at the op's row distance in the source, so a column
+        block of a matrix (a cut along dim 1: one run per matrix row) is one strided op. The last op
+        already planned is the first current one."""
+        rows, sizes, out_size = self._rows, self._in_sizes, self.itemsize
+
+        def emit():
+            rows.append((c_s, c_off, 0, 0, c_dst, c_nb, c_kind, c_rows, c_nb // c_size * out_size if c_rows > 1 else 0,
+                         c_step if c_rows > 1 else 0))
+            sizes.append(c_size)
+
+        have = False
+        if rows:
+            c_s, c_off, _, _, c_dst, c_nb, c_kind, c_rows, _, c_step = rows.pop()
+            c_size = sizes.pop()
+            have = True
+        try:
+            for s, off, d, nb, kind, size in pieces:
+                if have:
+                    if s == c_s >= 0 and kind == c_kind and size == c_size and c_dst + c_rows * (c_nb // size * out_size) == d:
+                        if c_rows == 1 and off == c_off + c_nb:
+                            c_nb += nb
+                            continue
+                        if nb == c_nb and (off - c_off > c_nb if c_rows == 1 else off == c_off + c_rows * c_step):
+                            if c_rows == 1:
+                                c_step = off - c_off
+                            c_rows += 1
+                            continue
+                    emit()
+                c_s, c_off, c_dst, c_nb, c_kind, c_size, c_rows, c_step, have = s, off, d, nb, kind, size, 1, 0, True
+        finally:  # the current op, also when a piece was refused
+            if have:
+                emit()
 
     def _kind(self, src: str, planned: str, path: str) -> int:
         """The op that brings ``src`` elements, planned as ``planned`` ones, into this tensor's dtype.
