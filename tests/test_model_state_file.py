@@ -160,3 +160,23 @@ def test_enable_and_disable_patch_and_restore_the_load_path():
         assert getattr(DeepSpeedZeroOptimizer._load_universal_checkpoint, "__pyckpt__", False)
     assert not pyckpt.deepspeed.enabled()
     assert (DeepSpeedEngine.load_checkpoint, DeepSpeedZeroOptimizer._load_universal_checkpoint) == before
+
+
+def test_a_direct_resume_refuses_an_unproven_deepspeed(monkeypatch, tmp_path, caplog):
+    """load_checkpoint straight from ZeRO shards has no DeepSpeed loader to leave the load to: on a
+    version the hooks were not proven against it raises, naming the proven one, and patches nothing."""
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    import pyckpt.deepspeed
+    from pyckpt.errors import UnsupportedCheckpointError
+
+    tag = tmp_path / "global_step3"
+    tag.mkdir()
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (tmp_path / "latest").write_text("global_step3")
+    before = DeepSpeedEngine.load_checkpoint
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
+    with caplog.at_level("WARNING", logger="pyckpt"), pytest.raises(UnsupportedCheckpointError, match="0.19.8"):
+        pyckpt.deepspeed.load_checkpoint(object(), tmp_path)
+    assert DeepSpeedEngine.load_checkpoint is before and not pyckpt.deepspeed.enabled()
