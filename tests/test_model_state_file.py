@@ -180,3 +180,33 @@ def test_a_direct_resume_refuses_an_unproven_deepspeed(monkeypatch, tmp_path, ca
     with caplog.at_level("WARNING", logger="pyckpt"), pytest.raises(UnsupportedCheckpointError, match="0.19.8"):
         pyckpt.deepspeed.load_checkpoint(object(), tmp_path)
     assert DeepSpeedEngine.load_checkpoint is before and not pyckpt.deepspeed.enabled()
+
+
+def _file_mappings(path):
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(os.path.realpath(path)):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                ranges.append((lo, hi))
+    return ranges
+
+
+def test_what_deepspeed_hands_on_is_copied_out_of_the_mapping(tmp_path):
+    """client_state and scheduler tensors outlive the load (DeepSpeed returns or keeps them): they
+    must not be pages of the file, which a later save to the same tag may rewrite in place (a read
+    of a truncated mapping faults). The module weights, never applied, stay mapped."""
+    path = os.fspath(tmp_path / "mp_rank_00_model_states.pt")
+    torch.save({"module": collections.OrderedDict(w=torch.ones(1 << 20)), "lr_scheduler": {"lrs": [torch.tensor(0.5)]},
+                "trainer": {"rng": torch.arange(4096), "nested": (torch.ones(3), [torch.zeros(2)])}}, path)
+    state = MappedModelStates(Recorder()).load(path)
+    maps = _file_mappings(path)
+
+    def mapped(t):
+        return any(lo <= t.data_ptr() < hi for lo, hi in maps)
+
+    assert mapped(state["module"]["w"]), "the module stays in the mapping (else this check proves nothing)"
+    for t in (state["trainer"]["rng"], state["trainer"]["nested"][0], state["trainer"]["nested"][1][0],
+              state["lr_scheduler"]["lrs"][0]):
+        assert not mapped(t)
+    assert torch.equal(state["trainer"]["rng"], torch.arange(4096)) and isinstance(state["trainer"]["nested"], tuple)

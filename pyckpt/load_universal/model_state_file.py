@@ -28,6 +28,29 @@ from .pickle_policy import first_line, read_model_states, refused
 logger = logging.getLogger("pyckpt")
 
 MODEL_STATES_SUFFIX = "_model_states.pt"
+# What a universal load never applies (the parameters come from zero/): left as pages of the map.
+# Every other tensor is copied out of it, because DeepSpeed hands it on (client_state to the caller,
+# the scheduler's state into the scheduler), and a mapped tensor read after the file was rewritten
+# in place (a save to the same tag) would fault.
+MAPPED_KEYS = ("module", "frozen_param_fragments")
+
+
+def _in_memory(obj):
+    """``obj`` with every tensor in its dicts, lists and tuples cloned out of the file's mapping."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = _in_memory(v)
+        return out
+    if isinstance(obj, list):
+        return [_in_memory(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_in_memory(v) for v in obj)
+    return obj
 
 
 class MappedModelStates:
@@ -70,6 +93,7 @@ class MappedModelStates:
                 return self._inner.load(path, map_location=map_location)
             if not isinstance(state, dict):
                 raise CheckpointFormatError(f"{path}: holds a {type(state).__name__}; a model-state file holds a dict")
+            state = {k: v if k in MAPPED_KEYS else _in_memory(v) for k, v in state.items()}
             self._cache[key] = state
             self.mapped.append(path)
         # DeepSpeed may pop keys from what it gets; each caller gets its own top-level dict
