@@ -127,6 +127,69 @@ def diff(a: dict, b: dict, skip=()) -> list:
     return out
 
 
+def flatten(value, prefix: str = "", out: dict | None = None) -> dict:
+    """A nested value as {path: leaf}, for a field-by-field diff: containers leave their type and
+    length (a dict its keys in order), tensors are compared whole (dtype, shape, bits), any other leaf
+    as (type name, repr) so that 1, 1.0 and True, or 0.0 and -0.0, differ."""
+    out = {} if out is None else out
+    if isinstance(value, dict):
+        out[f"{prefix}<dict>"] = (type(value).__name__, [repr(k) for k in value])
+        for k, v in value.items():
+            flatten(v, f"{prefix}{k if isinstance(k, str) else repr(k)}/", out)
+    elif isinstance(value, (list, tuple)):
+        out[f"{prefix}<seq>"] = (type(value).__name__, len(value))
+        for i, v in enumerate(value):
+            flatten(v, f"{prefix}{i}/", out)
+    elif torch.is_tensor(value):
+        out[prefix.rstrip("/")] = _t(value)
+    else:
+        out[prefix.rstrip("/")] = (type(value).__name__, repr(value))
+    return out
+
+
+def _file_mappings(path: str) -> list:
+    """The address ranges this process maps from `path` (/proc/self/maps)."""
+    real = os.path.realpath(path)
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].strip() == real:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((lo, hi))
+    return ranges
+
+
+class ModelStateReads:
+    """Every torch.load of a model-state file while the block runs, DeepSpeed's and pyckpt's alike
+    (both call it through the module attribute): its path, whether it was memory-mapped and
+    weights-only, and how many of the `module` tensors it returned hold bytes outside a mapping of
+    that file (read into memory: materialised) out of how many hold any."""
+
+    def __enter__(self):
+        self.reads = []
+        self._load = torch.load
+
+        def load(f, *args, **kwargs):
+            out = self._load(f, *args, **kwargs)
+            if isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith("_model_states.pt"):
+                ranges = _file_mappings(os.fspath(f))
+                tensors = [t for t in (out.get("module") or {}).values() if torch.is_tensor(t) and t.nbytes]
+                inside = [any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in ranges)
+                          for t in tensors]
+                self.reads.append({"path": os.path.realpath(f), "mmap": bool(kwargs.get("mmap")),
+                                   "weights_only": kwargs.get("weights_only"), "module_tensors": len(tensors),
+                                   "materialised": inside.count(False)})
+            return out
+
+        torch.load = load
+        return self
+
+    def __exit__(self, *exc):
+        torch.load = self._load
+        return False
+
+
 def poison_optimizer_state(engine) -> int:
     """NaN into every optimizer-state tensor the engine holds before a load (its initial zero
     moments): pyckpt refills those buffers instead of allocating new ones, so an element its gather
@@ -140,32 +203,65 @@ def poison_optimizer_state(engine) -> int:
     return n
 
 
-def _load(cfg, world_size: int, rank: int, root: str, tag: str, backend: bool, **kw):
+def correct_zero3_load(engine, root: str, tag: str, names: list) -> None:
+    """Undo the two things DeepSpeed 0.19.8's ZeRO-3 universal load gets wrong, the rest of its load
+    left as it is: it hands every sub-group one shared `step` tensor (the next step advances it once
+    per sub-group), and every param group group 0's saved hyper-parameters. Each sub-group gets its
+    own copy of the step, each group its own saved hyper-parameters (zero/optimizer_state.pt, the
+    test's own file) but `names`, the names the groups had before the load (an AutoEP expert group
+    is named after its expert-parallel group in this run: "ep_size_4" loading a save whose group was
+    "ep_size_2")."""
+    opt = engine.optimizer
+    state = opt.optimizer.state
+    for flat in opt.fp32_partitioned_groups_flat:
+        if "step" in state.get(flat, {}):
+            state[flat]["step"] = state[flat]["step"].clone()
+    saved = torch.load(os.path.join(root, tag, "zero", "optimizer_state.pt"), weights_only=False)
+    groups = saved["optimizer_state_dict"]["param_groups"]
+    assert len(groups) == len(opt.optimizer.param_groups), (len(groups), len(opt.optimizer.param_groups))
+    for live, kept, name in zip(opt.optimizer.param_groups, groups, names):
+        live.update({k: v for k, v in kept.items() if k != "params"})
+        if name is None:
+            live.pop("name", None)
+        else:
+            live["name"] = name
+
+
+def _load(cfg, world_size: int, rank: int, root: str, tag: str, backend: bool, correct: bool = False, **kw):
     import pyckpt.deepspeed
     from pyckpt.load_universal import hooks
 
     engine = W.make_engine(cfg, world_size, load_universal=True)
     if backend:
         poison_optimizer_state(engine)
+    names = [g.get("name") for g in engine.optimizer.optimizer.param_groups]
     handle = pyckpt.deepspeed.enable() if backend else None
     try:
-        path, client = engine.load_checkpoint(root, tag=tag, **kw)
+        with ModelStateReads() as reads:
+            path, client = engine.load_checkpoint(root, tag=tag, **kw)
     finally:
         if handle is not None:
             pyckpt.deepspeed.disable()
-    return _observe(engine, cfg, rank, client, dict(hooks.last_load) if backend else {})
+    if correct:
+        correct_zero3_load(engine, root, tag, names)
+    return _observe(engine, cfg, rank, client, dict(hooks.last_load) if backend else {}, reads.reads)
 
 
-def _observe(engine, cfg, rank: int, client, info: dict):
-    """After a load: (snapshot, snapshot after one more step, its loss, client state, info + own bytes)."""
-    info["own_bytes"] = own_bytes(engine)
+def _observe(engine, cfg, rank: int, client, info: dict, reads: list) -> dict:
+    """After a load: the snapshot, the snapshot after one more step and its loss, the client state
+    flattened (flatten) and against the payload that was saved, and `info` with this rank's own
+    bytes, the optimizer class and the model-state reads."""
+    info.update(own_bytes=own_bytes(engine), optimizer=type(engine.optimizer).__name__, reads=reads)
     before = snapshot(engine)
     engine.train()
     loss = W.train_step(engine, cfg, rank, engine.global_steps)
     after = snapshot(engine)
-    client = {k: v for k, v in (client or {}).items() if k not in ("ds_config", )}
     engine.destroy()
-    return before, after, loss, client, info
+    client = client or {}
+    payload = diff(flatten(W.client_payload()), flatten(client.get("trainer"))) if cfg.get("client_payload") \
+        else None
+    return {"before": before, "after": after, "loss": loss, "client": flatten(client), "payload": payload,
+            "info": info}
 
 
 def _everyone(value):
@@ -178,20 +274,24 @@ def run(task: dict, rank: int, world_size: int) -> dict:
     cfg = task["cfg"]
     skip = tuple(task.get("skip", ()))
     kw = task.get("load_kwargs", {})
-    s_before, s_after, s_loss, s_client, _ = _load(cfg, world_size, rank, task["root"], task["tag"], False, **kw)
-    p_before, p_after, p_loss, p_client, info = _load(cfg, world_size, rank, task["root"], task["tag"], True, **kw)
+    s = _load(cfg, world_size, rank, task["root"], task["tag"], False, task.get("correct", False), **kw)
+    p = _load(cfg, world_size, rank, task["root"], task["tag"], True, **kw)
     mine = {
-        "before": diff(s_before, p_before, skip),
-        "after": diff(s_after, p_after, skip + tuple(task.get("skip_after", ()))),
-        "loss": (s_loss, p_loss),
-        "client_equal": repr(s_client) == repr(p_client),
-        "info": info,
-        "keys": len(s_before),
+        "before": diff(s["before"], p["before"], skip),
+        "after": diff(s["after"], p["after"], skip + tuple(task.get("skip_after", ()))),
+        "loss": (s["loss"], p["loss"]),
+        "client": diff(s["client"], p["client"]),
+        "client_keys": len(s["client"]),
+        "payload": (s["payload"], p["payload"]),
+        "scheduler": (s["before"]["scheduler"], s["after"]["scheduler"]),
+        "info": p["info"],
+        "stock_info": s["info"],
+        "keys": len(s["before"]),
     }
     result = {"ranks": _everyone(mine)}
     if task.get("keep"):
-        result["pyckpt_before"] = _everyone({k: v for k, v in p_before.items() if any(s in k for s in task["keep"])})
-        result["stock_before"] = _everyone({k: v for k, v in s_before.items() if any(s in k for s in task["keep"])})
+        result["pyckpt_before"] = _everyone({k: v for k, v in p["before"].items() if any(x in k for x in task["keep"])})
+        result["stock_before"] = _everyone({k: v for k, v in s["before"].items() if any(x in k for x in task["keep"])})
     return result
 
 
@@ -212,27 +312,46 @@ def truth(task: dict, rank: int, world_size: int) -> dict:
 def with_backend(task: dict, rank: int, world_size: int) -> dict:
     """Load with pyckpt only; snapshot before and after one more step."""
     cfg = task["cfg"]
-    before, after, loss, _, info = _load(cfg, world_size, rank, task["root"], task["tag"], True)
-    return {"ranks": _everyone({"before": before, "after": after, "loss": loss, "info": info})}
+    got = _load(cfg, world_size, rank, task["root"], task["tag"], True)
+    return {"ranks": _everyone({k: got[k] for k in ("before", "after", "loss", "info")})}
+
+
+def _failing(task: dict, world_size: int, how: str = "pyckpt") -> dict:
+    """One load expected to fail: this rank's exception, and which optimizer-state fields changed on
+    the way. `how`: "pyckpt" (enable() on the universal folder), "stock" (DeepSpeed's own loader on
+    it), "direct" (pyckpt.deepspeed.load_checkpoint on the ZeRO checkpoint in root)."""
+    import pyckpt.deepspeed
+
+    cfg = task["cfg"]
+    engine = W.make_engine(cfg, world_size, load_universal=how != "direct")
+    before = snapshot(engine)
+    error = None
+    try:
+        if how == "direct":
+            pyckpt.deepspeed.load_checkpoint(engine, task["root"])
+        elif how == "stock":
+            engine.load_checkpoint(task["root"], tag=task["tag"])
+        else:
+            with pyckpt.deepspeed.enable():
+                engine.load_checkpoint(task["root"], tag=task["tag"])
+    except Exception as exc:  # noqa: BLE001  (reported to the test)
+        error = (type(exc).__name__, str(exc))
+    changed = diff(before, snapshot(engine), skip=("global_steps", "global_samples", "scheduler"))
+    engine.destroy()
+    return {"error": error, "changed": changed}
 
 
 def failing(task: dict, rank: int, world_size: int) -> dict:
     """Load a damaged universal folder with pyckpt: every rank's exception, and whether any optimizer
     state changed on the way."""
-    import pyckpt.deepspeed
+    return {"ranks": _everyone(_failing(task, world_size))}
 
-    cfg = task["cfg"]
-    engine = W.make_engine(cfg, world_size, load_universal=True)
-    before = snapshot(engine)
-    error = None
-    with pyckpt.deepspeed.enable():
-        try:
-            engine.load_checkpoint(task["root"], tag=task["tag"])
-        except Exception as exc:  # noqa: BLE001  (reported to the test)
-            error = (type(exc).__name__, str(exc))
-    changed = diff(before, snapshot(engine), skip=("global_steps", "global_samples", "scheduler"))
-    engine.destroy()
-    return {"ranks": _everyone({"error": error, "changed": changed})}
+
+def failing_each_way(task: dict, rank: int, world_size: int) -> dict:
+    """The same failing load in these ranks by each of task["ways"] ("stock", "pyckpt", "direct";
+    stock first: DeepSpeed's loader fails on every rank at the same check, before any collective of
+    the load); per rank, {way: _failing's result}."""
+    return {"ranks": _everyone({how: _failing(task, world_size, how) for how in task["ways"]})}
 
 
 def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
@@ -246,7 +365,8 @@ def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
     if how == "api":
         engine = W.make_engine(cfg, world_size)
         poison_optimizer_state(engine)
-        path, client = pyckpt.deepspeed.load_checkpoint(engine, root)
+        with ModelStateReads() as reads:
+            path, client = pyckpt.deepspeed.load_checkpoint(engine, root)
         assert not pyckpt.deepspeed.enabled(), "the hooks are removed again"
         assert not engine.load_universal_checkpoint(), "the engine's flag is restored"
     else:
@@ -256,9 +376,9 @@ def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
         # follows `latest`; with one (a converted folder), the ZeRO tag has to be named
         has_universal = os.path.exists(os.path.join(root, "latest_universal"))
         tag = open(os.path.join(root, "latest")).read().strip() if has_universal else None
-        with pyckpt.deepspeed.enable():
+        with pyckpt.deepspeed.enable(), ModelStateReads() as reads:
             path, client = engine.load_checkpoint(root, tag=tag)
-    return _observe(engine, cfg, rank, client, dict(hooks.last_load, path=path))
+    return _observe(engine, cfg, rank, client, dict(hooks.last_load, path=path), reads.reads)
 
 
 def direct(task: dict, rank: int, world_size: int) -> dict:
@@ -266,18 +386,22 @@ def direct(task: dict, rank: int, world_size: int) -> dict:
     the ZeRO checkpoint directly, both ways in."""
     cfg = task["cfg"]
     skip = tuple(task.get("skip", ()))
-    u_before, u_after, u_loss, u_client, _ = _load(cfg, world_size, rank, task["root"], task["tag"], True)
+    u = _load(cfg, world_size, rank, task["root"], task["tag"], True)
     out = {}
     for how in ("api", "enable"):
-        d_before, d_after, d_loss, d_client, info = _load_direct(cfg, world_size, rank,
-                                                                 task.get("direct_root", task["root"]), how)
+        d = _load_direct(cfg, world_size, rank, task.get("direct_root", task["root"]), how)
+        u_client = u["client"]
         if "direct_root" in task:  # saved without universal_checkpoint_info: the one key it lacks
-            u_client.pop("universal_checkpoint_info", None)
-        out[how] = {"before": diff(u_before, d_before, skip), "after": diff(u_after, d_after, skip),
-                    "loss": (u_loss, d_loss), "client_equal": repr(u_client) == repr(d_client), "info": info,
-                    "client_diff": sorted(k for k in set(u_client) | set(d_client)
-                                          if repr(u_client.get(k)) != repr(d_client.get(k))),
-                    "keys": len(u_before)}
+            u_client = {k: v for k, v in u_client.items() if not k.startswith("universal_checkpoint_info")}
+            u_client["<dict>"] = (u_client["<dict>"][0], [k for k in u_client["<dict>"][1]
+                                                          if k != repr("universal_checkpoint_info")])
+        client = diff(u_client, d["client"])
+        out[how] = {"before": diff(u["before"], d["before"], skip), "after": diff(u["after"], d["after"], skip),
+                    "loss": (u["loss"], d["loss"]), "info": d["info"], "payload": d["payload"],
+                    "scheduler": (d["before"]["scheduler"], d["after"]["scheduler"]),
+                    # the top-level client_state keys that differ anywhere inside
+                    "client_diff": sorted({c.split(":", 1)[0].split("/", 1)[0] for c in client}),
+                    "client": client, "client_keys": len(d["client"]), "keys": len(u["before"])}
     return {"ranks": _everyone(out)}
 
 

@@ -97,6 +97,14 @@ class Config:
     # biases (their own lr, betas and weight decay), so per-group hyper-parameters are observable
     # and a small second group leaves some ranks' ZeRO-1/2 partition all padding (dp 4: 10 real of 16).
     groups: bool = False
+    # State a load restores beside the optimizer's, for comparisons that would otherwise hold None or
+    # nothing on both sides: a DeepSpeed WarmupDecayLR scheduler (its iteration and every group's lr
+    # move each step; under `groups` each group warms up to its own lr), and a client_state entry
+    # "trainer" (worker.client_payload: nested containers, ints, floats, strings, None, bools and
+    # small int64/bf16 tensors) saved beside universal_checkpoint_info. Off by default: other tests'
+    # checkpoints stay as they were.
+    lr_scheduler: bool = False
+    client_payload: bool = False
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
@@ -150,6 +158,10 @@ class Config:
             parts.append(f"tp{self.tp_size}")
         if self.groups:
             parts.append("groups")
+        if self.lr_scheduler:
+            parts.append("sched")
+        if self.client_payload:
+            parts.append("client")
         return "-".join(parts)
 
 

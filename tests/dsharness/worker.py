@@ -163,9 +163,38 @@ def ds_config(cfg: dict, world_size: int, load_universal: bool = False) -> dict:
                 "layer_specs": AUTOTP_EXTRA_SPECS
             },
         }
+    if cfg.get("lr_scheduler"):
+        # Linear warm-up over 4 steps, then linear decay: the lr differs at every step a test takes
+        # (3 before the save, one after the load). A list gives each group of Config.groups its own.
+        top = [1e-2, BIAS_GROUP["lr"]] if cfg.get("groups") else 1e-2
+        config["scheduler"] = {
+            "type": "WarmupDecayLR",
+            "params": {
+                "total_num_steps": 20,
+                "warmup_num_steps": 4,
+                "warmup_type": "linear",
+                "warmup_max_lr": top,
+                "warmup_min_lr": [lr / 10 for lr in top] if isinstance(top, list) else top / 10,
+            },
+        }
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     return config
+
+
+def client_payload() -> dict:
+    """Config.client_payload's client_state["trainer"]: what a training script keeps beside its
+    checkpoint, of every kind torch's weights-only reader rebuilds (a load must return it as saved)."""
+    return {
+        "epoch": 2,
+        "samples_seen": 1 << 40,
+        "best_loss": 0.8125,
+        "lr_history": [1e-3, 3.25e-3, -0.0, float("inf")],
+        "run": {"name": "dsharness", "tags": ["tiny", "ckpt"], "resumed": False, "parent": None, "grid": (3, 4)},
+        "rng": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        "ema": torch.tensor([0.5, -1.25, 3.0], dtype=torch.bfloat16),
+        "empty": {"list": [], "tensor": torch.zeros(0, 2)},
+    }
 
 
 def reset_expert_groups() -> None:
@@ -543,6 +572,8 @@ def run_save(task: dict, rank: int, world_size: int) -> dict:
     # (state.update(client_state)), so an empty dict would replace AutoTP's pattern lists.
     own_uc_info = cfg["model"] == "moe" or tp_of(cfg) > 1
     client_state = {"universal_checkpoint_info": {}} if cfg["uc_info"] and not own_uc_info else {}
+    if cfg.get("client_payload"):
+        client_state["trainer"] = client_payload()
     engine.save_checkpoint(task["root"], client_state=client_state)
     state = gather_state(engine)
     state["tag"] = f"global_step{engine.global_steps}"
