@@ -232,7 +232,7 @@ def _load(cfg, world_size: int, rank: int, root: str, tag: str, backend: bool, c
     from pyckpt.load_universal import hooks
 
     engine = W.make_engine(cfg, world_size, load_universal=True)
-    if backend:
+    if backend and kw.get("load_optimizer_states", True):  # a module-only load leaves them as they are
         poison_optimizer_state(engine)
     names = [g.get("name") for g in engine.optimizer.optimizer.param_groups]
     handle = pyckpt.deepspeed.enable() if backend else None

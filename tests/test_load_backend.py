@@ -441,3 +441,18 @@ def test_an_expert_split_the_target_cannot_take_fails_as_deepspeeds_load_does(un
             assert stock is not None and says[ep] in stock[1], (ep, rank, stock)
             assert got == stock, (ep, rank, got, stock)
             assert x["pyckpt"]["changed"] == [], (ep, rank, x["pyckpt"]["changed"])
+
+
+def test_a_zero3_module_only_load_equals_deepspeeds(universal):
+    """``load_optimizer_states=False`` on ZeRO-3 (DeepSpeed's module-only universal load: fp32 masters
+    into the parameter partitions, the optimizer's moments left as they are) at another world size:
+    the same state as DeepSpeed's, before and after one more step."""
+    name, ws = "z3-bf16", 3
+    cfg = _target(CASES[name][0], ws)
+    task = _call("run", cfg, root=str(universal[name].root), tag=TAG, load_kwargs={"load_optimizer_states": False})
+    (res, ) = _launch(ws, [task], None, "load backend z3 module-only", 300)
+    for rank, r in enumerate(res["ranks"]):
+        assert r["info"]["backend"] == "pyckpt", (rank, r["info"])
+        assert r["keys"] > 5 and r["before"] == [] and r["after"] == [], (rank, r["before"], r["after"])
+        assert r["loss"][0] == r["loss"][1], (rank, r["loss"])
+        assert r["info"]["bytes_read"] > 0, "the fp32 masters came through pyckpt's gather"
