@@ -89,7 +89,7 @@ class TensorFill:
         s = self._source_index(source.path)
         for src, n in runs:
             if src is None:
-                yield -1, 0, dst * out_size, n * out_size, 0, out_size
+                yield self._zero_piece(dst, n)
             elif 0 <= src and 0 <= n and src + n <= total:
                 self.bytes_read += n * size
                 yield s, base + src * size, dst * out_size, n * size, kind, size
@@ -106,7 +106,7 @@ class TensorFill:
             pieces = [(None, 0, n, None)] if src is None else source.byte_runs(tensor, src, n)
             for where, off, count, dtype in pieces:
                 if where is None:
-                    yield -1, 0, dst * out_size, count * out_size, 0, out_size
+                    yield self._zero_piece(dst, count)
                 elif isinstance(where, bytes):
                     self._memory.append((dst, where, off, count, dtype))
                 else:
@@ -115,6 +115,10 @@ class TensorFill:
                     yield (self._source_index(where), off, dst * out_size, count * size,
                            self._kind(dtype, tensor.dtype, where), size)
                 dst += count
+
+    def _zero_piece(self, dst: int, n: int) -> tuple:
+        """A piece of ``n`` zero elements at element ``dst`` (source -1, in destination-sized items)."""
+        return -1, 0, dst * self.itemsize, n * self.itemsize, 0, self.itemsize
 
     def _source_index(self, path: str) -> int:
         s = self._index.setdefault(path, len(self._sources))
@@ -229,12 +233,16 @@ class TensorFill:
 
     def _dst_span(self, r: tuple, in_size: int) -> int:
         """Destination bytes op ``r`` writes (its rows lie end to end there)."""
-        return r[7] * (r[5] // in_size * self.itemsize)
+        return r[7] * self._out_row(r[5], in_size)
+
+    def _out_row(self, nbytes: int, in_size: int) -> int:
+        """Destination bytes of one op row of ``nbytes`` source bytes."""
+        return nbytes // in_size * self.itemsize
 
     def _cut(self, r: tuple, in_size: int, at: int) -> Tuple[List[tuple], List[tuple]]:
         """Op ``r`` as the ops writing its destination bytes before ``at`` and those from ``at`` on."""
         src, off, _, _, dst, nbytes, kind, rows, _, src_stride = r
-        out_row = nbytes // in_size * self.itemsize
+        out_row = self._out_row(nbytes, in_size)
         if dst + rows * out_row <= at:
             return [r], []
         step = src_stride or nbytes

@@ -42,7 +42,7 @@ def _in_memory(obj):
     if isinstance(obj, torch.Tensor):
         return obj.clone()
     if isinstance(obj, dict):
-        out = type(obj)() if type(obj) is not dict else {}
+        out = type(obj)()  # an OrderedDict stays one
         for k, v in obj.items():
             out[k] = _in_memory(v)
         return out

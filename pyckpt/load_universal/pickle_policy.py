@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import os
 import pickle
 import warnings
@@ -27,8 +26,6 @@ from typing import List, Optional
 
 from ..errors import PyckptError, UnsafePickleError
 from ..formats.pickle_read import OPAQUE_CLASSES, OPAQUE_ENUMS
-
-logger = logging.getLogger("pyckpt")
 
 TRUST_HINT = ("pyckpt does not let a checkpoint run code; if you trust this checkpoint, "
               "pyckpt.deepspeed.enable(trust_pickles=True) gives it to DeepSpeed's own reader "
