@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/syscall.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -37,6 +38,12 @@ void rename_exchange(const std::string& a, const std::string& b) {
 
 void rename_noreplace(const std::string& from, const std::string& to) {
     renameat2_or_throw(from, to, RENAME_NOREPLACE, "rename");
+}
+
+long filesystem_type(int fd) {
+    struct statfs st {};
+    if (::fstatfs(fd, &st) != 0) throw std::system_error(errno, std::generic_category(), "fstatfs");
+    return static_cast<long>(st.f_type);
 }
 
 }  // namespace pyckpt

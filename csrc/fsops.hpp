@@ -1,4 +1,5 @@
-// Atomic renames that plain rename(2) cannot express, for publishing an output folder.
+// Atomic renames that plain rename(2) cannot express, for publishing an output folder; and the
+// filesystem type of an open file, which Python's os module does not expose (fstatfs f_type).
 //
 // Thread/GIL contract: plain syscalls, safe from any thread; nothing here touches Python.
 #pragma once
@@ -16,5 +17,10 @@ void rename_exchange(const std::string& a, const std::string& b);
 // rename(2), never replaces an existing (even empty) folder. EEXIST if `to` exists; EINVAL or
 // ENOSYS as above.
 void rename_noreplace(const std::string& from, const std::string& to);
+
+// The f_type of the filesystem holding the open file `fd` (fstatfs), so that a caller can refuse
+// files of kernel pseudo-filesystems (procfs, sysfs, ...) that pass as regular files. Throws
+// std::system_error on failure.
+long filesystem_type(int fd);
 
 }  // namespace pyckpt

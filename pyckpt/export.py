@@ -28,7 +28,7 @@ from .execution.distributed import agreed, plan_digest, several
 from .execution.publish import write_published
 from .formats.pickle_read import ITEMSIZE
 from .formats.safetensors import TensorEntry, layout
-from .formats.torch_zip import read_regular
+from .formats.confined import read_inside
 from .huggingface.shards import parse_size, split
 from .planning.plan import Plan
 from .universal import check_apart, metadata_errors
@@ -41,7 +41,9 @@ WEIGHTS_NAME = "pytorch_model.bin"
 WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 CONFIG_NAME = "config.json"
 # What from_pretrained reads beside the weights (model and generation configs, tokenizers): copied
-# when they lie beside the checkpoint, as the Trainer and save_pretrained leave them.
+# when they lie beside the checkpoint, as the Trainer and save_pretrained leave them. Each must be a
+# regular file inside that folder (formats.confined): a companion that links out of it, or into a
+# kernel pseudo-filesystem, stops the export, since whatever it names would be published.
 COMPANION_FILES = (CONFIG_NAME, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
@@ -184,7 +186,7 @@ def _add_companions(plan: Plan, folder: str, config: Optional[dict], config_byte
         if not os.path.lexists(path):
             continue
         # the config as parsed, not read again: the copy says what the dtype decision saw
-        data = config_bytes if name == CONFIG_NAME else read_regular(path, COMPANION_MAX_BYTES)
+        data = config_bytes if name == CONFIG_NAME else read_inside(folder, name, COMPANION_MAX_BYTES)
         if name == CONFIG_NAME and config is not None:
             keys = [k for k in ("dtype", "torch_dtype") if k in config]
             # A config naming no dtype is a float32 model to from_pretrained (transformers leaves the
@@ -258,7 +260,7 @@ def _read_config(folder: str) -> Tuple[Optional[Dict], Optional[bytes]]:
     path = os.path.join(folder, CONFIG_NAME)
     if not os.path.lexists(path):
         return None, None
-    data = read_regular(path, COMPANION_MAX_BYTES)
+    data = read_inside(folder, CONFIG_NAME, COMPANION_MAX_BYTES)
     try:
         config = json.loads(data.decode("utf-8"))
     except ValueError as exc:

@@ -25,7 +25,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .formats.torch_zip import SourceFile, open_regular, read_small_text
+from .formats.confined import read_small_text
+from .formats.torch_zip import SourceFile, open_regular
 from .errors import CheckpointFormatError, PyckptError
 from .deepspeed.names import check_tag, missing_ranks, name_problem
 from .deepspeed.universal_layout import LATEST_UNIVERSAL, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, read_state
@@ -106,7 +107,7 @@ def resolve_universal_folder(path, report: Optional[VerifyReport] = None) -> Opt
         raise VerifyInputError(f"{path}: neither a universal checkpoint folder (no zero/ folder, no "
                                "*_model_states.pt) nor a folder holding latest_universal")
     try:
-        tag = check_tag(read_small_text(latest).strip(), latest)
+        tag = check_tag(read_small_text(path, LATEST_UNIVERSAL).strip(), latest)
     except CheckpointFormatError as exc:
         if report is None:
             raise

@@ -298,3 +298,91 @@ def test_output_beside_the_tag_inside_the_save_dir_is_allowed(checkpoints, tmp_p
     pyckpt.convert_to_universal(root, root / f"{tag.name}_universal")
     assert (root / "latest_universal").read_text() == f"{tag.name}_universal"
     assert digest(tag) == before
+
+
+# A checkpoint folder may hold links (a downloaded archive can carry them). Whatever pyckpt reads
+# through one must still lie inside the checkpoint: a link out of it is refused before anything is
+# written, so no file of the machine ends up in an output a user publishes.
+COMPANIONS = ["vocab.txt", "config.json", "tokenizer_config.json", "tokenizer.json", "generation_config.json",
+              "merges.txt", "special_tokens_map.json"]
+
+
+def _outside_secret(tmp_path):
+    secret = tmp_path / "elsewhere" / "secret.json"
+    secret.parent.mkdir()
+    secret.write_text('{"token": "hunter2"}')
+    return secret
+
+
+@pytest.mark.parametrize("companion", COMPANIONS)
+@pytest.mark.parametrize("target", ["proc", "outside"])
+@pytest.mark.parametrize("layout", ["trainer", "tag"])
+def test_an_export_companion_linking_out_of_the_checkpoint_is_refused(companion, target, layout, checkpoints,
+                                                                       tmp_path):
+    from pyckpt.export import export_hf
+
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    where = root if layout == "trainer" else tag  # beside the tag (HF Trainer) or in it (save glue)
+    (where / "tokenizer.json").write_text('{"version": "1.0"}')  # a good companion beside the bad one
+    link = where / companion
+    if link.exists():
+        link.unlink()
+    os.symlink("/proc/self/environ" if target == "proc" else _outside_secret(tmp_path), link)
+    before = digest(root)
+    with pytest.raises(CheckpointFormatError) as ei:
+        export_hf(root, tmp_path / "out")
+    message = str(ei.value)
+    assert message.startswith(str(link)) and "outside its folder" in message and "\n" not in message
+    assert "hunter2" not in message
+    assert not (tmp_path / "out").exists()
+    assert [p for p in os.listdir(tmp_path) if "pyckpt" in p] == []
+    assert digest(root) == before
+
+
+def test_export_companions_linked_inside_the_checkpoint_are_copied(checkpoints, tmp_path):
+    from pyckpt.export import export_hf
+
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    (root / "tok").mkdir()
+    (root / "tok" / "tokenizer.json").write_text('{"version": "1.0"}')
+    os.symlink("tok/tokenizer.json", root / "tokenizer.json")
+    os.symlink(str(root / "tok" / "tokenizer.json"), root / "tokenizer_config.json")  # absolute, inside
+    export_hf(root, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    assert not os.path.islink(tmp_path / "out" / "tokenizer.json")
+    assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"version": "1.0"}'
+
+
+@pytest.mark.parametrize("victim", ["shard", "model", "latest", "tag"])
+def test_a_checkpoint_file_linking_out_of_the_checkpoint_is_refused(victim, checkpoints, tmp_path):
+    """The shards and model states are copied or gathered into the output: one that links to a
+    torch.save file elsewhere (another run's checkpoint) is refused, as is a pointer or tag folder
+    that leads out of the folder the user named."""
+    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tag, elsewhere)
+    if victim == "shard":
+        link = _optim_file(tag, 1)
+        link.unlink()
+        os.symlink(elsewhere / link.name, link)
+    elif victim == "model":
+        link = _model_file(tag)
+        link.unlink()
+        os.symlink(elsewhere / link.name, link)
+    elif victim == "latest":
+        link = root / "latest"
+        (tmp_path / "pointer").write_text(tag.name)
+        link.unlink()
+        os.symlink(tmp_path / "pointer", link)
+    else:
+        link = tag
+        shutil.rmtree(tag)
+        os.symlink(elsewhere, tag)
+    before = digest(root)
+    for run in (lambda: pyckpt.convert_to_universal(root, tmp_path / "out"),
+                lambda: pyckpt.export_hf(root, tmp_path / "out")):
+        with pytest.raises(CheckpointFormatError, match="outside its folder") as ei:
+            run()
+        assert str(ei.value).startswith(str(link))
+        assert not (tmp_path / "out").exists()
+    assert digest(root) == before

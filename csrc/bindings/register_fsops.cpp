@@ -1,4 +1,4 @@
-// Atomic renames used to publish an output folder.
+// Atomic renames used to publish an output folder; the filesystem type of an open file.
 #include "common.hpp"
 
 #include "../fsops.hpp"
@@ -16,6 +16,8 @@ void register_fsops(py::module_& m) {
         py::arg("src"), py::arg("dst"),
         "Rename unless dst exists (renameat2 RENAME_NOREPLACE); FileExistsError if it does, OSError(EINVAL/ENOSYS) "
         "if unsupported.");
+    m.def("filesystem_type", &filesystem_type, py::arg("fd"),
+          "The fstatfs f_type of the filesystem holding open file descriptor fd.");
 }
 
 }  // namespace pyckpt::bindings

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
-from ..formats.torch_zip import SourceFile, read_small_text
+from ..formats.confined import check_links_inside, inside, read_small_text
+from ..formats.torch_zip import SourceFile
 from .model_states import ModelStates, read_model_states
 from .names import check_tag, missing_ranks
 from .zero_shards import ZeroShard, read_zero_shard, read_zero_stage
@@ -53,8 +54,8 @@ def resolve_tag_folder(path) -> str:
 def follow_pointer(path: str, pointer: str) -> str:
     """The tag folder that the pointer file ``pointer`` (``latest``, ``latest_universal``) in ``path`` names."""
     latest = os.path.join(path, pointer)
-    tag = check_tag(read_small_text(latest).strip(), latest)
-    tag_dir = os.path.join(path, tag)
+    tag = check_tag(read_small_text(path, pointer).strip(), latest)
+    tag_dir = inside(path, tag)
     if not os.path.isdir(tag_dir):
         raise CheckpointFormatError(f"{latest} names tag {tag!r}, but {tag_dir} does not exist")
     return tag_dir
@@ -106,6 +107,8 @@ class ZeroCheckpoint:
 def discover(path) -> ZeroCheckpoint:
     folder = resolve_tag_folder(path)
     names = sorted(os.listdir(folder), key=natural_key)
+    # every shard and model-state file is read by its path from here on
+    check_links_inside(folder, names)
     optim_names = [n for n in names if n.endswith("_optim_states.pt")]
     zero_names = [n for n in optim_names if _ZERO_RE.match(n)]
     if not zero_names:

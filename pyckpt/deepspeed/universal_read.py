@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..errors import CheckpointFormatError
+from ..formats.confined import check_links_inside, inside
 from ..formats.pickle_read import numel
 from ..formats.pickle_write import NewTensor
 from ..formats.torch_zip import SourceFile
@@ -87,6 +88,7 @@ def discover_universal(folder) -> UniversalCheckpoint:
         raise CheckpointFormatError(f"{zero}: not a folder: a Universal Checkpoint keeps every parameter's state in "
                                     "zero/<name>/")
     names = sorted(os.listdir(folder), key=natural_key)
+    check_links_inside(folder, names)
     z12 = {int(m.group(1)): n for n in names if (m := ZERO12_MODEL_RE.match(n))}
     z3 = {(int(m.group(2)), int(m.group(1))): n for n in names if (m := ZERO3_MODEL_RE.match(n))}
     if z12 and z3:
@@ -155,7 +157,7 @@ def _trainable(uck: UniversalCheckpoint, dense_only: bool) -> Iterator[Tuple[str
             lister = next(ms for ms in uck.model if name in ms.shapes)
             raise CheckpointFormatError(f"{path}: missing: {os.path.basename(lister.path)} lists {name!r} as "
                                         "trainable (param_shapes), and its exported value is this fp32 master")
-        sf = SourceFile(path)
+        sf = SourceFile(inside(uck.folder, os.path.join("zero", name, "fp32.pt")))
         obj = sf.load()
         tensor, meta, problems = read_state(obj, uck.stage)
         raw = not isinstance(obj, dict)

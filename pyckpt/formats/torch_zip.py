@@ -186,10 +186,8 @@ def file_kind(mode: int) -> str:
     return "is a special file"
 
 
-def read_regular(path: str, limit: int, expected: str = "") -> bytes:
-    """A whole regular file of at most ``limit`` bytes (special files and larger ones refused;
-    ``expected`` says in the refusal what the file should have been)."""
-    fd = open_regular(path)
+def read_capped(fd: int, path: str, limit: int, expected: str = "") -> bytes:
+    """All of open file ``fd`` (closed here), refused past ``limit`` bytes without reading more."""
     try:
         chunks, size = [], 0
         while size <= limit:
@@ -203,12 +201,3 @@ def read_regular(path: str, limit: int, expected: str = "") -> bytes:
     if size > limit:
         raise CheckpointFormatError(f"{path}: more than {limit} bytes" + (f"; expected {expected}" if expected else ""))
     return b"".join(chunks)
-
-
-def read_small_text(path: str, limit: int = 4096) -> str:
-    """A small text file such as ``latest``, refusing special files and oversized content."""
-    data = read_regular(path, limit, "a one-line tag name")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CheckpointFormatError(f"{path}: not UTF-8 text") from None

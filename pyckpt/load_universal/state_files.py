@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 from ..deepspeed.names import check_param_name
 from ..deepspeed.universal_layout import read_state
 from ..errors import CheckpointFormatError
+from ..formats.confined import inside
 from ..formats.pickle_read import ITEMSIZE, Opaque, TensorRef
 from ..formats.torch_zip import SourceFile
 
@@ -91,7 +92,8 @@ def read_param_states(zero_dir: str, name: str, stage: int) -> ParamStates:
         if not m:
             continue
         key = m.group(1)
-        source = SourceFile(os.path.join(folder, entry))
+        # a state file that links out of the checkpoint is refused, whatever DeepSpeed would follow
+        source = SourceFile(inside(os.path.dirname(zero_dir), os.path.join("zero", name, entry)))
         obj = source.load()
         if key == STEP:
             out.step = read_step(source, obj)
@@ -147,7 +149,7 @@ def read_global_state(zero_dir: str, stage: int) -> GlobalState:
     path = os.path.join(zero_dir, "optimizer_state.pt")
     # DeepSpeed's own message, so that a load fails the same way with pyckpt enabled.
     assert os.path.isfile(path), f'{path} containing optimizer global state is missing! Cannot proceed.'
-    source = SourceFile(path)
+    source = SourceFile(inside(os.path.dirname(zero_dir), os.path.join("zero", "optimizer_state.pt")))
     return global_state_of(source.load(), path, stage, source)
 
 
