@@ -27,7 +27,7 @@ from .errors import CheckpointFormatError, UnsupportedCheckpointError
 from .execution.distributed import agreed, plan_digest, several
 from .execution.publish import write_published
 from .formats.pickle_read import ITEMSIZE
-from .formats.safetensors import TensorEntry, layout
+from .formats.safetensors import RESERVED_NAME, TensorEntry, layout
 from .formats.confined import read_inside
 from .huggingface.shards import parse_size, split
 from .planning.plan import Plan
@@ -114,6 +114,10 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
     else:
         # safetensors holds no shared storage: tied aliases are left out, as save_pretrained leaves
         # them out, and the model re-ties them on load.
+        if RESERVED_NAME in tensors:
+            raise UnsupportedCheckpointError(f"{ck.folder}: parameter {RESERVED_NAME!r} cannot be stored in a "
+                                             "safetensors file, where that name is the header's metadata key; "
+                                             "export with --torch-bin (pytorch_model.bin) instead")
         shards = split(list(tensors), nbytes, {}, limit, SAFE_WEIGHTS_NAME)
         for fname, names in shards.files.items():
             lay = layout([TensorEntry(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], {"format": "pt"})

@@ -315,3 +315,35 @@ def test_a_config_that_is_not_a_json_object_is_refused_before_anything_is_writte
     with pytest.raises(Exception, match="config.json: not a readable model config"):
         export_hf(root, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_parameter_named_like_the_safetensors_metadata_key_is_refused_not_written(checkpoints, tmp_path):
+    """``__metadata__`` is safetensors' header key for string metadata: a tensor under that name makes
+    a file the reference reader refuses. Refused for safetensors (one line, nothing written);
+    pytorch_model.bin has no such key and holds it."""
+    import shutil
+
+    from edit import rewrite
+    from pyckpt.errors import UnsupportedCheckpointError
+
+    root = tmp_path / "ck"
+    shutil.copytree(checkpoints["s3_fp32_dp2_subgroups"].root, root)
+    tag = root / checkpoints["s3_fp32_dp2_subgroups"].tag
+    first = []
+
+    def edit(obj):
+        group = obj["param_shapes"][0]
+        first.append(next(iter(group)))
+        items = [("__metadata__" if k == first[0] else k, v) for k, v in group.items()]
+        group.clear()
+        group.update(items)
+
+    for model in tag.glob("*model_states.pt"):
+        rewrite(model, edit)
+    with pytest.raises(UnsupportedCheckpointError, match="'__metadata__' cannot be stored in a safetensors") as ei:
+        export_hf(root, tmp_path / "out")
+    assert "\n" not in str(ei.value) and "--torch-bin" in str(ei.value)
+    assert not (tmp_path / "out").exists()
+    export_hf(root, tmp_path / "bin", torch_bin=True)
+    state = torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True)
+    assert "__metadata__" in state and first[0] not in state

@@ -81,3 +81,8 @@ def test_read_header_refuses(data, problem):
 def test_dtype_table_matches_torch_item_sizes():
     assert {n: torch.empty(0, dtype=TORCH[n]).element_size() for n in DTYPES} == {n: s for n, (_, s) in DTYPES.items()}
     assert np.dtype("float32").itemsize == DTYPES["float32"][1]
+
+
+def test_layout_refuses_a_tensor_named_like_the_metadata_key():
+    with pytest.raises(ValueError, match="__metadata__"):
+        layout([TensorEntry("__metadata__", "float32", (2,))], {"format": "pt"})

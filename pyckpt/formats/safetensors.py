@@ -33,6 +33,9 @@ TAG_TO_DTYPE = {tag: name for name, (tag, _) in DTYPES.items()}
 _DTYPE_RANK = {"BOOL": 0, "U8": 1, "I8": 2, "I16": 3, "F16": 4, "BF16": 5, "I32": 6, "F32": 7, "F64": 8, "I64": 9}
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference reader's own cap
+# The header key the format keeps for the file's string metadata: a tensor of that name would be
+# read back as metadata, and the reference reader refuses the file.
+RESERVED_NAME = "__metadata__"
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,12 @@ class Layout:
 def layout(tensors: Sequence[TensorEntry], metadata: Optional[Dict[str, str]] = None) -> Layout:
     if len({t.name for t in tensors}) != len(tensors):
         raise ValueError("safetensors: tensor names must be unique within a file")
+    if any(t.name == RESERVED_NAME for t in tensors):
+        raise ValueError(f"safetensors: {RESERVED_NAME!r} is the format's metadata key, not a tensor name")
     order = sorted(tensors, key=lambda t: (-_DTYPE_RANK[DTYPES[t.dtype][0]], t.name))
     entries, pos = {}, 0
     if metadata is not None:
-        entries["__metadata__"] = metadata
+        entries[RESERVED_NAME] = metadata
     for t in order:
         entries[t.name] = {"dtype": DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
         pos += t.nbytes
