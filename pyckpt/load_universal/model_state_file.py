@@ -81,8 +81,6 @@ class MappedModelStates:
                     if "mmap" not in str(exc):
                         raise
                     state = read_model_states(path, mmap=False)  # a legacy (non-zip) file cannot be mapped
-            except RuntimeError as exc:  # a damaged archive
-                raise CheckpointFormatError(f"{path}: unreadable ({first_line(exc)})") from exc
             except pickle.UnpicklingError as exc:  # how torch reports a global off the allowlist
                 if not self._trust:
                     raise refused(path, f"torch's weights-only reader refused it with pyckpt's allowlist "
@@ -91,6 +89,8 @@ class MappedModelStates:
                                "reader refused it: %s)", path, first_line(exc))
                 self.refused.append(path)
                 return self._inner.load(path, map_location=map_location)
+            except Exception as exc:  # a damaged file: torch says EOFError, OSError(EINVAL), RuntimeError...
+                raise unreadable(path, exc) from exc
             if not isinstance(state, dict):
                 raise CheckpointFormatError(f"{path}: holds a {type(state).__name__}; a model-state file holds a dict")
             state = {k: v if k in MAPPED_KEYS else _in_memory(v) for k, v in state.items()}
@@ -98,6 +98,21 @@ class MappedModelStates:
             self.mapped.append(path)
         # DeepSpeed may pop keys from what it gets; each caller gets its own top-level dict
         return dict(self._cache[key])
+
+
+def unreadable(path: str, exc: BaseException) -> CheckpointFormatError:
+    """The error for a model-state file torch's reader failed on, naming the file and what is wrong
+    with it: pyckpt's own ZIP reader says which rule a damaged archive breaks (torch reports a
+    truncated one as a bare ``OSError: [Errno 22] Invalid argument`` or an ``EOFError``)."""
+    from ..formats.torch_zip import SourceFile
+
+    try:
+        SourceFile(path)
+    except CheckpointFormatError as diagnosis:
+        return diagnosis
+    except OSError as failed:
+        return CheckpointFormatError(f"{path}: unreadable ({failed.strerror or type(failed).__name__})")
+    return CheckpointFormatError(f"{path}: unreadable ({type(exc).__name__}: {first_line(exc) or 'no detail'})")
 
 
 def applies_to(checkpoint_engine) -> bool:
