@@ -5,7 +5,8 @@ A command is a module with ``DESCRIPTION`` (and optionally ``EPILOG``, ``FORMATT
 usage mistake, anything else becomes ``pyckpt: error: <one line>``). Optional module attributes:
 ``IMPORTS`` (the modules ``run`` needs, loaded while a Ctrl-C still counts as start-up),
 ``ERROR_EXIT`` (the exit status of such an error, 1) and ``WRITES_OUTPUT`` (True: SIGTERM/SIGHUP
-unwind like Ctrl-C so that clean-up runs, and an interrupt says what was published). The same
+unwind like Ctrl-C so that clean-up runs, and an interrupt says what was published). A signal
+ignored on entry (SIGHUP under nohup, SIGINT in a background job) is left ignored. The same
 module serves ``python -m pyckpt.<name>`` (through :func:`main`) and ``pyckpt <name>``
 (pyckpt/cli.py).
 
@@ -45,7 +46,8 @@ def interrupted_while_starting(signum, frame):
 
 def starting() -> None:
     """Ctrl-C from here until :func:`started` exits with one line (a program's own start-up only:
-    a handler someone else installed is left alone)."""
+    a handler someone else installed is left alone, and so is SIGINT ignored on entry, which Python
+    leaves ignored)."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         try:
             signal.signal(signal.SIGINT, interrupted_while_starting)
@@ -95,7 +97,10 @@ def main(command, prog: str, argv=None) -> int:
 def execute(command, parser, args) -> int:
     """Run a parsed command; the one place that turns exceptions into messages and exit statuses."""
     writes = getattr(command, "WRITES_OUTPUT", False)
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)} if writes else {}
+    # A signal ignored on entry stays ignored: that is how nohup (SIGHUP) and a shell's background
+    # job (SIGINT) ask a program to outlive the terminal.
+    caught = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is not signal.SIG_IGN] if writes else []
+    previous = {sig: signal.signal(sig, _terminate) for sig in caught}
     try:
         # Under the start-up handler: numpy turns a KeyboardInterrupt inside its import into an
         # ImportError, which would be reported as a broken installation.

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 
 # Light (os, signal, sys): nothing slow runs before the handler below is in place.
-from .cli_common import interrupted_while_starting
+from .cli_common import starting
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, interrupted_while_starting)
+    starting()
 
 import argparse  # noqa: E402  (after the start-up handler on purpose)
 

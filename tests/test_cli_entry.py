@@ -19,6 +19,7 @@ import pytest
 from pyckpt import cli, cli_common
 from pyckpt.execution.publish import stale_entries
 
+from child_signals import default_signals
 from compare import digest
 
 SCRIPT = Path(sys.executable).with_name("pyckpt")
@@ -28,7 +29,7 @@ MODULES = {"convert": "pyckpt.convert", "inspect": "pyckpt.inspect", "verify": "
 def run(*args, check=False):
     # From a neutral folder: in the repository root the source `pyckpt/` would shadow the installed package.
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=tempfile.gettempdir(),
-                          env={**os.environ, "COLUMNS": "100"})
+                          env={**os.environ, "COLUMNS": "100"}, preexec_fn=default_signals())
     if check and proc.returncode != 0:
         raise AssertionError(f"{args} failed with {proc.returncode}:\n{proc.stderr}")
     return proc
@@ -317,7 +318,7 @@ def test_ctrl_c_during_start_up_prints_no_traceback(launcher, delay, checkpoints
     out = tmp_path / "out" / "u"
     command = [sys.executable, "-m", "pyckpt.convert"] if launcher.startswith("python") else [str(SCRIPT), "convert"]
     proc = subprocess.Popen(command + [str(checkpoints[NAME].root), str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
+                            stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir(), preexec_fn=default_signals())
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)

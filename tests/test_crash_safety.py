@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from child_signals import default_signals
 from compare import diff_folders, digest
 from pyckpt.execution.publish import OutputLock, stale_entries
 
@@ -40,10 +41,10 @@ def reference(deepspeed_universal):
 
 
 # A runner that can bend the process before the CLI starts: make the atomic renames unavailable
-# (the two-rename fallback), stop inside the copy at a barrier, limit the file size.
+# (the two-rename fallback), stop inside the copy at a barrier (until T_BARRIER.go exists), limit
+# the file size. The command then starts as `python -m pyckpt.convert` does, start-up handler included.
 RUNNER = textwrap.dedent("""
-    import errno, os, sys, time
-    from pyckpt import convert
+    import errno, os, runpy, sys, time
     from pyckpt.execution import publish
     from pyckpt.native import _core
     if os.environ.get("T_NO_RENAMEAT2"):
@@ -57,18 +58,18 @@ RUNNER = textwrap.dedent("""
         def paused(sources, outputs, ops, workers, fsync, progress, *a, **k):
             def hold(done, total):
                 open(barrier, "w").close()
-                while True:
+                while not os.path.exists(barrier + ".go"):
                     time.sleep(0.05)
             return real(sources, outputs, ops, workers, fsync, hold, *a, **k)
         _core.write_archives = paused
-    sys.exit(convert.main(sys.argv[1:]))
+    runpy.run_module("pyckpt.convert", run_name="__main__", alter_sys=True)
 """)
 
 
 def _start(*args, env=None, preexec_fn=None):
     return subprocess.Popen([sys.executable, "-c", RUNNER, *map(str, args)], cwd=tempfile.gettempdir(),
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=preexec_fn)
+                            text=True, preexec_fn=default_signals(preexec_fn))
 
 
 def _run(*args, env=None, preexec_fn=None, timeout=120):
@@ -148,12 +149,13 @@ def test_kill_at_every_step_leaves_old_or_new_and_no_orphan_after_next_run(point
     assert digest(ckpt) == before
 
 
-def _start_paused(ckpt, tmp_path):
-    """A conversion into tmp_path/out/u held inside its copy: staging exists, nothing is published."""
+def _start_paused(ckpt, tmp_path, preexec_fn=None):
+    """A conversion into tmp_path/out/u held inside its copy (until tmp_path/barrier.go exists):
+    staging exists, nothing is published."""
     out = tmp_path / "out" / "u"
     out.parent.mkdir()
     barrier = tmp_path / "barrier"
-    proc = _start(ckpt, out, env={"T_BARRIER": str(barrier)})
+    proc = _start(ckpt, out, env={"T_BARRIER": str(barrier)}, preexec_fn=preexec_fn)
     try:
         _wait_for(barrier, proc)
     except BaseException:
@@ -163,7 +165,7 @@ def _start_paused(ckpt, tmp_path):
     return proc, out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda sig: sig.name)
 def test_signal_mid_copy_cleans_up_and_says_so(sig, ckpt, tmp_path):
     proc, out = _start_paused(ckpt, tmp_path)
     assert stale_entries(str(out.parent), "u"), "staging exists while copying"
@@ -172,6 +174,20 @@ def test_signal_mid_copy_cleans_up_and_says_so(sig, ckpt, tmp_path):
     assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
     assert "no output was published" in err and "Traceback" not in err
     assert not out.exists() and _pointer(out) is None
+    assert stale_entries(str(out.parent), "u") == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT], ids=lambda sig: sig.name)
+def test_a_signal_ignored_on_entry_stays_ignored_and_the_run_publishes(sig, ckpt, reference, tmp_path):
+    # What `nohup pyckpt convert ... &` sets up: SIGHUP (nohup) and SIGINT (a background job) ignored
+    # before the program starts, so that it outlives the terminal.
+    proc, out = _start_paused(ckpt, tmp_path, preexec_fn=lambda: signal.signal(sig, signal.SIG_IGN))
+    proc.send_signal(sig)
+    time.sleep(0.5)  # the held copy runs Python every 50 ms: a handler would have ended the run by now
+    (tmp_path / "barrier.go").touch()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert _state(out, reference) == "new" and _pointer(out) == "u"
     assert stale_entries(str(out.parent), "u") == []
 
 
