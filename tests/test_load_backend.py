@@ -285,6 +285,40 @@ def test_a_rank_that_cannot_plan_fails_every_rank_and_changes_nothing(universal,
             assert x["error"][0] == "RankLoadError" and "rank 2" in x["error"][1], x["error"]
 
 
+# (case, parameter, state file removed): a moment or a master missing for one parameter while the
+# others of its group have theirs, under each ZeRO-1/2 optimizer class
+MISSING = [("z1-fp32", "l0.weight", "exp_avg"), ("z1-fp32", "l1.weight", "fp32"),
+           ("bf16_optimizer", "l0.weight", "exp_avg_sq"), ("z2-bf16", "l1.bias", "exp_avg")]
+
+
+def test_a_missing_state_file_fails_every_rank_and_changes_nothing(universal, tmp_path):
+    """One parameter's exp_avg.pt (exp_avg_sq.pt, fp32.pt) removed while the other parameters keep
+    theirs: the ranks whose partition holds it name the missing file (DeepSpeed's own message for a
+    moment, as its map_to_flat_opt_states raises it), the others name those ranks, and no rank's state
+    changed. Before, the load succeeded with that parameter's moment zero on every rank."""
+    tasks, removed = [], []
+    for i, (name, param, key) in enumerate(MISSING):
+        root = tmp_path / f"{i}-{name}"
+        shutil.copytree(universal[name].root, root)
+        path = root / TAG / "zero" / param / f"{key}.pt"
+        path.unlink()
+        removed.append(path)
+        tasks.append(_call("failing", _target(CASES[name][0], 3), root=str(root), tag=TAG))
+    for (name, param, key), path, res in zip(MISSING, removed, _launch(3, tasks, None, "missing state file", 300)):
+        ranks = res["ranks"]
+        owners = [r for r, x in enumerate(ranks) if x["error"] and x["error"][0] != "RankLoadError"]
+        assert owners, (name, key, ranks)
+        for rank, x in enumerate(ranks):
+            assert x["changed"] == [], (name, key, rank, x["changed"])
+            kind, message = x["error"]
+            if rank in owners:
+                expected = ("CheckpointFormatError", f"{path}: missing") if key == "fp32" else \
+                    ("ValueError", f"{key} not found in optimizer state fragment: {path} is missing")
+                assert kind == expected[0] and message.startswith(expected[1]), (name, key, rank, x["error"])
+            else:
+                assert kind == "RankLoadError" and f"rank {owners[0]}" in message, (name, key, rank, x["error"])
+
+
 # Resuming straight from the ZeRO checkpoint: (case, target world size); "-nouc" reads the same run
 # saved without universal_checkpoint_info (as --inject_missing_state does) against the case's
 # converted folder.

@@ -44,6 +44,11 @@ class ParamStates:
     folder: str
     states: Dict[str, StateFile] = field(default_factory=dict)
     step: Any = None
+    # the name a state file has in messages (the ZeRO view's files are planned, not on disk)
+    label: Any = None
+
+    def path_of(self, key: str) -> str:
+        return self.label(key) if self.label else os.path.join(self.folder, f"{key}.pt")
 
 
 def scalar_tensor(dtype: str, shape, numel: int, read, where: str):

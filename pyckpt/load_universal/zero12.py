@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from ..deepspeed.universal_slice import narrow, tp_slice_runs, total
+from ..errors import CheckpointFormatError
 from . import restore_targets
 from .gather import TensorFill, state_buffer
 from .state_files import FolderStates
@@ -87,6 +88,7 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
         fp32 = TensorFill(flat)
         links: List[tuple] = []  # (lp, hp_start, numel)
         steps = []
+        keys_of = []  # (parameter's states, its state keys): every mapped parameter must have the group's keys
         for lp in lp_groups[i]:
             mapping = lp._hp_mapping
             if mapping is None:
@@ -109,6 +111,8 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
                     buffers.setdefault(key, []).append((sf, part, hp_start))
             links.append((lp, hp_start, numel))
             steps.append(ps.step)
+            keys_of.append((ps, set(ps.states)))
+        _check_complete(keys_of, i)
         if not links and lp_groups[i]:
             # Padding only on this rank: the group's step and state keys from its first parameter.
             ps = states.param_states(opt.param_names[lp_groups[i][0]], 2)
@@ -150,6 +154,21 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
         return nbytes
 
     return apply
+
+
+def _check_complete(keys_of, group: int) -> None:
+    """Every parameter mapped to this rank has its fp32 master and every state key another parameter
+    of its group has: a missing file would leave that parameter's fragment of the flat buffer zero
+    (or its master as the fresh model made it). DeepSpeed's map_to_flat_opt_states raises on a missing
+    moment with the message kept here; it keeps the master without fp32.pt, which is wrong."""
+    keys = set().union(*(k for _, k in keys_of)) if keys_of else set()
+    for ps, have in keys_of:
+        if "fp32" not in have:
+            raise CheckpointFormatError(f"{ps.path_of('fp32')}: missing: the parameter's fp32 master (every "
+                                        "parameter of a Universal Checkpoint has one)")
+        for key in sorted(keys - have):
+            raise ValueError(f"{key} not found in optimizer state fragment: {ps.path_of(key)} is missing (other "
+                             f"parameters of param group {group} have one)")
 
 
 def _gaps(covered, n: int):

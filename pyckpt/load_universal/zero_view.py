@@ -115,7 +115,7 @@ class ZeroView:
         if objs is None:
             raise CheckpointFormatError(f"{self.folder}: the checkpoint has no state for parameter {name!r} of the "
                                         "model being loaded")
-        out = ParamStates(folder)
+        out = ParamStates(folder, label=lambda key: self._label(f"zero/{name}/{key}.pt"))
         for key, obj in sorted(objs.items()):
             label = self._label(f"zero/{name}/{key}.pt")
             if key == "step":
