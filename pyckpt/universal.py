@@ -17,7 +17,7 @@ from .deepspeed.discovery import discover
 from .deepspeed.universal_plan import build_plan
 from .errors import CheckpointFormatError, PyckptError
 from .execution.distributed import agreed, plan_digest, several
-from .execution.publish import write_published
+from .execution.publish import check_pointer_name, write_published
 
 
 @dataclass
@@ -68,7 +68,8 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     An existing ``output`` is replaced only with ``overwrite=True``, by an atomic exchange; runs into
     one output take turns under a lock beside it, and each run first removes what killed runs into
     that output left (see :mod:`pyckpt.execution.publish`). ``output`` may not be, contain or lie inside the
-    checkpoint's tag folder.
+    checkpoint's tag folder, and its name may not start or end with whitespace or hold a control
+    character (DeepSpeed strips what it reads from ``latest_universal``; such a name is refused at once).
     ``fsync=True`` (``--fsync``) also makes it survive a power loss: every file and folder is flushed
     before the rename and ``latest_universal`` after it. Off by default, as for ``cp`` and DeepSpeed:
     flushing waits for the disk, which otherwise writes back while the next job runs.
@@ -84,6 +85,7 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     t0 = time.perf_counter()
     ranks = several(ranks)
     output = os.path.abspath(os.fspath(output))
+    check_pointer_name(output, "latest_universal")
     with agreed(ranks, "planning the conversion", same=True) as vote:
         with metadata_errors(input):
             ck = discover(input)

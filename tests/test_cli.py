@@ -46,6 +46,17 @@ def test_missing_universal_checkpoint_info_is_one_line_error(checkpoints, tmp_pa
     assert not (tmp_path / "u").exists()
 
 
+def test_an_output_name_latest_universal_cannot_name_back_is_refused_before_work(checkpoints, tmp_path):
+    # DeepSpeed strips what it reads from latest_universal: it would look for another folder
+    ck = checkpoints["s1_fp32_dp2"]
+    for name in ("u ", " u", "u\n", "u\x1b[2J"):
+        proc = run("-m", "pyckpt.convert", str(ck.tag_dir), str(tmp_path / name), check=False)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"pyckpt: error: {tmp_path}: the output folder name {name!r} ")
+        assert "latest_universal" in proc.stderr and "Traceback" not in proc.stderr
+        assert list(tmp_path.iterdir()) == []
+
+
 def test_dry_run_writes_nothing(checkpoints, tmp_path):
     ck = checkpoints["s3_fp32_dp2_subgroups"]
     proc = run("-m", "pyckpt.convert", str(ck.root), str(tmp_path / "u"), "--dry-run")

@@ -168,3 +168,16 @@ def test_setups_the_glue_cannot_publish_whole_are_refused_before_anything_runs(t
         with pytest.raises(ValueError, match="must be one folder name not starting with '.'"):
             save_checkpoint(engine, tmp_path, tag=tag)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("tag", [" t", "t ", "t\n", "\tt", "t\u00a0", "global_step1\x1b[2J", "a\nb"])
+def test_a_tag_latest_could_not_name_back_is_refused_before_anything_runs(tag, tmp_path):
+    # DeepSpeed strips what it reads from `latest`: saved under such a tag, the checkpoint would not load
+    from pyckpt.save import save_checkpoint
+
+    engine = types.SimpleNamespace(checkpoint_engine=_FailingCheckpointEngine(), use_node_local_storage=lambda: False)
+    with pytest.raises(ValueError) as err:
+        save_checkpoint(engine, tmp_path, tag=tag)
+    assert str(err.value).startswith(f"checkpoint tag {tag!r} ")
+    assert "no whitespace at either end and no control characters" in str(err.value)
+    assert os.listdir(tmp_path) == []

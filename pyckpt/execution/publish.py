@@ -40,6 +40,33 @@ class OutputLockError(PyckptError, OSError):
     """The output's lock could not be taken."""
 
 
+class PointerNameError(PyckptError, ValueError):
+    """A pointer file could not name the output so that DeepSpeed finds it again."""
+
+
+def pointer_name_problem(name: str) -> str:
+    """Why a pointer file (``latest``, ``latest_universal``) holding ``name`` would not lead DeepSpeed
+    back to the folder of that name, or '' if it would. DeepSpeed reads a pointer as
+    ``read().strip()``; a control character is refused too (a newline or an escape sequence in a
+    one-line pointer file and in every message that names it)."""
+    if name != name.strip():
+        return "starts or ends with whitespace, which DeepSpeed strips when it reads the name back"
+    bad = re.search(r"[\x00-\x1f\x7f-\x9f]", name)
+    if bad:
+        return f"contains the control character {bad.group()!r}"
+    return ""
+
+
+def check_pointer_name(output: str, pointer: str) -> None:
+    """PointerNameError unless ``pointer`` beside ``output`` can name it (see :func:`pointer_name_problem`)."""
+    parent, base = os.path.split(os.path.abspath(os.fspath(output)))
+    problem = pointer_name_problem(base)
+    if problem:
+        raise PointerNameError(f"{parent}: the output folder name {base!r} {problem}; {pointer}, which names it, "
+                               "would not lead DeepSpeed back to it. Choose a name without whitespace at either "
+                               "end or control characters")
+
+
 def _fault_point(name: str) -> None:
     """Test hook: ``PYCKPT_TEST_KILL_AT=<name>`` kills this process with SIGKILL at that step, so
     fault-injection tests can stop a run between any two renames. Costs one environment lookup."""
@@ -162,6 +189,8 @@ class Publisher:
         self._lock: Optional[OutputLock] = None
 
     def __enter__(self) -> "Publisher":
+        if self.pointer:
+            check_pointer_name(self.output, os.path.basename(self.pointer))
         os.makedirs(self.parent, exist_ok=True)
         if self.pointer and os.path.lexists(self.pointer) and not os.path.isfile(self.pointer):
             raise OutputExistsError(f"{self.pointer} exists and is not a file; pyckpt would have to replace it with "

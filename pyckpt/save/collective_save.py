@@ -31,7 +31,7 @@ from typing import Any, List, Optional
 
 from ..errors import PyckptError
 from ..execution.distributed import TorchRanks, describe_failure
-from ..execution.publish import LOCK, OLD, POINTER_TMP, STAGING, Publisher, clean
+from ..execution.publish import LOCK, OLD, POINTER_TMP, STAGING, Publisher, clean, pointer_name_problem
 from .arrival import Arrival
 from .companions import write_model_config, write_tokenizer, write_training_state
 from .guarded_io import WriteFailures, guarded
@@ -91,6 +91,11 @@ def _check_tag(tag: str) -> str:
     if tag in ("", ".", "..") or "/" in tag or "\x00" in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be one folder name not starting with '.' "
                          "(hidden names beside the checkpoints are pyckpt's staging)")
+    # `latest` would name a checkpoint that DeepSpeed's load_checkpoint cannot find (a bare AssertionError)
+    problem = pointer_name_problem(tag)
+    if problem:
+        raise ValueError(f"checkpoint tag {tag!r} {problem}: a tag must have no whitespace at either end and no "
+                         "control characters, so that `latest` can name it; nothing was written")
     return tag
 
 
@@ -109,7 +114,8 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     bit); around it, rank 0 adds ``tokenizer`` (via ``save_pretrained``), ``model_config`` (a
     transformers config or a dict, as ``config.json``) and ``training_state.json`` (step, samples,
     learning rates, scheduler, topology, versions) to the same folder. ``tag`` defaults to
-    ``global_step<N>`` as in DeepSpeed.
+    ``global_step<N>`` as in DeepSpeed; a tag is one folder name, not hidden, with no whitespace at
+    either end and no control characters (``latest`` must name it so that DeepSpeed finds it again).
 
     The checkpoint is complete or invisible: it is written under a hidden staging name, every
     rank's success is agreed, and only then does rank 0 rename it into place and replace
