@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -41,6 +42,78 @@ def test_arrival_names_the_ranks_that_did_not_come():
     assert "pyckpt.deepspeed.save_checkpoint is collective" in str(err.value)
     # this rank's arrival was withdrawn, so a later round under the same name starts clean
     assert not store.check(["pyckpt/arrival/save/x/0"])
+
+
+class _ThreadRanks:
+    """Ranks as threads of this process: what save_checkpoint asks of its process group (rank, size,
+    all_gather, broadcast), each rank's view kept per thread."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._local = threading.local()
+        self._slots = [None] * size
+        self._barrier = threading.Barrier(size, timeout=30)
+
+    @property
+    def rank(self) -> int:
+        return self._local.rank
+
+    def all_gather(self, value):
+        self._slots[self.rank] = value
+        self._barrier.wait()
+        gathered = list(self._slots)
+        self._barrier.wait()  # nobody overwrites a slot before every rank has read them all
+        return gathered
+
+    def broadcast(self, value):
+        return self.all_gather(value)[0]
+
+
+def _save_on_threads(monkeypatch, save_dir, tags: dict, size: int = 2, arrival_timeout: float = 2.0) -> dict:
+    """save_checkpoint called by the ranks in ``tags`` (rank -> tag) of ``size``, each on a thread, with
+    an engine DeepSpeed never sees (the call must stop before saving); rank -> what it raised."""
+    from pyckpt.save import collective_save, save_checkpoint
+
+    ranks = _ThreadRanks(size)
+    store = dist.HashStore()
+    monkeypatch.setattr(collective_save, "_process_group", lambda: ranks)
+    monkeypatch.setattr("pyckpt.save.arrival._default_store", lambda: store)
+    raised = {}
+
+    def call(rank: int, tag: str) -> None:
+        ranks._local.rank = rank
+        engine = types.SimpleNamespace(checkpoint_engine=_FailingCheckpointEngine(),
+                                       use_node_local_storage=lambda: False)
+        try:
+            save_checkpoint(engine, save_dir, tag=tag, arrival_timeout=arrival_timeout)
+        except Exception as exc:
+            raised[rank] = exc
+
+    threads = [threading.Thread(target=call, args=item) for item in tags.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return raised
+
+
+def test_ranks_naming_different_tags_are_told_so_not_reported_absent(tmp_path, monkeypatch):
+    from pyckpt.save import SaveError
+
+    raised = _save_on_threads(monkeypatch, tmp_path / "ck", {0: "a", 1: "b"})
+    assert sorted(raised) == [0, 1]
+    for exc in raised.values():
+        assert isinstance(exc, SaveError), exc
+        assert str(exc).startswith(f"the ranks name different checkpoints (a, b in {tmp_path / 'ck'}); ")
+        assert "nothing was written" in str(exc)
+    assert [n for n in os.listdir(tmp_path / "ck") if not n.endswith(".pyckpt-lock")] == []
+
+
+def test_a_save_called_on_some_ranks_only_is_still_named_so(tmp_path, monkeypatch):
+    raised = _save_on_threads(monkeypatch, tmp_path / "ck", {1: "a"}, size=3, arrival_timeout=0.5)
+    assert isinstance(raised[1], CollectiveCallError), raised
+    assert "called on rank(s) 1 and not on rank(s) 0, 2" in str(raised[1])
+    assert not (tmp_path / "ck").exists()
 
 
 def _make(path: str, folder: bool = True) -> None:

@@ -3,7 +3,8 @@
 The order of one call (every rank):
 
 1. **Arrival** (:mod:`.arrival`): every rank must be here; a call on some ranks fails fast, naming
-   the missing ones, instead of hanging in DeepSpeed's first barrier.
+   the missing ones, instead of hanging in DeepSpeed's first barrier. Calls naming different
+   folders or tags meet here too: the preflight names that disagreement.
 2. **Preflight**, one all-gather: rank 0 makes the save folder, removes what killed saves left, and
    takes the tag's staging folder (a hidden sibling, under the output lock of
    :mod:`pyckpt.execution.publish`); every rank estimates its bytes (:mod:`.space`). All ranks then
@@ -152,7 +153,9 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     group = _process_group()
     rank = group.rank
 
-    arrival = Arrival(f"save/{save_dir}/{tag}", rank, group.size)
+    # One name for every save, whatever its folder and tag: ranks that disagree on those must still
+    # meet here, so that the preflight names the disagreement instead of calling the others absent.
+    arrival = Arrival("save", rank, group.size)
     arrival.wait(arrival_timeout, WHAT)
 
     stack = contextlib.ExitStack()
