@@ -145,7 +145,7 @@ def test_kill_at_every_step_leaves_old_or_new_and_no_orphan_after_next_run(point
     assert code == 0, err
     assert _state(out, reference) == "new" and _pointer(out) == "u"
     assert stale_entries(str(out.parent), "u") == []
-    assert sorted(os.listdir(out.parent)) == [".u.pyckpt-lock", "latest_universal", "u"]
+    assert sorted(os.listdir(out.parent)) == ["latest_universal", "u"]  # the killed run's lock file too
     assert digest(ckpt) == before
 
 
@@ -173,8 +173,7 @@ def test_signal_mid_copy_cleans_up_and_says_so(sig, ckpt, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig), err
     assert "no output was published" in err and "Traceback" not in err
-    assert not out.exists() and _pointer(out) is None
-    assert stale_entries(str(out.parent), "u") == []
+    assert os.listdir(out.parent) == []  # no output, pointer, staging or lock file
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT], ids=lambda sig: sig.name)
@@ -201,7 +200,7 @@ def test_sigkill_mid_copy_orphan_is_removed_by_next_run(ckpt, reference, tmp_pat
     code, err = _run(ckpt, out)
     assert code == 0, err
     assert "left by an earlier run" in err
-    assert _state(out, reference) == "new" and stale_entries(str(out.parent), "u") == []
+    assert _state(out, reference) == "new" and sorted(os.listdir(out.parent)) == ["latest_universal", "u"]
 
 
 def test_clean_removes_orphans_of_any_host_and_legacy_names(tmp_path):
@@ -214,7 +213,7 @@ def test_clean_removes_orphans_of_any_host_and_legacy_names(tmp_path):
     (tmp_path / ".v.pyckpt-tmp-otherhost-1-aaaa").mkdir()  # another output's: not ours to touch
     code, err = _run("--clean", out)
     assert code == 0, err
-    assert sorted(os.listdir(tmp_path)) == [".u.pyckpt-lock", ".v.pyckpt-tmp-otherhost-1-aaaa", "u"]
+    assert sorted(os.listdir(tmp_path)) == [".v.pyckpt-tmp-otherhost-1-aaaa", "u"]
 
 
 def test_clean_does_not_touch_a_live_run(ckpt, tmp_path):
@@ -229,7 +228,7 @@ def test_clean_does_not_touch_a_live_run(ckpt, tmp_path):
         proc.kill()
         proc.communicate(timeout=60)
     _, err = cleaner.communicate(timeout=60)
-    assert cleaner.returncode == 0 and stale_entries(str(out.parent), "u") == []
+    assert cleaner.returncode == 0 and os.listdir(out.parent) == []  # the killed run's lock file too
 
 
 def _wait_for(path, proc, timeout=120):
@@ -276,7 +275,7 @@ def test_concurrent_runs_take_turns_and_never_replace_without_overwrite(overwrit
     try:
         args = (ckpt, out) + (("--overwrite", ) if overwrite else ())
         proc = _start(*args)
-        line = _read_line(proc, timeout=60)
+        line = _read_line(proc.stderr, timeout=60)
         assert "waiting for another pyckpt run" in line, line
         assert not out.exists()
         shutil.copytree(reference, out)  # the other run publishes
@@ -290,13 +289,55 @@ def test_concurrent_runs_take_turns_and_never_replace_without_overwrite(overwrit
     else:
         assert proc.returncode == 1 and "already exists" in err, err
         assert (out / "OLD").exists()
-    assert stale_entries(str(out.parent), "u") == []
+    assert stale_entries(str(out.parent), "u") == [] and not (out.parent / ".u.pyckpt-lock").exists()
 
 
-def _read_line(proc, timeout):
-    ready, _, _ = select.select([proc.stderr], [], [], timeout)
+LOCKER = textwrap.dedent("""
+    import os, sys
+    from pyckpt.execution.publish import OutputLock
+    lock = OutputLock(sys.argv[1], notify=lambda text: print("waiting", flush=True))
+    print("locked", os.fstat(lock.fd).st_ino, flush=True)
+    sys.stdin.readline()
+    lock.release()
+""")
+
+
+def test_a_lock_file_removed_on_release_is_locked_anew_by_whoever_waited_on_it(tmp_path):
+    # The holder removes the lock file while holding it: a waiter then holds a lock on a file no longer
+    # there, and a newcomer meanwhile creates and locks a new one. Both may not run at once.
+    out = str(tmp_path / "u")
+    path = tmp_path / ".u.pyckpt-lock"
+    first, newcomer = OutputLock(out), None
+    waiter = subprocess.Popen([sys.executable, "-c", LOCKER, out], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=tempfile.gettempdir())
+    try:
+        assert _read_line(waiter.stdout, timeout=60) == "waiting\n"
+        # Stopped, the waiter cannot look at the path before the newcomer has locked the file there now
+        # (if it took the released file first, it holds that one; the newcomer must not wait on it).
+        os.kill(waiter.pid, signal.SIGSTOP)
+        first.release()
+        newcomer = OutputLock(out, wait=False)
+        os.kill(waiter.pid, signal.SIGCONT)
+        assert newcomer.held and os.stat(path).st_ino == os.fstat(newcomer.fd).st_ino
+        ready, _, _ = select.select([waiter.stdout], [], [], 1.0)
+        assert not ready, "the waiter locked while the newcomer held the lock"
+        newcomer.release()
+        line = _read_line(waiter.stdout, timeout=60)
+        assert line.split()[0] == "locked" and int(line.split()[1]) == os.stat(path).st_ino, line
+        assert not OutputLock(out, wait=False).held  # the waiter's lock excludes everyone else
+    finally:
+        for lock in (first, newcomer):
+            if lock:
+                lock.release()
+        os.kill(waiter.pid, signal.SIGCONT)
+        waiter.communicate("\n", timeout=60)
+    assert waiter.returncode == 0 and os.listdir(tmp_path) == []
+
+
+def _read_line(stream, timeout):
+    ready, _, _ = select.select([stream], [], [], timeout)
     assert ready, "no output from the waiting run"
-    return proc.stderr.readline()
+    return stream.readline()
 
 
 # -- full disks and failing writes -------------------------------------------------------------
@@ -327,7 +368,7 @@ def test_full_filesystem_leaves_nothing(ckpt, tmp_path):
         out = mnt / "u"
         code, err = _run(ckpt, out)
         assert code == 1 and "No space left on device" in err and err.count("\n") == 1, err
-        assert os.listdir(mnt) == [".u.pyckpt-lock"]
+        assert os.listdir(mnt) == []
     finally:
         subprocess.run(["umount", str(mnt)])
 

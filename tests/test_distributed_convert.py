@@ -148,7 +148,7 @@ def _run_ranks(size, fn):
 
 
 def _leftovers(parent: Path, name: str):
-    return sorted(n for n in os.listdir(parent) if n.startswith(f".{name}.") and not n.endswith("pyckpt-lock"))
+    return sorted(n for n in os.listdir(parent) if n.startswith(f".{name}."))
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -174,7 +174,7 @@ def test_a_failing_rank_fails_every_rank_and_leaves_nothing(tmp_path, monkeypatc
         assert exc.failures.keys() == {1} and "injected failure on rank 1" in str(exc), str(exc)
         assert "writing the output files failed on 1 of 3 ranks; rank 1: OSError" in str(exc)
     assert isinstance(errors[1].__cause__, OSError)  # the failed rank keeps its own error as the cause
-    assert sorted(os.listdir(tmp_path / "out")) == [".u.pyckpt-lock"]  # no output, pointer or staging
+    assert os.listdir(tmp_path / "out") == []  # no output, pointer, staging or lock file
 
 
 def test_rank_0_refusing_the_output_fails_every_rank(tmp_path):
@@ -360,4 +360,4 @@ def test_a_failing_rank_fails_every_process_of_a_launch(checkpoints, ds_environ,
     assert [p.returncode for p in procs] == [1] * size, outs
     assert "failed on 1 of 3 ranks; rank 2: OSError" in outs[0][1] and "injected failure on rank 2" in outs[0][1]
     assert all("pyckpt: error" not in err for _, err in outs[1:]), outs  # said once, by rank 0
-    assert sorted(os.listdir(tmp_path / "out")) == [".u.pyckpt-lock"]
+    assert os.listdir(tmp_path / "out") == []

@@ -32,7 +32,8 @@ from typing import Any, List, Optional
 
 from ..errors import PyckptError
 from ..execution.distributed import TorchRanks, describe_failure
-from ..execution.publish import LOCK, OLD, POINTER_TMP, STAGING, Publisher, clean, pointer_name_problem
+from ..execution.publish import (LOCK, OLD, POINTER_TMP, STAGING, OutputLock, OutputLockError, Publisher, clean,
+                                 pointer_name_problem)
 from .arrival import Arrival
 from .companions import write_model_config, write_tokenizer, write_training_state
 from .guarded_io import WriteFailures, guarded
@@ -53,8 +54,8 @@ class SaveError(PyckptError, RuntimeError):
 
 
 def _orphans(save_dir: str) -> List[str]:
-    """Output names beside which killed pyckpt runs left staging, swap or pointer entries."""
-    pattern = re.compile(r"\.(.+)\.(?:%s|%s|%s)-.+" % (STAGING, OLD, POINTER_TMP))
+    """Output names beside which killed pyckpt runs left staging, swap, pointer or lock entries."""
+    pattern = re.compile(r"\.(.+)\.(?:(?:%s|%s|%s)-.+|%s)" % (STAGING, OLD, POINTER_TMP, LOCK))
     try:
         names = os.listdir(save_dir)
     except FileNotFoundError:
@@ -64,27 +65,23 @@ def _orphans(save_dir: str) -> List[str]:
 
 def clean_orphans(save_dir: str) -> List[str]:
     """Removes what killed saves (and conversions) into ``save_dir`` left, for every tag whose lock
-    is free: a held lock means a live run owns that staging folder, and it is left alone."""
-    import errno
-    import fcntl
-
+    is free: a held lock means a live run owns that staging folder, and it is left alone. Returns
+    the names removed (a lock file, removed on release, is not listed)."""
     removed = []
     for base in _orphans(save_dir):
-        lock_path = os.path.join(save_dir, f".{base}.{LOCK}")
+        output = os.path.join(save_dir, base)
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError:
+            lock = OutputLock(output, wait=False)
+        except OutputLockError:
+            raise
+        except OSError:  # its lock file cannot be opened here: nothing of it is ours to judge
+            continue
+        if not lock.held:
             continue
         try:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in (errno.EAGAIN, errno.EACCES):
-                    continue
-                raise
-            removed += clean(os.path.join(save_dir, base), lock=False)
+            removed += clean(output, lock=False)
         finally:
-            os.close(fd)
+            lock.release()
     return removed
 
 
