@@ -26,8 +26,9 @@ is written beside it, naming it. The output appears complete or not at all: it i
 hidden sibling folder and renamed when done. Input files are never unpickled with code execution.
 
 An existing OUTPUT is replaced only with --overwrite, by an atomic swap (OUTPUT always exists, old or
-new). Runs into one OUTPUT take turns (a lock file .NAME.pyckpt-lock beside it). A run that was
-killed leaves hidden .NAME.pyckpt-* entries; the next run into OUTPUT removes them, or --clean does.
+new). Runs into one OUTPUT take turns (a lock file .NAME.pyckpt-lock beside it while one runs). A run
+that was killed leaves hidden .NAME.pyckpt-* entries; the next run into OUTPUT removes them, or --clean
+does. A signal ignored on entry (SIGHUP under nohup) stays ignored.
 
 Several processes share the work when started by torchrun, on one node or many:
   torchrun --nproc_per_node K [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] \\
