@@ -316,42 +316,48 @@ def with_backend(task: dict, rank: int, world_size: int) -> dict:
     return {"ranks": _everyone({k: got[k] for k in ("before", "after", "loss", "info")})}
 
 
-def _failing(task: dict, world_size: int, how: str = "pyckpt") -> dict:
-    """One load expected to fail: this rank's exception, and which optimizer-state fields changed on
-    the way. `how`: "pyckpt" (enable() on the universal folder), "stock" (DeepSpeed's own loader on
-    it), "direct" (pyckpt.deepspeed.load_checkpoint on the ZeRO checkpoint in root)."""
+def _failing(task: dict, world_size: int, how: str = "pyckpt", rank: int = 0) -> dict:
+    """One load expected to fail: this rank's exception, and which fields of the engine's state
+    changed on the way. `how`: "pyckpt" (enable() on the universal folder), "stock" (DeepSpeed's own
+    loader on it), "direct" (pyckpt.deepspeed.load_checkpoint on the ZeRO checkpoint in root). A rank
+    listed in task["rank_roots"] loads its own copy (a checkpoint that differs between ranks); the
+    tag comes from its latest_universal when task["tag"] is None. DeepSpeed's own loader sets the
+    counters and the scheduler before the optimizer load fails, so those are not compared for it."""
     import pyckpt.deepspeed
 
     cfg = task["cfg"]
+    root = task.get("rank_roots", {}).get(str(rank), task["root"])
     engine = W.make_engine(cfg, world_size, load_universal=how != "direct")
     before = snapshot(engine)
     error = None
     try:
         if how == "direct":
-            pyckpt.deepspeed.load_checkpoint(engine, task["root"])
+            pyckpt.deepspeed.load_checkpoint(engine, root)
         elif how == "stock":
-            engine.load_checkpoint(task["root"], tag=task["tag"])
+            engine.load_checkpoint(root, tag=task["tag"])
         else:
             with pyckpt.deepspeed.enable():
-                engine.load_checkpoint(task["root"], tag=task["tag"])
+                engine.load_checkpoint(root, tag=task["tag"])
     except Exception as exc:  # noqa: BLE001  (reported to the test)
         error = (type(exc).__name__, str(exc))
-    changed = diff(before, snapshot(engine), skip=("global_steps", "global_samples", "scheduler"))
+    changed = diff(before, snapshot(engine), skip=("global_steps", "global_samples", "scheduler") if how == "stock"
+                   else ())
     engine.destroy()
     return {"error": error, "changed": changed}
 
 
 def failing(task: dict, rank: int, world_size: int) -> dict:
-    """Load a damaged universal folder with pyckpt: every rank's exception, and whether any optimizer
-    state changed on the way."""
-    return {"ranks": _everyone(_failing(task, world_size))}
+    """Load a damaged universal folder with pyckpt: every rank's exception, and whether any of its
+    state changed on the way (this rank's exception is caught: its process goes on, as a training
+    script's that catches it would)."""
+    return {"ranks": _everyone(_failing(task, world_size, rank=rank))}
 
 
 def failing_each_way(task: dict, rank: int, world_size: int) -> dict:
     """The same failing load in these ranks by each of task["ways"] ("stock", "pyckpt", "direct";
     stock first: DeepSpeed's loader fails on every rank at the same check, before any collective of
     the load); per rank, {way: _failing's result}."""
-    return {"ranks": _everyone({how: _failing(task, world_size, how) for how in task["ways"]})}
+    return {"ranks": _everyone({how: _failing(task, world_size, how, rank) for how in task["ways"]})}
 
 
 def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):

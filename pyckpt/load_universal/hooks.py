@@ -74,6 +74,35 @@ class RankLoadError(RuntimeError):
     """Another rank could not plan its part of the load."""
 
 
+def _raise_failures(error: Optional[BaseException], failures: list, what: str) -> None:
+    """After an agreement: this rank's own error where it failed (noting the other failing ranks),
+    else one naming the first failing rank; nothing when no rank failed."""
+    if error is not None:
+        others = [r for r, _ in failures]
+        if len(others) > 1:
+            error.add_note(f"pyckpt: {what} failed on ranks {others}")
+        raise error
+    if failures:
+        rank, message = failures[0]
+        raise RankLoadError(f"pyckpt: {what} failed on rank {rank} ({message})"
+                            + (f" and {len(failures) - 1} more rank(s)" if len(failures) > 1 else "")
+                            + "; no rank changed its state")
+
+
+def agreed_step(what: str, step: Callable):
+    """``step()`` on every rank, then one agreement: a failure on any rank raises on every rank before
+    any of them goes on (where a rank raised alone, the others would wait in the next collective
+    until the process group's timeout). Every rank must call it, in the same order."""
+    value = error = failure = None
+    try:
+        value = step()
+    except Exception as exc:  # shared with the other ranks, then raised here
+        error, failure = exc, f"{type(exc).__name__}: {exc}"
+    failures, _ = _agree(failure, None)
+    _raise_failures(error, failures, what)
+    return value
+
+
 def _load(planner: Callable, original: Callable):
     def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
         t0 = time.perf_counter()
@@ -94,16 +123,7 @@ def _load(planner: Callable, original: Callable):
         except Exception as exc:  # shared with the other ranks, then raised here
             error, failure = exc, f"{type(exc).__name__}: {exc}"
         failures, unsupported_all = _agree(failure, unsupported)
-        if error is not None:
-            others = [r for r, _ in failures]
-            if len(others) > 1:
-                error.add_note(f"pyckpt: the load failed on ranks {others}")
-            raise error
-        if failures:
-            rank, message = failures[0]
-            raise RankLoadError(f"pyckpt: the universal load failed on rank {rank} ({message})"
-                                + (f" and {len(failures) - 1} more rank(s)" if len(failures) > 1 else "")
-                                + "; no rank changed its state")
+        _raise_failures(error, failures, "the universal load")
         if unsupported_all:
             rank, reason = unsupported_all[0]
             if not _settings["trust_pickles"]:
@@ -135,20 +155,57 @@ def _load(planner: Callable, original: Callable):
 def _with_mapped_model_states(original: Callable) -> Callable:
     """``original`` (DeepSpeed's ``load_checkpoint``) with the model-state file mapped once."""
 
-    def call(self, *args, **kwargs):
+    def call(self, load_dir, tag=None, *args, **kwargs):
         if not model_state_file.applies_to(self.checkpoint_engine):
-            return original(self, *args, **kwargs)
+            return original(self, load_dir, tag, *args, **kwargs)
         last_load.clear()
         inner = self.checkpoint_engine
-        self.checkpoint_engine = wrapper = model_state_file.MappedModelStates(inner, _settings["trust_pickles"])
+        wrapper = model_state_file.MappedModelStates(inner, _settings["trust_pickles"])
+        # DeepSpeed reads these files before the optimizer load, the first step pyckpt agrees on: a
+        # file that fails on one rank only would leave the others waiting there.
+        tag = agreed_step("reading the model-state file",
+                          lambda: model_state_file.read_ahead(self, wrapper, load_dir, tag))
+        self.checkpoint_engine = wrapper
+        saved = _counters(self)
         try:
-            return original(self, *args, **kwargs)
+            return original(self, load_dir, tag, *args, **kwargs)
+        except BaseException:
+            # DeepSpeed sets these from the model-state file before the optimizer load; a load that
+            # fails there (pyckpt's refusals included) leaves them as they were before the call
+            _restore_counters(self, saved)
+            raise
         finally:
             self.checkpoint_engine = inner
             last_load["model_states_mapped"] = list(wrapper.mapped)
             last_load["model_states_refused"] = list(wrapper.refused)
 
     return call
+
+
+# What DeepSpeed's _load_checkpoint assigns on the engine before the optimizer load begins.
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "loaded_checkpoint_dp_world_size",
+             "loaded_checkpoint_mp_world_size", "_curr_ckpt_path")
+_SCHEDULERS = ("lr_scheduler", "random_ltd_scheduler")
+
+
+def _counters(engine) -> tuple:
+    import copy
+
+    fields = {k: getattr(engine, k) for k in _COUNTERS if hasattr(engine, k)}
+    missing = [k for k in _COUNTERS if not hasattr(engine, k)]
+    schedulers = {k: copy.deepcopy(getattr(engine, k).state_dict()) for k in _SCHEDULERS
+                  if hasattr(getattr(engine, k, None), "state_dict")}
+    return fields, missing, schedulers
+
+
+def _restore_counters(engine, saved: tuple) -> None:
+    fields, missing, schedulers = saved
+    for k, v in fields.items():
+        setattr(engine, k, v)
+    for k in missing:
+        engine.__dict__.pop(k, None)
+    for k, state in schedulers.items():
+        getattr(engine, k).load_state_dict(state)
 
 
 def _engine_load(original: Callable):
@@ -159,7 +216,7 @@ def _engine_load(original: Callable):
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         if not self.load_universal_checkpoint():
             return original(self, load_dir, tag, *args, **kwargs)
-        target = resume.zero_target(load_dir, tag)
+        target = agreed_step("finding the checkpoint", lambda: resume.resumable_target(self, load_dir, tag))
         if target is not None:
             return resume.load_zero(self, *target, mapped, *args, **kwargs)
         return mapped(self, load_dir, tag, *args, **kwargs)

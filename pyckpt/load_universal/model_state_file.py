@@ -100,6 +100,29 @@ class MappedModelStates:
         return dict(self._cache[key])
 
 
+def read_ahead(engine, states: MappedModelStates, load_dir, tag):
+    """Read into ``states`` the model-state files DeepSpeed's universal ``load_checkpoint`` is about
+    to read on this rank, and return the tag it will load (``latest_universal``'s when None).
+
+    Under the universal flag DeepSpeed reads ``ckpt_list[0]`` (``SDLoaderBase.check_ckpt_list``) and
+    ``ckpt_list[checkpoint_mp_rank * n // mp_world_size]`` (``engine._load_checkpoint``), where
+    ``ckpt_list`` is ``engine._get_all_ckpt_names(load_dir, tag)``. Errors are DeepSpeed's where its
+    own load would raise them, pyckpt's for a file it cannot read."""
+    from ..formats.confined import read_small_text
+
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        latest = os.path.join(load_dir, "latest_universal")
+        if not os.path.isfile(latest):
+            raise ValueError(f'Invalid for universal checkpoint: {latest} does not exist')  # DeepSpeed's message
+        tag = read_small_text(load_dir, "latest_universal").strip()
+    files = engine._get_all_ckpt_names(load_dir, tag)
+    if files:
+        for path in dict.fromkeys((files[0], files[engine.checkpoint_mp_rank * len(files) // engine.mp_world_size])):
+            states.load(path)
+    return tag
+
+
 def unreadable(path: str, exc: BaseException) -> CheckpointFormatError:
     """The error for a model-state file torch's reader failed on, naming the file and what is wrong
     with it: pyckpt's own ZIP reader says which rule a damaged archive breaks (torch reports a

@@ -43,9 +43,16 @@ def zero_target(load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str]]:
     return (load_dir, os.path.basename(folder)) if is_zero_tag_folder(folder) else None
 
 
-def load_zero(engine, load_dir: str, tag: str, original, *args, **kwargs):
-    """``original`` (DeepSpeed's ``load_checkpoint``) over the view of ``<load_dir>/<tag>``."""
-    folder = os.path.join(load_dir, tag)
+def resumable_target(engine, load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str]]:
+    """:func:`zero_target`, checked to be a checkpoint ``engine`` can resume from directly (what
+    :func:`load_zero` needs, read before anything changes; the callers agree on it across ranks)."""
+    target = zero_target(load_dir, tag)
+    if target is not None:
+        check_resumable(engine, os.path.join(*target))
+    return target
+
+
+def check_resumable(engine, folder: str) -> None:
     if not any(n.endswith(MODEL_STATES_SUFFIX) for n in os.listdir(folder)):
         raise CheckpointFormatError(f"{folder}: no *_model_states.pt file")
     # Under the universal flag DeepSpeed takes the weights from the optimizer's load only: an engine
@@ -54,6 +61,12 @@ def load_zero(engine, load_dir: str, tag: str, original, *args, **kwargs):
         raise UnsupportedCheckpointError(f"{folder}: resuming straight from a ZeRO checkpoint needs an engine with "
                                          "ZeRO stage 1-3 and no NVMe optimizer offload; load it with "
                                          "engine.load_checkpoint as saved")
+
+
+def load_zero(engine, load_dir: str, tag: str, original, *args, **kwargs):
+    """``original`` (DeepSpeed's ``load_checkpoint``) over the view of ``<load_dir>/<tag>``, which
+    :func:`resumable_target` found and checked."""
+    folder = os.path.join(load_dir, tag)
     zero_view.register(folder, lambda: zero_view.ZeroView(folder))
     config = engine._config
     saved = config.load_universal_checkpoint
