@@ -11,6 +11,7 @@ import enum
 import filecmp
 import hashlib
 import os
+import stat
 from typing import List
 
 import torch
@@ -89,11 +90,19 @@ def diff_folders(expected: str, actual: str, skip=("tmp", )) -> List[str]:
 
 
 def digest(folder) -> dict:
-    """{relative path: sha256} of every file below ``folder``: proves a folder was left untouched."""
+    """{relative path: sha256} of every file below ``folder`` (a link: its target's name): proves a folder
+    was left untouched."""
     out = {}
     for dirpath, _, files in os.walk(folder):
         for f in files:
             path = os.path.join(dirpath, f)
+            if os.path.islink(path):  # a link is its target's name: it may dangle, loop or leave the folder
+                out[os.path.relpath(path, folder)] = "link:" + os.readlink(path)
+                continue
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISREG(mode):  # a FIFO would block the open
+                out[os.path.relpath(path, folder)] = f"special:{stat.S_IFMT(mode)}"
+                continue
             with open(path, "rb") as fh:
                 out[os.path.relpath(path, folder)] = hashlib.sha256(fh.read()).hexdigest()
     return out

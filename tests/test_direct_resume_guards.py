@@ -1,5 +1,6 @@
 """Resuming straight from a ZeRO checkpoint refuses, before DeepSpeed runs, what it cannot do right
-(pyckpt/load_universal/resume.py): the universal flag makes DeepSpeed skip the module weights, so an
+(pyckpt/load_universal/resume.py: resumable_target, which every rank runs in an agreed step before
+load_zero hands the load to DeepSpeed): the universal flag makes DeepSpeed skip the module weights, so an
 engine that would not reach the optimizer-state load would silently keep its own weights."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pyckpt.errors import CheckpointFormatError, UnsupportedCheckpointError
-from pyckpt.load_universal.resume import load_zero, zero_target
+from pyckpt.load_universal.resume import resumable_target, zero_target
 
 
 class _Engine:
@@ -19,10 +20,6 @@ class _Engine:
 
     def zero_nvme_offload_optimizer(self):
         return self._nvme
-
-
-def _never(*a, **k):
-    raise AssertionError("DeepSpeed's load must not run")
 
 
 @pytest.fixture()
@@ -38,13 +35,13 @@ def tag(tmp_path):
 @pytest.mark.parametrize("engine", [_Engine(zero=False), _Engine(zero=True, nvme=True)], ids=["no ZeRO", "NVMe"])
 def test_an_engine_that_would_not_load_the_weights_is_refused(tag, engine):
     with pytest.raises(UnsupportedCheckpointError, match="ZeRO stage 1-3 and no NVMe"):
-        load_zero(engine, str(tag), "global_step3", _never)
+        resumable_target(engine, str(tag), "global_step3")
 
 
 def test_a_tag_folder_without_model_states_is_refused(tag):
     (tag / "global_step3" / "mp_rank_00_model_states.pt").unlink()
     with pytest.raises(CheckpointFormatError, match="no \\*_model_states.pt"):
-        load_zero(_Engine(zero=True), str(tag), "global_step3", _never)
+        resumable_target(_Engine(zero=True), str(tag), "global_step3")
 
 
 def test_which_loads_name_a_plain_zero_checkpoint(tag):

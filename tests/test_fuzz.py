@@ -540,3 +540,105 @@ def test_fuzz_cli(e2e_seeds, data):
                           if n not in ("u", "latest_universal", ".u.pyckpt-lock"))
             assert left == [], left
     TALLY[f"cli:{how}"][outcome] += 1
+
+
+# -- the export's companion files ----------------------------------------------------------------------
+# The files export copies beside the weights (config, tokenizer, vocab, ...) are named by the folder, not
+# parsed from the shards: each is replaced by something hostile (a link out of the checkpoint, to
+# /proc, through a folder link, in a loop, dangling; a FIFO, a folder, an oversized file, damaged bytes)
+# or harmless (a link that stays inside). The oracle adds to the one above: a copied companion holds
+# exactly the bytes of a file inside the checkpoint, and no byte of the file outside reaches the output.
+
+COMPANION_EXAMPLES = max(1, EXAMPLES // 10)
+SECRET = b"PYCKPT-FUZZ-SECRET-TOKEN"
+
+
+def _plant_companion(draw, folder: str, name: str, outside: str) -> bytes:
+    """Put a hostile or harmless ``name`` in ``folder``; returns the bytes a copy may hold (b"" when
+    none is acceptable)."""
+    path = os.path.join(folder, name)
+    if os.path.lexists(path):
+        os.remove(path)
+    kind = draw(st.sampled_from(["outside-abs", "outside-rel", "proc", "via-folder-link", "climb", "inside-rel",
+                                 "inside-abs", "loop", "dangling", "fifo", "folder", "oversized", "bytes"]))
+    inside_file = os.path.join(folder, "real_" + name)
+    good = draw(st.binary(max_size=64))
+    with open(inside_file, "wb") as f:
+        f.write(good)
+    if kind == "outside-abs":
+        os.symlink(outside, path)
+    elif kind == "outside-rel":
+        os.symlink(os.path.relpath(outside, folder), path)
+    elif kind == "proc":
+        os.symlink(draw(st.sampled_from(["/proc/self/environ", "/proc/self/cmdline", "/proc/self/maps"])), path)
+    elif kind == "via-folder-link":
+        os.symlink(os.path.dirname(outside), os.path.join(folder, "up"))
+        os.symlink(os.path.join("up", os.path.basename(outside)), path)
+    elif kind == "climb":
+        os.symlink("/".join([".."] * draw(st.integers(1, 4)) + [os.path.basename(outside)]), path)
+    elif kind == "inside-rel":
+        os.symlink("real_" + name, path)
+        return good
+    elif kind == "inside-abs":
+        os.symlink(inside_file, path)
+        return good
+    elif kind == "loop":
+        os.symlink(name, path)
+    elif kind == "dangling":
+        os.symlink("no_such_file", path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        os.mkdir(path)
+    elif kind == "oversized":
+        with open(path, "wb") as f:
+            f.truncate(4097)  # over the cap the target sets
+    else:
+        with open(path, "wb") as f:
+            f.write(good)
+        return good
+    return b""
+
+
+@_settings(COMPANION_EXAMPLES)
+@given(data=st.data())
+def test_fuzz_export_companions(e2e_seeds, data):
+    from unittest import mock
+
+    import pyckpt.export as export
+
+    with mock.patch.object(export, "COMPANION_MAX_BYTES", 4096):
+        _export_with_companion(e2e_seeds["s2_bf16_dp2"], data, export)
+
+
+def _export_with_companion(ck, data, export) -> None:
+    name = data.draw(st.sampled_from(list(export.COMPANION_FILES)))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "ckpt")
+        shutil.copytree(ck.root, root)
+        outside = os.path.join(tmp, "secret.json")
+        with open(outside, "wb") as f:
+            f.write(SECRET)
+        folder = root if data.draw(st.booleans()) else os.path.join(root, ck.tag)  # the Trainer's place or the tag's
+        expected = _plant_companion(data.draw, folder, name, outside)
+        before = digest(root)
+        out = os.path.join(tmp, "out")
+        try:
+            export_report = pyckpt.export_hf(root, out, workers=1)
+            outcome = "ok"
+            assert export_report.files >= 1
+            for f in os.listdir(out):
+                with open(os.path.join(out, f), "rb") as fh:
+                    assert SECRET not in fh.read(), f"{f} holds bytes of a file outside the checkpoint"
+            copied = os.path.join(out, name)
+            if os.path.exists(copied) and name != "config.json":
+                with open(copied, "rb") as fh:
+                    assert fh.read() == expected, f"{name} is not the checkpoint's own file"
+        except Exception as exc:
+            outcome = _check_error(exc, root)
+            assert SECRET.decode() not in str(exc)
+            assert not os.path.exists(out), "a failed run left an output"
+        assert digest(root) == before, "the input changed"
+        assert sorted(n for n in os.listdir(tmp) if not n.startswith(".out")) in (
+            ["ckpt", "secret.json"], ["ckpt", "out", "secret.json"]), os.listdir(tmp)
+    TALLY["export-companions"][outcome] += 1

@@ -319,6 +319,142 @@ def test_a_missing_state_file_fails_every_rank_and_changes_nothing(universal, tm
                 assert kind == "RankLoadError" and f"rank {owners[0]}" in message, (name, key, rank, x["error"])
 
 
+def _per_rank_copy(src: Path, dst: Path, damage) -> str:
+    shutil.copytree(src, dst)
+    damage(dst)
+    return str(dst)
+
+
+def test_a_file_that_fails_on_one_rank_only_fails_every_rank_promptly(universal, tmp_path):
+    """A checkpoint that differs between ranks (one node sees a damaged copy): the rank whose read
+    fails names its file, the others name that rank, all at once (each rank catches the error and
+    goes on, as a training script might: before, the others waited in pyckpt's agreement until the
+    process group's timeout), and no rank's state changed, counters and scheduler included. The reads
+    DeepSpeed makes before the optimizer load (the model-state file, latest_universal; latest and the
+    tag folder of a direct resume) are made ahead, inside an agreed step."""
+    import datetime
+
+    name = "z1-fp32"
+    src = universal[name].root
+    cfg = _target(CASES[name][0], 3)
+    model = Path(TAG) / "mp_rank_00_model_states.pt"
+
+    def truncate(root):
+        data = (root / model).read_bytes()
+        (root / model).write_bytes(data[:len(data) // 2])
+
+    def unsafe(root):
+        saved = torch.load(root / model, weights_only=False)  # the test's own file
+        saved["hook"] = datetime.timedelta(days=1)  # off the allowlist: refused, not unpickled
+        torch.save(saved, root / model)
+
+    def no_pointer(root):  # with `latest` there, the load would resume from the ZeRO checkpoint it names
+        (root / "latest_universal").unlink()
+        (root / "latest").unlink()
+
+    def bad_latest(root):
+        shutil.rmtree(root / TAG)
+        (root / "latest").write_text("global_step9")
+
+    cases = [  # (damage, damaged rank, tag, way, expected error on that rank, what it names)
+        (truncate, 1, TAG, "pyckpt", "CheckpointFormatError", "mp_rank_00_model_states.pt: "),
+        (unsafe, 2, TAG, "pyckpt", "UnsafePickleError", "mp_rank_00_model_states.pt"),
+        (no_pointer, 0, None, "pyckpt", "ValueError", "latest_universal does not exist"),
+        (bad_latest, 1, None, "direct", "CheckpointFormatError", "global_step9"),
+    ]
+    tasks = []
+    for i, (damage, rank, tag, way, _, _) in enumerate(cases):
+        root = _per_rank_copy(src, tmp_path / f"{i}-rank{rank}", damage)
+        tasks.append(_call("failing_each_way", cfg, root=str(src), rank_roots={str(rank): root}, tag=tag,
+                           ways=(way, )))
+    for (damage, rank, tag, way, kind, names), res in zip(cases, _launch(3, tasks, None, "one rank fails", 240)):
+        for r, x in enumerate(res["ranks"]):
+            got = x[way]
+            assert got["changed"] == [], (damage.__name__, r, got["changed"])
+            error_kind, message = got["error"]
+            if r == rank:
+                assert error_kind == kind and names in message, (damage.__name__, r, got["error"])
+                assert str(tmp_path) in message or kind == "ValueError", (damage.__name__, message)
+            else:
+                assert error_kind == "RankLoadError" and f"failed on rank {rank} ({kind}" in message, \
+                    (damage.__name__, r, got["error"])
+
+
+FUZZ_LOADS = max(8, int(os.environ.get("PYCKPT_FUZZ_EXAMPLES", "1000")) // 40)
+
+
+def _damage_state_files(rnd, root: Path, outside: Path) -> str:
+    """One hostile change to a universal folder's state files: missing, extra, linked (out of the
+    checkpoint, to /proc, or to another file inside), truncated. Returns what was done."""
+    zero = root / TAG / "zero"
+    params = sorted(p.name for p in zero.iterdir() if p.is_dir())
+    param = rnd.choice(params)
+    files = sorted(p.name for p in (zero / param).iterdir())
+    victim = rnd.choice(files + ["../optimizer_state.pt"])
+    path = zero / param / victim
+    how = rnd.choice(["missing", "extra", "extra-folder", "link-outside", "link-proc", "link-inside", "truncated"])
+    if how == "missing":
+        path.unlink()
+    elif how == "extra":
+        shutil.copyfile(zero / param / "fp32.pt", zero / param / rnd.choice(["momentum.pt", "exp_avg2.pt", "x.pt"]))
+    elif how == "extra-folder":
+        (zero / "not.in.the.model").mkdir()
+        shutil.copyfile(zero / param / "fp32.pt", zero / "not.in.the.model" / "fp32.pt")
+    elif how.startswith("link"):
+        copy = outside / f"{param}-{path.name}"
+        shutil.copyfile(path, copy)
+        path.unlink()
+        other = zero / rnd.choice([p for p in params if p != param]) / path.name
+        os.symlink({"link-outside": str(copy), "link-proc": "/proc/self/environ", "link-inside": str(other)}[how], path)
+    else:
+        data = path.read_bytes()
+        path.write_bytes(data[:rnd.randrange(len(data))])
+    return f"{how} {param}/{victim}"
+
+
+@pytest.mark.fuzz
+def test_fuzz_universal_load_state_files(universal, tmp_path):
+    """Fuzzing the load backend's state files, derandomized: each input damages one state file of a
+    universal folder (missing, extra, linked, truncated), on every rank or on one rank's copy only
+    (a checkpoint that differs between ranks), and loads it with pyckpt at another world size. Every
+    rank must end the same way: all load, or all raise (a pyckpt error naming the file, DeepSpeed's
+    own error for what its load refuses, or RankLoadError naming the failing rank) with no state
+    changed; and nothing may hang. PYCKPT_FUZZ_EXAMPLES / 40 inputs (at least 8), one launch."""
+    import random
+
+    rnd = random.Random(21)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    tasks, what = [], []
+    for i in range(FUZZ_LOADS):
+        name = rnd.choice(["z1-fp32", "z2-bf16", "bf16_optimizer"])
+        src = universal[name].root
+        root = tmp_path / f"{i}"
+        shutil.copytree(src, root)
+        done = _damage_state_files(rnd, root, outside)
+        one = rnd.choice([None, 0, 1, 2])
+        extra = {"root": str(root)} if one is None else {"root": str(src), "rank_roots": {str(one): str(root)}}
+        tasks.append(_call("failing_each_way", _target(CASES[name][0], 3), tag=TAG, ways=("pyckpt", ), **extra))
+        what.append((name, done, "every rank" if one is None else f"rank {one} only"))
+    # pyckpt's errors, and DeepSpeed's own where pyckpt runs DeepSpeed's checks (its restore-metadata
+    # resolvers assert on a slice that does not fit, naming the file)
+    allowed = {"CheckpointFormatError", "RankLoadError", "ValueError", "UnsafePickleError",
+               "UnsupportedCheckpointError", "AssertionError"}
+    outcomes = {}
+    for w, res in zip(what, _launch(3, tasks, None, "fuzz universal load", 600)):
+        errors = [x["pyckpt"]["error"] for x in res["ranks"]]
+        outcomes[w] = "ok" if all(e is None for e in errors) else sorted({e[0] for e in errors if e})
+        assert all(e is None for e in errors) or all(e is not None for e in errors), (w, errors)
+        for r, x in enumerate(res["ranks"]):
+            e = x["pyckpt"]["error"]
+            if e is None:
+                continue
+            assert x["pyckpt"]["changed"] == [], (w, r, x["pyckpt"]["changed"])
+            assert e[0] in allowed and "\n" not in e[1].split(" (")[0], (w, r, e)
+            assert e[0] == "RankLoadError" or str(tmp_path) in e[1] or e[0] == "ValueError", (w, r, e)
+    print(outcomes)
+
+
 # Resuming straight from the ZeRO checkpoint: (case, target world size); "-nouc" reads the same run
 # saved without universal_checkpoint_info (as --inject_missing_state does) against the case's
 # converted folder.

@@ -111,7 +111,7 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
                     buffers.setdefault(key, []).append((sf, part, hp_start))
             links.append((lp, hp_start, numel))
             steps.append(ps.step)
-            keys_of.append((ps, set(ps.states)))
+            keys_of.append((ps, set(ps.states) | ({"step"} if ps.step is not None else set())))
         _check_complete(keys_of, i)
         if not links and lp_groups[i]:
             # Padding only on this rank: the group's step and state keys from its first parameter.
@@ -166,6 +166,9 @@ def _check_complete(keys_of, group: int) -> None:
         if "fp32" not in have:
             raise CheckpointFormatError(f"{ps.path_of('fp32')}: missing: the parameter's fp32 master (every "
                                         "parameter of a Universal Checkpoint has one)")
+        if "step" in keys - have:
+            raise CheckpointFormatError(f"{ps.path_of('step')}: missing: the other parameters of param group {group} "
+                                        "have their step")
         for key in sorted(keys - have):
             raise ValueError(f"{key} not found in optimizer state fragment: {ps.path_of(key)} is missing (other "
                              f"parameters of param group {group} have one)")
