@@ -22,7 +22,7 @@ from typing import List
 
 from ..errors import CheckpointFormatError
 from ..native import _core
-from .torch_zip import file_kind, read_capped
+from .torch_zip import read_capped, regular_fd
 
 # Linux's SYMLOOP_MAX: more hops than the kernel itself would follow is a loop.
 MAX_LINK_HOPS = 40
@@ -139,18 +139,12 @@ def open_inside(folder: str, name: str) -> int:
 
 
 def _regular_file(fd: int, shown: str) -> int:
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointFormatError(f"{shown}: {file_kind(st.st_mode)}, not a regular file")
+    def real_filesystem(fd: int) -> None:
         kind = PSEUDO_FILESYSTEMS.get(_core.filesystem_type(fd))
         if kind is not None:
             raise CheckpointFormatError(f"{shown}: a file of the kernel's {kind}, not a checkpoint file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+
+    return regular_fd(fd, shown, real_filesystem)
 
 
 def read_inside(folder: str, name: str, limit: int, expected: str = "") -> bytes:

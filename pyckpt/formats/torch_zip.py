@@ -167,10 +167,18 @@ def open_regular(path: str) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointFormatError(f"{path}: file not found") from None
+    return regular_fd(fd, path)
+
+
+def regular_fd(fd: int, path: str, check=None) -> int:
+    """``fd`` made blocking once it is known to be a regular file (and passes ``check(fd)``); closed
+    and refused otherwise."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointFormatError(f"{path}: {file_kind(st.st_mode)}, not a regular file")
+        if check is not None:
+            check(fd)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
