@@ -33,6 +33,7 @@ The layouts this reproduces (as DeepSpeed 0.19.8's engine and ZeRO optimizers sa
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import importlib.util
 import math
@@ -61,6 +62,11 @@ HEAD_ROWS = 7  # the dense model's output head: an odd row count keeps the flat 
 VOCAB = 11  # the AutoEP model's embedding / lm_head rows (as the harness's TinyMoE)
 VOCAB_TP = 37  # the TP model's vocabulary before padding to a multiple of tp (3 padded rows are stripped)
 WEIGHTS = ("w1", "w2", "w3")
+# Realistic layouts (--family): Hugging Face names, as the models are built for training under DeepSpeed.
+FAMILIES = ("toy", "llama", "mixtral", "deepseek")
+FAMILY_VOCAB = {"llama": 128256, "mixtral": 32000, "deepseek": 129280}  # Llama 3, Mixtral 8x7B, DeepSeek-V3
+FAMILY_EXPERTS = {"mixtral": 8, "deepseek": 256}
+AUTOEP_PRESET = {"toy": "mixtral", "mixtral": "mixtral", "deepseek": "deepseek_v3"}
 
 # ----------------------------------------------------------------------------------------------
 # DeepSpeed objects, written under their global names without importing DeepSpeed
@@ -270,6 +276,7 @@ class Model:
     tp: int = 1
     tp_kind: Dict[str, str] = field(default_factory=dict)
     vocab_rows: int = 0  # the unpadded vocabulary (original_vocab_size)
+    family: str = "toy"
 
     @property
     def autoep(self) -> bool:
@@ -383,33 +390,222 @@ def _default_ffn(hidden: int) -> int:
     return (hidden * 3 // 8) | 1  # odd, so expert rows never align with anything
 
 
+def _largest_divisor_at_most(n: int, k: int) -> int:
+    return next(d for d in range(max(1, min(n, k)), 0, -1) if n % d == 0)
+
+
+def _gqa_heads(hidden: int, heads: Optional[int], kv_heads: Optional[int], tp: int = 1) -> Tuple[int, int]:
+    """(query heads, key/value heads). Defaults follow Llama 3 / Mixtral (head_dim 128, 8 KV heads at
+    4096 and 8192 wide) and shrink with the width, keeping fewer KV than query heads where the width
+    allows it (hidden 8: 4 heads of 2, 2 KV heads)."""
+    if heads is None:
+        heads = _largest_divisor_at_most(hidden, max(4, hidden // 128))
+        while tp > 1 and heads % tp and hidden % (heads * 2) == 0:
+            heads *= 2
+    if heads < 1 or hidden % heads:
+        raise ValueError(f"--heads {heads} must divide --hidden {hidden}")
+    if kv_heads is None:
+        kv_heads = _largest_divisor_at_most(heads, max(1, min(8, heads // 2)))
+        if tp > 1 and kv_heads % tp and heads % tp == 0:
+            kv_heads = _largest_divisor_at_most(heads, tp) if tp <= heads else heads
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"--kv-heads {kv_heads} must divide the {heads} query heads")
+    if tp > 1 and (heads % tp or kv_heads % tp):
+        raise ValueError(f"--tp {tp} must divide the query heads ({heads}) and the KV heads ({kv_heads}); "
+                         "pass --heads/--kv-heads or a wider --hidden")
+    return heads, kv_heads
+
+
+def _gqa_attention(base: str, hidden: int, heads: int, kv_heads: int, tp: int = 1):
+    """(name, per-tp-rank shape, tp kind) of a Llama/Mixtral attention block: q/k/v column-parallel,
+    o row-parallel, k/v with kv_heads * head_dim rows."""
+    hd = hidden // heads
+    return [(f"{base}.self_attn.q_proj.weight", (heads * hd // tp, hidden), "column"),
+            (f"{base}.self_attn.k_proj.weight", (kv_heads * hd // tp, hidden), "column"),
+            (f"{base}.self_attn.v_proj.weight", (kv_heads * hd // tp, hidden), "column"),
+            (f"{base}.self_attn.o_proj.weight", (hidden, heads * hd // tp), "row")]
+
+
+def _norms(base: str, hidden: int):
+    return [(f"{base}.input_layernorm.weight", (hidden, ), "replicated"),
+            (f"{base}.post_attention_layernorm.weight", (hidden, ), "replicated")]
+
+
+def llama_model(layers: int, hidden: int, *, heads: Optional[int] = None, kv_heads: Optional[int] = None,
+                ffn: Optional[int] = None, vocab: Optional[int] = None, tp: int = 1) -> Model:
+    """LlamaForCausalLM's parameters in named_parameters() order (untied embeddings): 9 per layer + 3.
+
+    With ``tp > 1`` the Megatron-style slicing of :func:`tp_model` under Llama's names: q/k/v and
+    gate/up column-parallel, o/down row-parallel, norms replicated, embed_tokens and lm_head
+    vocabulary-parallel (padded to a multiple of tp; the padding is stripped on conversion)."""
+    heads, kv_heads = _gqa_heads(hidden, heads, kv_heads, tp)
+    ffn = ffn or 7 * hidden // 2  # Llama 3 8B/70B: 14336 at 4096, 28672 at 8192
+    vocab = vocab or FAMILY_VOCAB["llama"]
+    if tp > 1 and ffn % tp:
+        raise ValueError(f"the MLP width {ffn} is not divisible by --tp {tp}")
+    rows = _ceil_to(vocab, tp) // tp
+    spec = [("model.embed_tokens.weight", (rows, hidden), "vocab")]
+    for i in range(layers):
+        base = f"model.layers.{i}"
+        spec += _gqa_attention(base, hidden, heads, kv_heads, tp)
+        spec += [(f"{base}.mlp.gate_proj.weight", (ffn // tp, hidden), "column"),
+                 (f"{base}.mlp.up_proj.weight", (ffn // tp, hidden), "column"),
+                 (f"{base}.mlp.down_proj.weight", (hidden, ffn // tp), "row")]
+        spec += _norms(base, hidden)
+    spec += [("model.norm.weight", (hidden, ), "replicated"), ("lm_head.weight", (rows, hidden), "vocab")]
+    m = Model([(n, s) for n, s, _ in spec], family="llama")
+    if tp > 1:
+        m.tp, m.tp_kind, m.vocab_rows = tp, {n: k for n, _, k in spec}, vocab
+    return m
+
+
+def _add_experts(m: Model, module_path: str, experts: int, ep: int, ffn: int, hidden: int) -> None:
+    # AutoEP's GroupedExperts: w1/w3 [local, ffn, hidden], w2 [local, hidden, ffn], one EP rank's experts
+    layer = MoELayer(len(m.layers), module_path, experts, ep)
+    m.layers.append(layer)
+    nl = experts // ep
+    for w, shape in zip(WEIGHTS, ((nl, ffn, hidden), (nl, hidden, ffn), (nl, ffn, hidden))):
+        name = f"{layer.prefix}.{w}"
+        m.params.append((name, shape))
+        m.expert_layer[name] = layer
+
+
+def mixtral_model(layers: int, hidden: int, experts: int, ep: int, *, heads: Optional[int] = None,
+                  kv_heads: Optional[int] = None, ffn: Optional[int] = None, vocab: Optional[int] = None) -> Model:
+    """MixtralForCausalLM (transformers 5) after DeepSpeed AutoEP replaced every ``model.layers.{i}.mlp``
+    (the mixtral preset's moe_layer_pattern) with an AutoEPMoELayer: ``mlp.router.gate.weight`` and
+    the fused ``mlp.experts.w1/w2/w3``. The Mixtral adapter captures router logits at the router, so
+    AutoEP also registers the router under the source's name ``gate``: the module state dict repeats
+    the router weight as ``mlp.gate.gate.weight`` (a module-only key, no optimizer state)."""
+    if experts % ep:
+        raise ValueError(f"--experts {experts} is not divisible by --ep {ep}")
+    heads, kv_heads = _gqa_heads(hidden, heads, kv_heads)
+    ffn = ffn or 7 * hidden // 2  # Mixtral 8x7B: 14336 at 4096
+    vocab = vocab or FAMILY_VOCAB["mixtral"]
+    m = Model([("model.embed_tokens.weight", (vocab, hidden))], family="mixtral")
+    for i in range(layers):
+        base = f"model.layers.{i}"
+        m.params += [(n, s) for n, s, _ in _gqa_attention(base, hidden, heads, kv_heads)]
+        router = f"{base}.mlp.router.gate.weight"
+        m.params.append((router, (experts, hidden)))
+        m.aliases[f"{base}.mlp.gate.gate.weight"] = router
+        _add_experts(m, f"{base}.mlp", experts, ep, ffn, hidden)
+        m.params += [(n, s) for n, s, _ in _norms(base, hidden)]
+    m.params += [("model.norm.weight", (hidden, )), ("lm_head.weight", (vocab, hidden))]
+    return m
+
+
+def deepseek_model(layers: int, hidden: int, experts: int, ep: int, *, dense_layers: int = 3,
+                   heads: Optional[int] = None, vocab: Optional[int] = None) -> Model:
+    """DeepseekV3ForCausalLM (transformers 5) after AutoEP's deepseek_v3 preset replaced the MoE
+    ``model.layers.{i}.mlp`` (layers from ``dense_layers`` = first_k_dense_replace on).
+
+    Per layer: MLA attention (q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+    kv_b_proj, o_proj), then either the dense ``mlp.{gate,up,down}_proj`` or the AutoEP layer:
+    ``mlp.router.gate.weight``, ``mlp.experts.w1/w2/w3`` and the kept ``mlp.shared_experts`` MLP
+    (replicated: trained in the dense param group), then the two norms. The DeepSeek adapter does
+    not capture router logits at the router, so there is no router alias. Shapes are DeepSeek-V3's
+    ratios (at hidden 7168: 128 heads, q_lora 1536, kv_lora 512, rope 64, nope/v 128, MLP 18432,
+    expert MLP 2048), floored at 1. The router's e_score_correction_bias buffer is left out.
+    """
+    if experts % ep:
+        raise ValueError(f"--experts {experts} is not divisible by --ep {ep}")
+    if not 0 <= dense_layers < layers:
+        raise ValueError(f"--dense-layers must be in [0, layers={layers}), not {dense_layers}")
+    h = hidden
+    heads = heads or max(1, h // 56)
+    rope = max(1, h // 112)
+    nope = v_dim = 2 * rope
+    q_lora, kv_lora = max(1, 3 * h // 14), max(1, h // 14)
+    ffn, moe_ffn = max(1, 18 * h // 7), max(1, 2 * h // 7)
+    vocab = vocab or FAMILY_VOCAB["deepseek"]
+    m = Model([("model.embed_tokens.weight", (vocab, h))], family="deepseek")
+    for i in range(layers):
+        base = f"model.layers.{i}"
+        attn = f"{base}.self_attn"
+        m.params += [(f"{attn}.q_a_proj.weight", (q_lora, h)), (f"{attn}.q_a_layernorm.weight", (q_lora, )),
+                     (f"{attn}.q_b_proj.weight", (heads * (nope + rope), q_lora)),
+                     (f"{attn}.kv_a_proj_with_mqa.weight", (kv_lora + rope, h)),
+                     (f"{attn}.kv_a_layernorm.weight", (kv_lora, )),
+                     (f"{attn}.kv_b_proj.weight", (heads * (nope + v_dim), kv_lora)),
+                     (f"{attn}.o_proj.weight", (h, heads * v_dim))]
+        if i < dense_layers:
+            m.params += [(f"{base}.mlp.gate_proj.weight", (ffn, h)), (f"{base}.mlp.up_proj.weight", (ffn, h)),
+                         (f"{base}.mlp.down_proj.weight", (h, ffn))]
+        else:
+            m.params.append((f"{base}.mlp.router.gate.weight", (experts, h)))
+            _add_experts(m, f"{base}.mlp", experts, ep, moe_ffn, h)
+            shared = f"{base}.mlp.shared_experts"
+            m.params += [(f"{shared}.gate_proj.weight", (moe_ffn, h)), (f"{shared}.up_proj.weight", (moe_ffn, h)),
+                         (f"{shared}.down_proj.weight", (h, moe_ffn))]
+        m.params += [(n, s) for n, s, _ in _norms(base, h)]
+    m.params += [("model.norm.weight", (h, )), ("lm_head.weight", (vocab, h))]
+    return m
+
+
 def size_model(params: int, layers: Optional[int], hidden: Optional[int], experts: int = 0, ep: int = 1,
-               moe_layers: int = 0, tp: int = 1) -> Model:
+               moe_layers: int = 0, tp: int = 1, family: str = "toy", *, heads: Optional[int] = None,
+               kv_heads: Optional[int] = None, dense_layers: int = 3, vocab: Optional[int] = None) -> Model:
     """The model closest to ``params`` parameters for the given (or default) depth or width.
 
-    With ``tp > 1`` the width searched is hidden / tp (so hidden stays a multiple of tp)."""
+    With ``tp > 1`` the toy width searched is hidden / tp (so hidden stays a multiple of tp). The
+    realistic families search widths in steps of 64 (so head counts stay natural)."""
+    if family not in FAMILIES:
+        raise ValueError(f"--family must be one of {', '.join(FAMILIES)}, not {family!r}")
+    toy = family == "toy"
+    if not toy:
+        if moe_layers:
+            raise ValueError(f"--moe-layers is a toy-model setting; --family {family} fixes which layers are MoE")
+        if family != "llama" and tp > 1:
+            raise ValueError("--tp with --experts: DeepSpeed refuses AutoEP combined with tensor parallelism")
+        if family == "llama" and experts:
+            raise ValueError("--family llama is dense: use --family mixtral or deepseek for experts")
+        if family == "deepseek" and kv_heads is not None:
+            raise ValueError("--kv-heads: DeepSeek's MLA attention has no KV heads")
+    elif heads is not None or kv_heads is not None or vocab is not None:
+        raise ValueError("--heads, --kv-heads and --vocab need --family llama, mixtral or deepseek")
+    experts = experts or FAMILY_EXPERTS.get(family, 0)
 
     def build(n_layers, h):
+        if family == "llama":
+            return llama_model(n_layers, h, heads=heads, kv_heads=kv_heads, vocab=vocab, tp=tp)
+        if family == "mixtral":
+            return mixtral_model(n_layers, h, experts, ep, heads=heads, kv_heads=kv_heads, vocab=vocab)
+        if family == "deepseek":
+            return deepseek_model(n_layers, h, experts, ep, dense_layers=dense_layers, heads=heads, vocab=vocab)
         if experts:
             return autoep_model(n_layers, h, experts, ep, moe_layers)
         if tp > 1:
             return tp_model(n_layers, h * tp, tp)
         return dense_model(n_layers, h)
 
-    if tp > 1 and hidden is not None:
+    if toy and tp > 1 and hidden is not None:
         if hidden % tp:
             raise ValueError(f"--hidden {hidden} is not divisible by --tp {tp}")
         hidden //= tp
+    min_layers = max(1, moe_layers, dense_layers + 1 if family == "deepseek" else 1)
 
     if layers is not None and hidden is not None:
         return build(layers, hidden)
     if hidden is not None:
-        lo = max(1, moe_layers)
+        lo = min_layers
         one, two = build(lo, hidden).numel(), build(lo + 1, hidden).numel()
         n_layers = max(lo, lo + round((params - one) / (two - one)))
         return build(n_layers, hidden)
     if layers is None:
-        layers = max(2, moe_layers, min(64, round(params ** (1 / 3) / 64)))
+        layers = max(2, min_layers, min(64, round(params ** (1 / 3) / 64)))
+    if not toy:
+        # numel grows with the width: bisect on multiples of 64, then the closer neighbour
+        def size(k):
+            return build(layers, 64 * k).numel()
+
+        lo, hi = 1, 2
+        while size(hi) < params:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if size(mid) <= params else (lo, mid)
+        return build(layers, 64 * min((lo, hi), key=lambda k: abs(size(k) - params)))
     # numel grows with the width: bisect for the last odd width at or under the target, then take
     # whichever of it and the next odd width is closer.
     lo, hi = 1, 3
@@ -463,8 +659,28 @@ class Group:
     expert: bool  # partitioned over the expert-DP group; one content per EP rank
     param_group: int  # index into the optimizer's param_groups
 
+    def starts(self) -> List[int]:
+        """Each parameter's offset in the flat group, then the group's numel (computed once: every rank asks)."""
+        found = self.__dict__.get("_starts")
+        if found is None:
+            found = [0]
+            for _, shape in self.params:
+                found.append(found[-1] + math.prod(shape))
+            self.__dict__["_starts"] = found
+        return found
+
     def numel(self) -> int:
-        return sum(math.prod(s) for _, s in self.params)
+        return self.starts()[-1]
+
+    def overlapping(self, start: int, end: int):
+        """(index, name, offset, numel) of the parameters overlapping elements [start, end), found by
+        bisection, so a rank's partition costs what it holds, not the whole group."""
+        starts = self.starts()
+        i = max(0, bisect.bisect_right(starts, start) - 1)
+        while i < len(self.params) and starts[i] < end:
+            if starts[i + 1] > start:
+                yield i, self.params[i][0], starts[i], starts[i + 1] - starts[i]
+            i += 1
 
     def content(self, topo: Topology, d: int) -> Tuple[int, int]:
         """(which content: 0, or the EP rank; partition rank) of dp rank d."""
@@ -486,12 +702,30 @@ class _Writer:
         self.noise, self.seed, self.tag = noise, seed, tag
         self.lp_dtype = "bfloat16" if dtype == "bf16" else "float32"
         self.plan = Plan()
+        # make_checkpoint hands each batch of archives to the executor as it fills, so the objects
+        # and pickles of a many-rank checkpoint are never all in memory at once.
+        self.flush = None
+        self.batch = 256
         self.ds_id = {name: i for i, (name, _) in enumerate(model.params)}
+        self.shapes = dict(model.params)
+        self._starts: Dict[tuple, int] = {}
+        self._cache: Dict[str, object] = {}  # per-checkpoint objects every rank's file repeats
+
+    def emit(self, relpath: str, obj) -> None:
+        self.plan.add_archive(relpath, obj)
+        if self.flush is not None and len(self.plan.archives) >= self.batch:
+            self.flush(self.plan)
+            self.plan = Plan()
 
     # -- where values come from --------------------------------------------------------------
     def _start(self, *key) -> int:
+        # one hash per window, not per rank's fragment of it
+        found = self._starts.get(key)
+        if found is not None:
+            return found
         digest = hashlib.blake2b(repr((self.seed, ) + key).encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
+        found = self._starts[key] = int.from_bytes(digest, "little")
+        return found
 
     def _region(self, state: str) -> Region:
         return self.noise.nonneg if state == "exp_avg_sq" else self.noise.f32
@@ -512,16 +746,11 @@ class _Writer:
                    flat: Flat) -> Flat:
         # With tp, content is the tp rank and each parameter is its own window, so replicated
         # parameters (weights and moments) are equal on every tp rank, as training keeps them.
-        o, end = 0, start + count
-        for name, shape in group.params:
-            n = math.prod(shape)
+        end = start + count
+        for _, name, o, n in group.overlapping(start, end):
             a, b = max(o, start), min(o + n, end)
-            if a < b:
-                who = "all" if self.m.tp_kind[name] == "replicated" else content
-                flat.add(region, self._start("param", name, who, key) + (a - o), b - a)
-            o += n
-            if o >= end:
-                break
+            who = "all" if self.m.tp_kind[name] == "replicated" else content
+            flat.add(region, self._start("param", name, who, key) + (a - o), b - a)
         return flat
 
     def lp(self, group: Group, content: int, start: int, count: int, flat: Flat) -> Flat:
@@ -569,6 +798,12 @@ class _Writer:
 
     # -- common pieces of the model-state files ----------------------------------------------
     def ds_config(self) -> dict:
+        found = self._cache.get("ds_config")
+        if found is None:
+            found = self._cache["ds_config"] = self._ds_config()
+        return found
+
+    def _ds_config(self) -> dict:
         zero = {"stage": self.stage}
         if self.stage == 3 and self.sub_group_size is not None:
             zero["sub_group_size"] = self.sub_group_size
@@ -583,32 +818,46 @@ class _Writer:
         if self.dtype == "bf16":
             config["bf16"] = {"enabled": True}
         if self.m.autoep:
-            config["expert_parallel"] = {"enabled": True, "autoep_size": self.topo.ep, "preset_model": "mixtral"}
+            config["expert_parallel"] = {"enabled": True, "autoep_size": self.topo.ep,
+                                        "preset_model": AUTOEP_PRESET[self.m.family]}
             config["use_data_before_expert_parallelism"] = self.topo.data_before_expert
         return config
 
     def param_shapes(self, groups: Sequence[Group]) -> list:
         # AutoEP engines record plain tuples here; dense ones torch.Size (observed in 0.19.8 saves).
-        shape_of = tuple if self.m.autoep else TorchSize
-        return [OrderedDict((n, shape_of(s)) for n, s in g.params) for g in groups]
+        found = self._cache.get("param_shapes")
+        if found is None:
+            shape_of = tuple if self.m.autoep else TorchSize
+            found = self._cache["param_shapes"] = [OrderedDict((n, shape_of(s)) for n, s in g.params) for g in groups]
+        return found
 
-    def autoep_entries(self, d: int) -> list:
-        """``ds_autoep_layers`` as dp rank d's engine writes it (0.19.8 fields, uniform placement)."""
-        entries = []
-        for layer in self.m.layers:
-            nl, e = layer.num_local, self.topo.ep_rank(d)
+    def _layer_maps(self, layer: MoELayer) -> Tuple[dict, dict]:
+        """(expert_placement, affine_maps params) of a layer: the same in every rank's file, so built once."""
+        key = f"layer_maps/{layer.moe_layer_id}"
+        found = self._cache.get(key)
+        if found is None:
+            nl = layer.num_local
             placement = {"version": 1, "num_experts": layer.num_experts, "ep_size": layer.ep_size,
                          "ranks": [{"rank": r, "experts": list(range(r * nl, (r + 1) * nl))} for r in range(layer.ep_size)]}
             affine = {}
             for w in WEIGHTS:
                 name = f"{layer.prefix}.{w}"
-                local = list(dict(self.m.params)[name])
+                local = list(self.shapes[name])
                 strides = list(_contiguous_stride(local))
                 row = math.prod(local[1:])
                 affine[name] = {"logical_shape": [layer.num_experts] + local[1:], "ranks": {
                     r: {"shard_shape": local, "pieces": [{"shape": local, "source": [r * nl * row, strides],
                                                           "dest": [0, strides], "locations": [r]}]}
                     for r in range(layer.ep_size)}}
+            found = self._cache[key] = (placement, affine)
+        return found
+
+    def autoep_entries(self, d: int) -> list:
+        """``ds_autoep_layers`` as dp rank d's engine writes it (0.19.8 fields, uniform placement)."""
+        entries = []
+        for layer in self.m.layers:
+            nl, e = layer.num_local, self.topo.ep_rank(d)
+            placement, affine = self._layer_maps(layer)
             entries.append({
                 "moe_layer_id": layer.moe_layer_id,
                 "module_path": layer.module_path,
@@ -676,10 +925,10 @@ class _Writer:
     def write_zero12(self) -> None:
         groups = self.zero12_groups()
         for t in range(self.m.tp):
-            self.plan.add_archive(f"{self.tag}/mp_rank_{t:02d}_model_states.pt",
+            self.emit(f"{self.tag}/mp_rank_{t:02d}_model_states.pt",
                                   self.model_state(self.zero12_module(groups, t), groups, 0))
             for d in range(self.topo.dp):
-                self.plan.add_archive(self.shard_name(d, t), self.zero12_shard(groups, d, t))
+                self.emit(self.shard_name(d, t), self.zero12_shard(groups, d, t))
         if self.m.autoep:
             self.write_expert_files(groups[1])
 
@@ -738,13 +987,10 @@ class _Writer:
                                                             part - real).pieces)
             fp32_parts.append(view(storage, 0, (real, ), requires_grad=True))
             paddings.append(part - real)
-            frags, o = OrderedDict(), 0
-            for name, shape in g.params:
-                size = math.prod(shape)
+            frags = OrderedDict()
+            for _, name, o, size in g.overlapping(lo, lo + part):
                 a, b = max(o, lo), min(o + size, lo + part)
-                if a < b:
-                    frags[name] = fragment_address(b - a, a - lo)
-                o += size
+                frags[name] = fragment_address(b - a, a - lo)
             mappings.append(frags)
         osd = {
             "loss_scaler": loss_scaler(),
@@ -781,18 +1027,21 @@ class _Writer:
                         row = math.prod(row_shape)
                         flat = self.lp(group, e, offsets[name] + j * row, row, Flat())
                         obj[f"{name}.{eid}"] = tensor(self.lp_dtype, row_shape, flat)
-                    self.plan.add_archive(
+                    self.emit(
                         f"{self.tag}/layer_{layer.moe_layer_id}_expert_{eid}_mp_rank_00_model_states.pt", obj)
 
     # -- ZeRO-3 ------------------------------------------------------------------------------
     def write_zero3(self) -> None:
         groups = self.zero3_groups()
         for t, d in ((t, d) for t in range(self.m.tp) for d in range(self.topo.dp)):
-            # ZeRO-3 keeps only placeholders
-            module = OrderedDict((key, NewTensor(self.lp_dtype, (0, ))) for key, _ in self.module_keys())
-            self.plan.add_archive(f"{self.tag}/zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt",
+            # ZeRO-3 keeps only placeholders; every rank's file has the same ones
+            module = self._cache.get("zero3_module")
+            if module is None:
+                module = OrderedDict((key, NewTensor(self.lp_dtype, (0, ))) for key, _ in self.module_keys())
+                self._cache["zero3_module"] = module
+            self.emit(f"{self.tag}/zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt",
                                   self.model_state(module, groups, d))
-            self.plan.add_archive(self.shard_name(d, t), self.zero3_shard(groups, d, t))
+            self.emit(self.shard_name(d, t), self.zero3_shard(groups, d, t))
 
     def zero3_shard(self, groups: List[Group], d: int, t: int = 0) -> dict:
         state, flats, partition_groups = {}, [], []
@@ -884,8 +1133,12 @@ def build_plan(model: Model, *, dp: int, stage: int, dtype: str = "fp32", ep: in
     """The Plan writing ``tag/`` for an explicit model (relative paths; ``latest`` is not in it)."""
     check_topology(model, dp=dp, stage=stage, dtype=dtype, ep=ep, sub_group_size=sub_group_size)
     tag = tag or f"global_step{GLOBAL_STEPS}"
-    writer = _Writer(model, Topology(dp, ep, data_before_expert), stage, dtype, sub_group_size, noise, seed, tag)
-    if stage == 3:
+    return _write(_Writer(model, Topology(dp, ep, data_before_expert), stage, dtype, sub_group_size, noise, seed, tag))
+
+
+def _write(writer: "_Writer") -> Plan:
+    """Runs the writer; returns what it has not flushed (everything, when it has no flush)."""
+    if writer.stage == 3:
         writer.write_zero3()
     else:
         writer.write_zero12()
@@ -896,20 +1149,29 @@ def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", la
                     hidden: Optional[int] = None, experts: int = 0, ep: int = 1, moe_layers: int = 0,
                     sub_group_size: Optional[int] = None, data_before_expert: bool = False, seed: int = 0,
                     workers: Optional[int] = None, model: Optional[Model] = None, overwrite: bool = False,
-                    report: Optional[dict] = None, tp: int = 1) -> Path:
+                    report: Optional[dict] = None, tp: int = 1, family: str = "toy", heads: Optional[int] = None,
+                    kv_heads: Optional[int] = None, dense_layers: int = 3, vocab: Optional[int] = None) -> Path:
     """Write a DeepSpeed 0.19.8 ZeRO checkpoint under ``out``; returns the tag folder.
 
     ``params`` is the target parameter count (an int or '1B'); ``layers``/``hidden`` pin the depth
     or width, the other is solved for. ``experts > 0`` makes an AutoEP model with ``moe_layers``
     MoE layers of ``experts`` experts over ``ep`` EP ranks (``moe_layers`` defaults to 2). ``tp > 1``
-    makes a Megatron-style tensor-parallel model (:func:`tp_model`), one set of files per tp rank. ``model``
+    makes a Megatron-style tensor-parallel model (:func:`tp_model`), one set of files per tp rank.
+    ``family`` picks a realistic layout instead of the toy one: ``llama`` (:func:`llama_model`, also
+    with ``tp``), ``mixtral`` and ``deepseek`` (AutoEP, :func:`mixtral_model`, :func:`deepseek_model`;
+    ``experts`` defaults to 8 and 256), shaped by ``heads``, ``kv_heads``, ``dense_layers``, ``vocab``. ``model``
     overrides the sizing with an explicit :class:`Model`. ``report``, if given, receives the
     model's numel, bytes written, file count and seconds.
     """
     t0 = time.perf_counter()
     out = Path(out)
     if model is None:
-        if experts:
+        if family in ("mixtral", "deepseek"):
+            experts = experts or FAMILY_EXPERTS[family]
+        elif family != "toy":
+            if experts or ep != 1:
+                raise ValueError(f"--family {family} is dense: --experts/--ep need --family mixtral or deepseek")
+        elif experts:
             moe_layers = moe_layers or 2
         elif moe_layers or ep != 1:
             raise ValueError("--ep and --moe-layers need --experts")
@@ -917,7 +1179,8 @@ def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", la
             raise ValueError(f"--tp must be positive, not {tp}")
         if tp > 1 and experts:
             raise ValueError("--tp with --experts: DeepSpeed refuses AutoEP combined with tensor parallelism")
-        model = size_model(parse_count(params), layers, hidden, experts, ep, moe_layers, tp)
+        model = size_model(parse_count(params), layers, hidden, experts, ep, moe_layers, tp, family, heads=heads,
+                           kv_heads=kv_heads, dense_layers=dense_layers, vocab=vocab)
     check_topology(model, dp=dp, stage=stage, dtype=dtype, ep=ep, sub_group_size=sub_group_size)
     tag = f"global_step{GLOBAL_STEPS}"
     tag_dir = out / tag
@@ -929,10 +1192,22 @@ def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", la
     noise_path = out / f".make_checkpoint-noise-{os.getpid()}.bin"
     try:
         noise = Noise(str(noise_path), seed)
-        plan = build_plan(model, dp=dp, stage=stage, dtype=dtype, ep=ep, sub_group_size=sub_group_size,
-                          data_before_expert=data_before_expert, seed=seed, noise=noise, tag=tag)
-        t1 = time.perf_counter()
-        result = execute(plan, str(out), workers)
+        writer = _Writer(model, Topology(dp, ep, data_before_expert), stage, dtype, sub_group_size, noise, seed, tag)
+        result = {"bytes_written": 0, "files": 0}
+        busy = [0.0]  # seconds in the executor (the rest is planning and pickling)
+
+        def flush(plan: Plan) -> None:
+            if not (plan.archives or plan.raw_files or plan.copies):
+                return
+            t = time.perf_counter()
+            done = execute(plan, str(out), workers)
+            for key in result:
+                result[key] += done[key]
+            busy[0] += time.perf_counter() - t
+
+        writer.flush = flush
+        flush(_write(writer))
+        t1 = time.perf_counter() - busy[0]
         for script in _recovery_scripts():  # plain files, not checkpoint archives: copied as they are
             shutil.copy2(script, out / os.path.basename(script))
     finally:
@@ -959,7 +1234,16 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: a Megatron-style model cut into tp slices (column, row, fused, "
                         "vocabulary, replicated and averaged parameters), files per tp rank")
-    p.add_argument("--experts", type=int, default=0, help="AutoEP experts per MoE layer (0: dense model)")
+    p.add_argument("--family", choices=FAMILIES, default="toy",
+                   help="parameter layout: toy (default: the small synthetic stacks), llama (LlamaForCausalLM names, "
+                        "9 per layer + 3; works with --tp), mixtral or deepseek (DeepSeek-V3) under AutoEP")
+    p.add_argument("--heads", type=int, help="llama/mixtral/deepseek: attention heads (default: from --hidden)")
+    p.add_argument("--kv-heads", type=int, help="llama/mixtral: key/value heads (grouped-query; default from --heads)")
+    p.add_argument("--dense-layers", type=int, default=3,
+                   help="deepseek: the first N layers keep a dense MLP (first_k_dense_replace; default 3)")
+    p.add_argument("--vocab", type=int, help="llama/mixtral/deepseek: vocabulary rows (default: the real model's)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="AutoEP experts per MoE layer (0: dense model; mixtral/deepseek default 8/256)")
     p.add_argument("--ep", type=int, default=1, help="AutoEP size (EP ranks); must divide --dp and --experts")
     p.add_argument("--moe-layers", type=int, default=0, help="number of MoE layers (default 2 with --experts)")
     p.add_argument("--data-before-expert", action="store_true",
@@ -975,7 +1259,9 @@ def main(argv=None) -> int:
                                   layers=args.layers, hidden=args.hidden, experts=args.experts, ep=args.ep,
                                   moe_layers=args.moe_layers, sub_group_size=args.sub_group_size,
                                   data_before_expert=args.data_before_expert, seed=args.seed, workers=args.workers,
-                                  overwrite=args.overwrite, report=info, tp=args.tp)
+                                  overwrite=args.overwrite, report=info, tp=args.tp, family=args.family,
+                                  heads=args.heads, kv_heads=args.kv_heads, dense_layers=args.dense_layers,
+                                  vocab=args.vocab)
     except (ValueError, FileExistsError) as exc:  # bad arguments: one line, no traceback
         print(f"make_checkpoint: error: {exc}", file=sys.stderr)
         return 2
@@ -983,6 +1269,8 @@ def main(argv=None) -> int:
     kind = f"AutoEP ({len(m.layers)} MoE layers x {m.layers[0].num_experts} experts, ep {args.ep})" if m.autoep else "dense"
     if m.tp > 1:
         kind += f", tp {m.tp}"
+    if m.family != "toy":
+        kind = f"{m.family} ({len(m.params)} params{'' if m.tp == 1 else ' per tp rank'}), {kind}"
     print(f"{tag_dir}: {info['numel']:,} params, {kind}, ZeRO-{args.stage} {args.dtype} dp {args.dp}; "
           f"{info['files']} files, {info['bytes'] / 1e9:.2f} GB in {info['seconds']:.2f} s "
           f"(plan {info['plan_seconds']:.2f} s; {info['bytes'] / 1e9 / info['seconds']:.2f} GB/s)")
