@@ -197,16 +197,33 @@ class Flat:
         self.nbytes = 0
 
     def add(self, region: Region, start: int, count: int) -> "Flat":
+        if count <= 0:
+            return self
+        start %= region.length
+        if 0 < count <= region.length - start:  # no wrap: the common case, without the generator
+            return self._append(region.source, region.offset + start * region.itemsize, count * region.itemsize)
         for src, off, n in region.ranges(start, count):
-            last = self.pieces[-1] if self.pieces else None
-            if last is not None and last.src is src and last.src_off + last.nbytes == off:
-                last.nbytes += n  # adjacent ranges are one copy
-            else:
-                self.pieces.append(Piece(src, off, n, self.nbytes))
-            self.nbytes += n
+            self._append(src, off, n)
+        return self
+
+    def _append(self, src, off: int, n: int) -> "Flat":
+        last = self.pieces[-1] if self.pieces else None
+        if last is not None and last.src is src and last.src_off + last.nbytes == off:
+            last.nbytes += n  # adjacent ranges are one copy
+        else:
+            self.pieces.append(Piece(src, off, n, self.nbytes))
+        self.nbytes += n
         return self
 
     def zeros(self, region: Region, nbytes: int) -> "Flat":
+        # Padding after padding (a ZeRO-3 rank past the end of many small parameters) grows the last
+        # zero piece: any bytes of the zero region are zeros, so the copies stay few.
+        last = self.pieces[-1] if self.pieces else None
+        if (nbytes > 0 and last is not None and last.src is region.source and region.offset <= last.src_off
+                and last.src_off + last.nbytes + nbytes <= region.offset + region.length):
+            last.nbytes += nbytes
+            self.nbytes += nbytes
+            return self
         return self.add(region, 0, nbytes)
 
 

@@ -70,6 +70,17 @@ CASES = {
     "tp4_z2_bf16_dp3": dict(dp=3, stage=2, dtype="bf16", tp=4),
     "tp8_z2_fp32_dp2": dict(dp=2, stage=2, tp=8),
     "tp2_z3_fp32_dp3": dict(dp=3, stage=3, tp=2),
+    # realistic layouts (Hugging Face names), kept small by 11 vocabulary rows and tiny widths; hidden 9
+    # (3 heads of 3, 1 KV head) makes the dense group's size odd, so partitions carry padding
+    "llama_z1_fp32_dp2": dict(dp=2, stage=1, family="llama", layers=2, hidden=9, vocab=11),
+    "llama_z2_bf16_dp2": dict(dp=2, stage=2, dtype="bf16", family="llama", layers=2, hidden=9, vocab=11),
+    "llama_z3_fp32_dp2": dict(dp=2, stage=3, family="llama", layers=2, hidden=9, vocab=11),
+    "llama_tp2_z2_fp32_dp3": dict(dp=3, stage=2, tp=2, family="llama", layers=2, hidden=8, vocab=11),
+    "mixtral_z2_fp32": dict(dp=4, stage=2, family="mixtral", experts=4, ep=2, layers=2, hidden=9, vocab=11),
+    "deepseek_z2_fp32": dict(dp=4, stage=2, family="deepseek", experts=4, ep=2, layers=3, dense_layers=1,
+                             hidden=8, vocab=11),
+    "deepseek_z3_bf16": dict(dp=4, stage=3, dtype="bf16", family="deepseek", experts=4, ep=2, layers=3,
+                             dense_layers=1, hidden=8, vocab=11),
 }
 
 
@@ -140,7 +151,8 @@ def _universal(item, name, state):
     return t["param"] if isinstance(t, dict) else t
 
 
-@pytest.mark.parametrize("case", ["z2_fp32_dp4", "z3_fp32_dp3_subgroups", "ep_z1_fp32"])
+@pytest.mark.parametrize("case", ["z2_fp32_dp4", "z3_fp32_dp3_subgroups", "ep_z1_fp32", "mixtral_z2_fp32",
+                                  "deepseek_z2_fp32"])
 def test_values_are_varied_finite_and_consistent(generated, case):
     item = generated[case]
     params = item["info"]["model"].params
@@ -387,3 +399,101 @@ def test_bad_topologies_are_refused(tmp_path):
         mc.make_checkpoint(tmp_path / "d", params=10_000, dp=2, stage=2, experts=4, ep=2, tp=2)
     with pytest.raises(ValueError, match="not divisible by --tp 4"):
         mc.make_checkpoint(tmp_path / "e", params=10_000, dp=2, stage=2, hidden=30, tp=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Realistic layouts (--family)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_family_layouts_have_the_real_names_and_counts():
+    llama = mc.size_model(0, 80, 8, family="llama")
+    names = [n for n, _ in llama.params]
+    assert len(names) == 723 and len(set(names)) == 723
+    assert names[:2] == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
+    assert names[-2:] == ["model.norm.weight", "lm_head.weight"]
+    shapes = dict(llama.params)
+    q, k = shapes["model.layers.79.self_attn.q_proj.weight"], shapes["model.layers.79.self_attn.k_proj.weight"]
+    assert k[0] < q[0] and k[1] == q[1] == 8  # grouped-query attention
+    assert [n.split(".", 3)[3] for n in names[1:10]] == [
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+        "post_attention_layernorm.weight"]
+
+    mixtral = mc.size_model(0, 32, 8, 8, 2, family="mixtral")
+    assert len(mixtral.params) == 32 * 10 + 3 and len(mixtral.layers) == 32
+    assert mixtral.layers[5].module_path == "model.layers.5.mlp"  # the mixtral preset's moe_layer_pattern
+    assert mixtral.aliases["model.layers.5.mlp.gate.gate.weight"] == "model.layers.5.mlp.router.gate.weight"
+    assert dict(mixtral.params)["model.layers.5.mlp.experts.w2"] == (4, 8, 28)
+
+    ds = mc.size_model(0, 61, 8, 256, 64, family="deepseek")
+    assert len(ds.layers) == 58 and ds.layers[0].module_path == "model.layers.3.mlp" and not ds.aliases
+    assert sum(layer.num_experts for layer in ds.layers) == 14_848
+    assert len(ds.expert_layer) == 58 * 3 and all(".experts.w" in n for n in ds.expert_layer)
+    names = [n for n, _ in ds.params]
+    assert len(names) == 3 * 12 + 58 * 16 + 3
+    assert "model.layers.2.mlp.down_proj.weight" in names and "model.layers.3.mlp.down_proj.weight" not in names
+    layer3 = [n.split(".", 3)[3] for n in names if n.startswith("model.layers.3.")]
+    assert layer3 == ["self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+                      "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+                      "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.router.gate.weight",
+                      "mlp.experts.w1", "mlp.experts.w2", "mlp.experts.w3", "mlp.shared_experts.gate_proj.weight",
+                      "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight",
+                      "input_layernorm.weight", "post_attention_layernorm.weight"]
+    # at the real widths, the real models' parameter counts
+    assert mc.llama_model(80, 8192).numel() == 70_553_706_496  # Llama 3 70B
+    assert mc.mixtral_model(32, 4096, 8, 1).numel() == 46_702_792_704  # Mixtral 8x7B
+    assert mc.deepseek_model(61, 7168, 256, 1).numel() == 671_026_404_352  # DeepSeek-V3
+
+
+@pytest.mark.parametrize("family, target", [("llama", 8 * 10**9), ("mixtral", 10**9), ("deepseek", 2 * 10**9)])
+def test_family_models_are_sized_to_the_target(family, target):
+    model = mc.size_model(target, None, None, ep=2 if family != "llama" else 1, family=family)
+    assert abs(model.numel() - target) / target < 0.05
+    assert model.family == family and model.params[0][1][1] % 64 == 0
+
+
+def test_family_llama_tp_slices(generated):
+    item = generated["llama_tp2_z2_fp32_dp3"]
+    expect = {"lm_head.weight": ((11, 8), {"cat_dim": 0, "vocab_tensor": True}),
+              "model.embed_tokens.weight": ((11, 8), {"cat_dim": 0, "vocab_tensor": True}),
+              "model.layers.1.self_attn.k_proj.weight": ((4, 8), {"cat_dim": 0}),
+              "model.layers.1.self_attn.o_proj.weight": ((8, 8), {"cat_dim": 1}),
+              "model.layers.1.mlp.down_proj.weight": ((8, 28), {"cat_dim": 1}),
+              "model.layers.1.input_layernorm.weight": ((8, ), {})}
+    for pname, (shape, extra) in expect.items():
+        obj = torch.load(item["pyckpt"] / "zero" / pname / "fp32.pt", weights_only=False)
+        assert tuple(obj["param"].shape) == shape, pname
+        assert {key: v for key, v in obj.items() if key != "param"} == extra, pname
+
+
+@pytest.mark.parametrize("name", ["mixtral_z2_fp32", "deepseek_z3_bf16"])
+def test_family_autoep_metadata(generated, name):
+    item = generated[name]
+    files = sorted(os.listdir(item["tag_dir"]))
+    state = torch.load(item["tag_dir"] / [f for f in files if f.endswith("model_states.pt") and "expert" not in f][0],
+                       weights_only=False)
+    preset = {"mixtral": "mixtral", "deepseek": "deepseek_v3"}[CASES[name]["family"]]
+    assert state["ds_config"]["expert_parallel"]["preset_model"] == preset
+    first = 0 if preset == "mixtral" else 1
+    assert [e["module_path"] for e in state["ds_autoep_layers"]] == [f"model.layers.{i}.mlp" for i in range(first, 3 if first else 2)]
+    assert state["ds_autoep_layers"][0]["expert_key_prefix"] == f"model.layers.{first}.mlp.experts"
+    module = state["module"]
+    assert (f"model.layers.{first}.mlp.gate.gate.weight" in module) == (preset == "mixtral")
+    if CASES[name]["stage"] < 3:
+        assert not [k for k in module if ".experts." in k]
+        experts = [f for f in files if f.startswith("layer_")]
+        assert len(experts) == len(state["ds_autoep_layers"]) * CASES[name]["experts"]
+
+
+def test_family_refusals():
+    with pytest.raises(ValueError, match="dense"):
+        mc.make_checkpoint("/nonexistent", params=0, dp=2, stage=2, family="llama", experts=4, layers=2, hidden=8)
+    with pytest.raises(ValueError, match="refuses AutoEP"):
+        mc.size_model(0, 2, 8, 4, 2, tp=2, family="mixtral")
+    with pytest.raises(ValueError, match="need --family"):
+        mc.size_model(0, 2, 8, heads=2)
+    with pytest.raises(ValueError, match="must divide the query heads"):
+        mc.size_model(0, 2, 8, tp=2, family="llama", heads=1)
+    with pytest.raises(ValueError, match="--dense-layers"):
+        mc.size_model(0, 3, 8, 4, 2, family="deepseek", dense_layers=3)
