@@ -1,7 +1,8 @@
 """Synthetic DeepSpeed ZeRO checkpoints at benchmark scale, written in seconds.
 
     python benchmarks/make_checkpoint.py OUT --params 1B --dp 64 --stage 2 [--dtype fp32|bf16]
-        [--layers N] [--hidden H] [--experts 64 --ep 8 --moe-layers 2] [--sub-group-size N]
+        [--layers N] [--hidden H] [--experts 64 --ep 8 --moe-layers 2] [--sub-group-size N] [--tp N]
+        [--family toy|llama|mixtral|deepseek [--heads N] [--kv-heads N] [--dense-layers N] [--vocab N]]
 
 A real save at dp 64 needs 64 ranks holding the whole model; this writes the files
 DeepSpeed 0.19.8's ``save_checkpoint`` would write for the same model and topology (tp = pp = 1,
@@ -16,7 +17,7 @@ lengths are primes so that wraps never line up), and pyckpt's native executor co
 the archives. A parameter's state is one contiguous window of the noise in its flat group, split
 exactly as ZeRO splits the group, so a converter that takes a fragment from the wrong offset or
 rank produces visibly different values. No tensor is built in memory: the generator stays near
-100 MB of RSS at any size (most of it the noise file's pages).
+100 MB of RSS at any size (most of it the noise file's pages), ~200 MB for ZeRO-3 at dp 4096.
 
 The layouts this reproduces (as DeepSpeed 0.19.8's engine and ZeRO optimizers save them):
 * ZeRO-1/2: ``mp_rank_00_model_states.pt`` (module = views of the padded bit16 flat group) and one
@@ -28,6 +29,14 @@ The layouts this reproduces (as DeepSpeed 0.19.8's engine and ZeRO optimizers sa
 * AutoEP (Mixtral-like ``model.layers.{i}.mlp.experts.w1/w2/w3``): a second param group
   ``ep_size_{ep}`` partitioned over the expert-data-parallel group, ``ds_autoep_layers``, and
   per-expert files (ZeRO-1/2) or the partition-native layout (ZeRO-3).
+
+Parameter layouts: the default toy stacks (few, odd-shaped tensors), or with ``--family`` a real
+model's names and tensor count at any width: ``llama`` (LlamaForCausalLM: 9 per layer + 3, so 723 at
+80 layers; with ``--tp``, Megatron-style slices under those names), ``mixtral`` and ``deepseek``
+(DeepSeek-V3: MLA attention, 3 dense layers, then routed + shared experts) as DeepSpeed AutoEP
+leaves them. ``--hidden 8`` keeps metadata-heavy checkpoints (thousands of ranks or expert files)
+small on disk. Planning costs O(what each file holds): no rank rescans the model, and archives go
+to the executor in batches, so memory stays flat in dp.
 """
 
 from __future__ import annotations
@@ -722,7 +731,7 @@ class _Writer:
         # make_checkpoint hands each batch of archives to the executor as it fills, so the objects
         # and pickles of a many-rank checkpoint are never all in memory at once.
         self.flush = None
-        self.batch = 256
+        self.batch = max(8, min(256, 50_000 // max(1, len(model.params))))  # ZeRO-3 files name every param
         self.ds_id = {name: i for i, (name, _) in enumerate(model.params)}
         self.shapes = dict(model.params)
         self._starts: Dict[tuple, int] = {}

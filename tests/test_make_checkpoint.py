@@ -497,3 +497,17 @@ def test_family_refusals():
         mc.size_model(0, 2, 8, tp=2, family="llama", heads=1)
     with pytest.raises(ValueError, match="--dense-layers"):
         mc.size_model(0, 3, 8, 4, 2, family="deepseek", dense_layers=3)
+
+
+def test_family_command_line(tmp_path):
+    out = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--family", "deepseek", "--layers", "4", "--hidden", "8",
+                           "--vocab", "11", "--experts", "4", "--ep", "2", "--dp", "2", "--stage", "2"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "deepseek (55 params)" in proc.stdout and "1 MoE layers x 4 experts" in proc.stdout
+    names = set(os.listdir(out / "global_step1"))
+    assert "layer_0_expert_3_mp_rank_00_model_states.pt" in names and "layer_1_expert_0_mp_rank_00_model_states.pt" not in names
+    bad = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "x"), "--family", "llama", "--experts", "4", "--dp",
+                          "2", "--stage", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "is dense" in bad.stderr
