@@ -1171,7 +1171,7 @@ def _write(writer: "_Writer") -> Plan:
     return writer.plan
 
 
-def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", layers: Optional[int] = None,
+def make_checkpoint(out, *, params="1B", dp: int, stage: int, dtype: str = "fp32", layers: Optional[int] = None,
                     hidden: Optional[int] = None, experts: int = 0, ep: int = 1, moe_layers: int = 0,
                     sub_group_size: Optional[int] = None, data_before_expert: bool = False, seed: int = 0,
                     workers: Optional[int] = None, model: Optional[Model] = None, overwrite: bool = False,
@@ -1179,8 +1179,8 @@ def make_checkpoint(out, *, params, dp: int, stage: int, dtype: str = "fp32", la
                     kv_heads: Optional[int] = None, dense_layers: int = 3, vocab: Optional[int] = None) -> Path:
     """Write a DeepSpeed 0.19.8 ZeRO checkpoint under ``out``; returns the tag folder.
 
-    ``params`` is the target parameter count (an int or '1B'); ``layers``/``hidden`` pin the depth
-    or width, the other is solved for. ``experts > 0`` makes an AutoEP model with ``moe_layers``
+    ``params`` is the target parameter count (an int or '1B', the default); ``layers``/``hidden`` pin
+    the depth or width, the other is solved for (with both, ``params`` is unused). ``experts > 0`` makes an AutoEP model with ``moe_layers``
     MoE layers of ``experts`` experts over ``ep`` EP ranks (``moe_layers`` defaults to 2). ``tp > 1``
     makes a Megatron-style tensor-parallel model (:func:`tp_model`), one set of files per tp rank.
     ``family`` picks a realistic layout instead of the toy one: ``llama`` (:func:`llama_model`, also
