@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run as bench  # noqa: E402
-from make_checkpoint import make_checkpoint, parse_count  # noqa: E402
+from make_checkpoint import make_checkpoint  # noqa: E402
 
 TIME = "/usr/bin/time"
 HAS_FAMILY = "family" in inspect.signature(make_checkpoint).parameters
@@ -84,9 +84,10 @@ SWEEPS = ("ranks", "experts", "layers", "cases")
 AXES = {"ranks": ("dp", "data-parallel ranks (ZeRO shards)", 2),
         "experts": ("experts", "experts per MoE layer", 2),
         "layers": ("tensors", "parameter tensors (dense, layers swept)", 10),
-        "cases": ("input_files", "input files", 10)}
+        "cases": ("input_files", "case", 10)}
 DRY = ("convert_dry", "export_dry")
-NAMES = {"convert_dry": "convert --dry-run", "export_dry": "export --dry-run", "before_dry": "before: convert --dry-run",
+NAMES = {"convert_dry": "convert --dry-run", "export_dry": "export --dry-run",
+         "before_dry": "before: convert --dry-run",
          "convert": "convert", "cp": "cp -r", "ds_to_universal": "ds_to_universal"}
 
 
@@ -177,9 +178,11 @@ def run_limited(cmd, *, env, cwd: Path, nofile: int, timeout: Optional[float] = 
         out["status"] = f"failed (exit {rc}): " + " | ".join(tail)
     else:
         out["status"] = "ok"
-    if have_time and usage.exists():
-        # time writes "Command exited with non-zero status N" before the format line on failure.
-        e, u, s, m = usage.read_text().strip().splitlines()[-1].split()
+    # time writes "Command exited with non-zero status N" before the format line on failure, and
+    # nothing at all when the timeout killed it along with the tool.
+    last = usage.read_text().strip().splitlines()[-1:] if have_time and usage.exists() else []
+    if last and len(last[0].split()) == 4:
+        e, u, s, m = last[0].split()
         out.update(cpu_s=float(u) + float(s), peak_rss_mib=int(m) / 1024, rss_source="max RSS (/usr/bin/time)")
     if sample or not have_time:
         out["tree_rss_mib"] = peak[0] / 2**20
@@ -309,7 +312,8 @@ def measure_point(label: str, gen: dict, args, envs: dict, ds_state: dict) -> di
                 if st != "ok":
                     ds_state["skip"] = f"{st} at {label}"
                 elif m.get("convert", {}).get("wall_s"):
-                    point["ratios"]["ds_to_universal / convert"] = m["ds_to_universal"]["wall_s"] / m["convert"]["wall_s"]
+                    ds_wall = m["ds_to_universal"]["wall_s"]
+                    point["ratios"]["ds_to_universal / convert"] = ds_wall / m["convert"]["wall_s"]
         for name, hook in (("load_plan", load_plan), ("resume_plan", resume_plan)):
             got = hook(tag_dir, point, envs["now"], args)
             m[name] = got if got is not None else {"status": "not measured", "note": "hook not filled in"}
@@ -341,7 +345,7 @@ def table(data: dict) -> str:
     cols = ["point", "files", "input MiB", "params", "tensors", "experts", "dp",
             "convert --dry-run s", "cpu s", "RSS MiB", "export --dry-run s", "cpu s", "RSS MiB",
             "convert s", "RSS MiB", "output MiB", "output files", "cp -r s", "convert / cp -r",
-            "before --dry-run s", "before / now (wall, cpu)", "ds_to_universal s", "ds / convert",
+            "before --dry-run s", "before / now (wall, cpu)", "ds_to_universal s", "ds / convert", "ds RSS MiB (tree)",
             "load plan s", "resume plan s", "NOFILE"]
     lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for p in data["points"]:
@@ -359,6 +363,8 @@ def table(data: dict) -> str:
                "-" if conv.get("output_files") is None else str(conv["output_files"]),
                cell(m, "cp"), fmt(r.get("convert / cp -r")), cell(m, "before_dry"), before,
                cell(m, "ds_to_universal", spec=".2f"), fmt(r.get("ds_to_universal / convert"), ".1f"),
+               f"{cell(m, 'ds_to_universal', 'peak_rss_mib', '.0f')} "
+               f"({cell(m, 'ds_to_universal', 'tree_rss_mib', '.0f')})",
                cell(m, "load_plan"), cell(m, "resume_plan"), ", ".join("/".join(map(str, n)) for n in nofile) or "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -416,7 +422,10 @@ def plot(data: dict, png: Path) -> bool:
     pts = data["points"]
     if not pts:
         return False
-    xs = [p[key] for p in pts]
+    cases = data["sweep"] == "cases"
+    # The cases differ in every dimension at once (and two have about 4,100 files): one slot each,
+    # unjoined, rather than a line through unrelated inputs.
+    xs = list(range(len(pts))) if cases else [p[key] for p in pts]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6))
     styles = {"convert_dry": "o-", "export_dry": "s-", "before_dry": "v-", "convert": "D-", "cp": "^--",
               "ds_to_universal": "x-"}
@@ -424,27 +433,31 @@ def plot(data: dict, png: Path) -> bool:
         ok = [(x, p["measurements"][name]) for x, p in zip(xs, pts)
               if p["measurements"].get(name, {}).get("wall_s") is not None]
         if ok:
+            style = style[0] if cases else style
             ax_t.plot([x for x, _ in ok], [m["wall_s"] for _, m in ok], style, label=NAMES[name])
             if all("peak_rss_mib" in m for _, m in ok):
                 ax_m.plot([x for x, _ in ok], [m["peak_rss_mib"] for _, m in ok], style, label=NAMES[name])
-    cpu = [(x, p["measurements"]["convert_dry"].get("cpu_s")) for x, p in zip(xs, pts) if "convert_dry" in p["measurements"]]
+    cpu = [(x, p["measurements"].get("convert_dry", {}).get("cpu_s")) for x, p in zip(xs, pts)]
     cpu = [(x, c) for x, c in cpu if c]
     if cpu:
-        ax_t.plot([x for x, _ in cpu], [c for _, c in cpu], "o:", color="grey", label="convert --dry-run, CPU s")
+        ax_t.plot([x for x, _ in cpu], [c for _, c in cpu], "o" if cases else "o:", color="grey",
+                  label="convert --dry-run, CPU s")
     late = [x for x, p in zip(xs, pts) if p["measurements"].get("ds_to_universal", {}).get("status", "ok") != "ok"]
     if late:
         ax_t.plot(late, [data["ds_timeout_s"]] * len(late), "rx", markersize=10,
                   label=f"ds_to_universal: did not finish in {data['ds_timeout_s']:g} s (or not run)")
     for ax in (ax_t, ax_m):
-        ax.set_xscale("log", base=base)
+        if cases:
+            ax.set_xlim(-0.5, len(pts) - 0.5)
+        else:
+            ax.set_xscale("log", base=base)
         ax.set_yscale("log")
         ax.set_xticks(xs)
-        ax.set_xticklabels([p["label"] if data["sweep"] == "cases" else str(x) for x, p in zip(xs, pts)],
-                           rotation=30 if data["sweep"] == "cases" else 0)
+        ax.set_xticklabels([f"{p['label']}\n{p['input_files']:,} files" if cases else str(x) for x, p in zip(xs, pts)])
         ax.minorticks_off()
         ax.set_xlabel(xlabel)
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, framealpha=0.6)
     ax_t.set_ylabel("wall time, s (median of rounds)")
     ax_m.set_ylabel("peak RSS, MiB (largest process)")
     fig.suptitle(data["title"], fontsize=9)
@@ -466,10 +479,11 @@ def write(data: dict, stem: Path) -> None:
 
 def pyckpt_location(env: dict, cwd: Path) -> str:
     # Untimed, and first: it also writes the build's bytecode cache, so no timed run compiles.
-    proc = subprocess.run([sys.executable, "-c", "import pyckpt, pyckpt.convert, pyckpt.export; print(pyckpt.__file__)"],
-                          env=env, cwd=str(cwd), capture_output=True, text=True)
+    code = "import pyckpt, pyckpt.convert, pyckpt.export; print(pyckpt.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(cwd), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"pyckpt does not import with PYTHONPATH={env.get('PYTHONPATH', '')!r}:\n{proc.stderr[-2000:]}")
+        raise SystemExit(f"pyckpt does not import with PYTHONPATH={env.get('PYTHONPATH', '')!r}:\n"
+                         f"{proc.stderr[-2000:]}")
     return str(Path(proc.stdout.strip()).parent)
 
 

@@ -3,6 +3,7 @@
 Only that it runs and reports is checked; times on a shared CI runner say nothing about speed.
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -38,3 +39,31 @@ def test_run_quick_export(tmp_path):
     assert set(result["tools"]) == {"pyckpt export", "zero_to_fp32 --safe", "cp output"}
     assert set(result["ratios"]) == {"zero_to_fp32 --safe / pyckpt export", "pyckpt export / cp output"}
     assert all(t["median_s"] > 0 and t["peak_rss_mib"] >= 0 for t in result["tools"].values())
+
+
+def test_scale_quick(tmp_path):
+    # Two tiny points: that every measurement runs, reports, and ran under the NOFILE limit (as the
+    # measured processes themselves read it), not how fast anything is.
+    results = tmp_path / "results"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--sweep", "ranks", "--dps", "4,8",
+                           "--no-ds", "--runs", "1", "--work", str(tmp_path / "work"), "--results", str(results)],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((results / "scale_ranks.json").read_text())
+    assert data["nofile"] == 1024 and [p["dp"] for p in data["points"]] == [4, 8]
+    for p in data["points"]:
+        assert p["input_files"] == p["dp"] + 1 and p["numel"] > 0
+        m = p["measurements"]
+        for name in ("convert_dry", "export_dry", "convert", "cp"):
+            assert m[name]["status"] == "ok", (p["label"], name, m[name])
+            # cp can end before the first psutil sample where /usr/bin/time is missing.
+            assert m[name]["wall_s"] > 0 and m[name]["peak_rss_mib"] >= (0 if name == "cp" else 1), (p["label"], name)
+            assert m[name]["nofile"][0] == 1024, (p["label"], name, m[name]["nofile"])
+        assert m["convert"]["output_bytes"] > 0 and m["convert"]["output_files"] > 0
+        assert p["ratios"]["convert / cp -r"] > 0
+        assert m["load_plan"]["status"] == m["resume_plan"]["status"] == "not measured"
+    assert "| dp8 |" in (results / "scale_ranks.md").read_text()
+    if importlib.util.find_spec("matplotlib"):
+        assert (results / "scale_ranks.png").stat().st_size > 0
+    # The scratch checkpoints and outputs are gone.
+    assert not any((tmp_path / "work").iterdir())
