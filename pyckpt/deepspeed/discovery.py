@@ -14,7 +14,7 @@ from typing import Dict, List
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..formats.confined import check_links_inside, inside, read_small_text
-from ..formats.torch_zip import SourceFile
+from ..formats.torch_zip import SourceFile, open_sources
 from .model_states import ModelStates, read_model_states
 from .names import check_tag, missing_ranks
 from .zero_shards import ZeroShard, read_zero_shard, read_zero_stage
@@ -32,8 +32,8 @@ def is_expert_model_file(name: str) -> bool:
     return name.startswith("layer_") and "_expert_" in name and name.endswith("_model_states.pt")
 
 
-def expert_files_in(folder: str) -> List[str]:
-    return sorted(n for n in os.listdir(folder) if is_expert_model_file(n))
+def expert_files_in(names) -> List[str]:
+    return sorted(n for n in names if is_expert_model_file(n))
 
 
 def resolve_tag_folder(path) -> str:
@@ -97,6 +97,8 @@ class ZeroCheckpoint:
     # every non-expert *_model_states.pt, read and checked: each is copied to the universal folder
     model_files: List[ModelStates] = field(default_factory=list)
     bf16_prefix: bool = False
+    # the folder's listing, read once: later steps look names up in it rather than list or glob again
+    names: List[str] = field(default_factory=list)
 
     @property
     def optim(self) -> List[ZeroShard]:
@@ -183,7 +185,7 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
             raise CheckpointFormatError(f"{shard.path}: partition_count {counts} disagrees with the {dp} optimizer "
                                         "shards present in the folder (a rank file is missing or foreign)")
     return ZeroCheckpoint(folder, stage, dp, tp, pp, optim_grid, model, model_files=list(model),
-                          bf16_prefix=zero_names[0].startswith("bf16_"))
+                          bf16_prefix=zero_names[0].startswith("bf16_"), names=list(names))
 
 
 def _read_shards(folder, grid, first, mp_ranks, dp, stage) -> List[List[ZeroShard]]:
@@ -191,8 +193,10 @@ def _read_shards(folder, grid, first, mp_ranks, dp, stage) -> List[List[ZeroShar
     opened = {os.path.basename(first.path): first}
     rows = []
     for m in mp_ranks:
-        row = [read_zero_shard(opened.get(grid[m][r]) or SourceFile(os.path.join(folder, grid[m][r])), r, dp)
-               for r in range(dp)]
+        names = [grid[m][r] for r in range(dp)]
+        fresh = iter(open_sources(os.path.join(folder, n) for n in names if n not in opened))
+        files = [opened.get(n) or next(fresh) for n in names]
+        row = [read_zero_shard(sf, r, dp) for r, sf in enumerate(files)]
         for shard in row:
             if shard.stage != stage:
                 raise CheckpointFormatError(f"{shard.path}: a ZeRO stage {shard.stage} shard beside stage {stage} "
@@ -250,7 +254,8 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
     optim_grid = _read_shards(folder, grid, first, range(tp), dp, 3)
     # Every model-state file is copied into the output, so every one is read and checked, not only
     # the ones the plan reads.
-    model_files = {n: read_model_states(SourceFile(os.path.join(folder, n))) for n in model_names}
+    model_files = {n: read_model_states(sf)
+                   for n, sf in zip(model_names, open_sources(os.path.join(folder, n) for n in model_names))}
     model_grid = [[model_files[by_rank[(t, r)]] for r in range(dp)] for t in range(tp)]
     return ZeroCheckpoint(folder, 3, dp, tp, 1, optim_grid, model_grid[0], model_grid, list(model_files.values()),
-                          bf16_prefix=zero3[0].startswith("bf16_"))
+                          bf16_prefix=zero3[0].startswith("bf16_"), names=list(names))

@@ -69,7 +69,7 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
     info = universal_checkpoint_info(ck, inject_missing_state)
     rules = TpRules(info, ck.tp, ck.folder, ck.model[0].path)
     layers, data_before_expert = aggregate_zero12(ck.model)
-    expert_file_names = expert_files_in(ck.folder)
+    expert_file_names = expert_files_in(ck.names)
     if layers is None and expert_file_names and not dense_only:
         raise AutoEPError(
             f"{ck.folder}: found {len(expert_file_names)} per-expert files (e.g. {expert_file_names[0]}) but no AutoEP "
@@ -96,7 +96,7 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
     written = set()
     experts = set()
     if layers is not None:
-        expert_files = check_expert_files(ck.folder, layers)
+        expert_files = check_expert_files(ck.folder, ck.names, layers)
         experts = plan_zero12_experts(ck, plan, frags_by_mp[0], layers, data_before_expert, expert_files)
         written |= experts
     elif expert_file_names:  # dense_only: leave out what lives in expert-parallel param groups

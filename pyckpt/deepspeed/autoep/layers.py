@@ -12,13 +12,13 @@ its siblings.
 
 from __future__ import annotations
 
-import glob
 import os
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ...errors import AutoEPError, MissingExpertFileError, UnsupportedCheckpointError
-from ...formats.torch_zip import SourceFile
+from ...formats.torch_zip import SourceFile, open_sources
 from ..model_states import ExpertWeights, ModelStates, read_expert_weights
 from ..names import check_param_name
 
@@ -126,15 +126,34 @@ def zero12_dp_ranks(ep_rank: int, dp: int, ep: int, data_before_expert: bool, wh
     return range(ep_rank, dp, ep)
 
 
-def check_expert_files(folder: str, layers: list) -> Dict[Tuple[int, int], ExpertWeights]:
-    """Every (layer, expert) the metadata promises has exactly one per-expert file with its weights."""
-    found = {}
+# DeepSpeed's per-expert file name; the metadata's ids are matched as the text DeepSpeed formats
+# into it (so "01" is not expert 1), the mp-rank part as its glob does (anything).
+_EXPERT_FILE_RE = re.compile(r"^layer_([^_]*)_expert_([^_]*)_mp_rank_(.*)_model_states\.pt$")
+
+
+def index_expert_files(names) -> Dict[Tuple[str, str], List[str]]:
+    """The folder's per-expert files by (layer id, expert id) as written in their names: one pass over
+    one listing, so finding every expert's file is linear in the folder's size (DeepSpeed's converter
+    globs the folder once per expert, quadratic in the expert count)."""
+    index: Dict[Tuple[str, str], List[str]] = {}
+    for name in names:
+        m = _EXPERT_FILE_RE.match(name)
+        if m:
+            index.setdefault((m.group(1), m.group(2)), []).append(name)
+    return index
+
+
+def check_expert_files(folder: str, names, layers: list) -> Dict[Tuple[int, int], ExpertWeights]:
+    """Every (layer, expert) the metadata promises has exactly one per-expert file with its weights.
+
+    ``names`` is the folder's listing (discovery's)."""
+    index = index_expert_files(names)
+    wanted = []  # ((layer id, expert id, prefix), path) in the metadata's order
     for entry in layers:
         layer_id = entry.get("moe_layer_id")
         prefix = entry["expert_key_prefix"]
         for eid in range(entry["num_experts"]):
-            matches = sorted(glob.glob(os.path.join(glob.escape(folder),
-                                                    f"layer_{layer_id}_expert_{eid}_mp_rank_*_model_states.pt")))
+            matches = sorted(os.path.join(folder, n) for n in index.get((str(layer_id), str(eid)), ()))
             if not matches:
                 raise MissingExpertFileError(f"Expert checkpoint file not found: layer_{layer_id} expert_{eid} in "
                                              f"{folder} (the AutoEP metadata of {prefix} promises {entry['num_experts']} "
@@ -147,12 +166,15 @@ def check_expert_files(folder: str, layers: list) -> Dict[Tuple[int, int], Exper
                 raise UnsupportedCheckpointError(
                     f"Multiple expert checkpoint files found for layer_{layer_id} expert_{eid}: "
                     f"{[os.path.basename(m) for m in matches]}. Multi-mp_rank expert files are not supported.")
-            weights = read_expert_weights(SourceFile(matches[0]))
-            for w in WEIGHTS:
-                key = f"{prefix}.{w}.{eid}"
-                if key not in weights.tensors:
-                    raise AutoEPError(f"Expected key '{key}' not found in {weights.path}")
-            found[(layer_id, eid)] = weights
+            wanted.append(((layer_id, eid, prefix), matches[0]))
+    found = {}
+    for ((layer_id, eid, prefix), _), sf in zip(wanted, open_sources(path for _, path in wanted)):
+        weights = read_expert_weights(sf)
+        for w in WEIGHTS:
+            key = f"{prefix}.{w}.{eid}"
+            if key not in weights.tensors:
+                raise AutoEPError(f"Expected key '{key}' not found in {weights.path}")
+        found[(layer_id, eid)] = weights
     return found
 
 
