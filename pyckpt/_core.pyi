@@ -1,6 +1,6 @@
 # Type stub of the native module built from csrc/ (csrc/bindings/module.cpp is the authority).
 from os import PathLike
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -53,6 +53,12 @@ class Archive:
     def close(self) -> None: ...
     def __enter__(self) -> "Archive": ...
     def __exit__(self, *args: object) -> None: ...
+
+def read_archive_heads(paths: Iterable[_Path], member: str, max_bytes: int, workers: int = 0
+                       ) -> List[Optional[Tuple[int, str, Dict[str, Tuple[int, int, int]], Optional[bytes]]]]:
+    """Per path: (size, prefix, {name: (data offset, size, crc32)}, <prefix>/<member> bytes or None if absent
+    or over max_bytes), or None if the archive could not be opened or indexed. Read on `workers` threads
+    (0: one per core), at most that many open at once."""
 
 def crc32(data: _Buffer, init: int = 0) -> int: ...
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int: ...

@@ -4,6 +4,8 @@
 #include <memory>
 
 #include "../archive.hpp"
+#include "../archive_heads.hpp"
+#include "../parallel.hpp"
 
 namespace pyckpt::bindings {
 
@@ -60,6 +62,37 @@ void register_archive(py::module_& m) {
         .def("close", &PyArchive::close)
         .def("__enter__", [](py::object self) { return self; })
         .def("__exit__", [](PyArchive& a, py::args) { a.close(); });
+
+    m.def(
+        "read_archive_heads",
+        [](const py::iterable& paths, const std::string& member, uint64_t max_bytes, int64_t workers) {
+            std::vector<std::string> names;
+            for (const auto& p : paths) names.push_back(fspath(p));
+            std::vector<ArchiveHead> heads;
+            if (!names.empty()) {
+                unsigned n = resolve_workers(workers);
+                py::gil_scoped_release release;
+                heads = read_archive_heads(names, member, max_bytes, n);
+            }
+            py::list out;
+            for (const ArchiveHead& h : heads) {
+                if (!h.ok) {
+                    out.append(py::none());
+                    continue;
+                }
+                py::dict members;
+                for (const auto& mem : h.members)
+                    members[py::str(mem.name)] = py::make_tuple(mem.data_offset, mem.size, mem.crc32);
+                py::object data = h.has_member ? py::object(py::bytes(h.member_bytes)) : py::object(py::none());
+                out.append(py::make_tuple(h.size, h.prefix, members, data));
+            }
+            return out;
+        },
+        py::arg("paths"), py::arg("member"), py::arg("max_bytes"), py::arg("workers") = 0,
+        "For each path, (size, prefix, {name: (data_offset, size, crc32)}, bytes of <prefix>/<member> or None "
+        "when absent or longer than max_bytes), or None where the archive could not be opened or indexed (open "
+        "that one with Archive to learn why). Archives are read on `workers` threads (0: one per core), at most "
+        "that many open at once, without the GIL.");
 }
 
 }  // namespace pyckpt::bindings

@@ -41,12 +41,16 @@ class Step:
 
     file: SourceFile
     value: Any
+    # key(), read once: a group's step is compared for each of its parameters
+    _key: list = field(default_factory=list, compare=False, repr=False)
 
     def key(self):
         """A value two steps can be compared by (a tensor's dtype and bytes)."""
-        if isinstance(self.value, TensorRef):
-            return (self.value.dtype, self.file.read_bytes(*self.file.tensor_byte_range(self.value)))
-        return self.value
+        if not isinstance(self.value, TensorRef):
+            return self.value
+        if not self._key:
+            self._key.append((self.value.dtype, self.file.read_bytes(*self.file.tensor_byte_range(self.value))))
+        return self._key[0]
 
     def output(self):
         """The step as a universal ``step.pt`` holds it: a copy of the tensor, or the number."""

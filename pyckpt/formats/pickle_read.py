@@ -251,41 +251,16 @@ class _Reader(pickle.Unpickler):
         self._source = source
         self._where = where
         self._storages: Dict[str, StorageRef] = {}
-        self._classes: Dict[Tuple[str, str], type] = {}
 
     def find_class(self, module: str, name: str):
-        key = (module, name)
-        if key == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor_v2
-        if key == ("torch._utils", "_rebuild_parameter"):
-            return _rebuild_parameter
-        if key == ("torch._tensor", "_rebuild_from_type_v2"):
-            return _rebuild_from_type_v2
-        if key == ("torch", "Tensor"):
-            return TORCH_TENSOR
-        if module == "torch" and name in STORAGE_DTYPES:
-            return GlobalName(module, name)
-        if module == "torch" and name in TORCH_DTYPE_NAMES:
-            return GlobalName(module, name)
-        if key == ("torch", "Size"):
-            return TorchSize
-        if key == ("collections", "OrderedDict"):
-            return OrderedDict
-        if key in (("builtins", "set"), ("__builtin__", "set")):
-            return _set
-        if key in (("builtins", "frozenset"), ("__builtin__", "frozenset")):
-            return _frozenset
-        if key == ("_codecs", "encode"):
-            return _safe_codecs_encode
-        if key in OPAQUE_CLASSES or key in OPAQUE_ENUMS:
-            cls = self._classes.get(key)
-            if cls is None:
-                base = OpaqueEnum if key in OPAQUE_ENUMS else Opaque
-                cls = type(name, (base, ), {"_global": key, "__module__": __name__})
-                self._classes[key] = cls
-            return cls
-        raise UnsafePickleError(f"{self._where}: refusing to load global {_short(f'{module}.{name}', 120)}: it is not on pyckpt's "
-                                "allowlist of checkpoint types, so the file was not unpickled (nothing was run)")
+        # A pickle names a global per object it builds (a shard names ~16); a table lookup keeps
+        # that from costing a chain of comparisons on every one of thousands of files.
+        found = _GLOBALS.get((module, name))
+        if found is None:
+            raise UnsafePickleError(f"{self._where}: refusing to load global {_short(f'{module}.{name}', 120)}: it is "
+                                    "not on pyckpt's allowlist of checkpoint types, so the file was not unpickled "
+                                    "(nothing was run)")
+        return found
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -298,7 +273,8 @@ class _Reader(pickle.Unpickler):
             raise _BadData(f"storage key {_short(key)} is not a decimal record number")
         if not isinstance(location, str):
             raise _BadData(f"storage location {_short(location)} is not a string")
-        count = _index(count, f"element count of storage record {key}")
+        if type(count) is not int or not 0 <= count < MAX_INDEX:
+            count = _index(count, f"element count of storage record {key}")
         dtype = STORAGE_DTYPES[storage_type.name][0]
         ref = self._storages.get(key)
         if ref is None:
@@ -339,6 +315,14 @@ def _index(value, what: str) -> int:
 
 
 def _dims(values, what: str) -> Tuple[int, ...]:
+    # Every tensor of every file passes here twice (size, stride): the common case, a short tuple of
+    # in-range ints, is accepted as it is; anything else takes the checks below.
+    if type(values) is tuple and len(values) <= 64:
+        for v in values:
+            if type(v) is not int or not 0 <= v < MAX_INDEX:
+                break
+        else:
+            return values
     if isinstance(values, (str, bytes)) or not isinstance(values, (tuple, list)):
         raise _BadData(f"tensor {what} must be a tuple of integers, got {type(values).__name__}")
     if len(values) > 64:
@@ -351,15 +335,18 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=Fals
         raise _BadData(f"tensor rebuilt from {type(storage).__name__}, expected a storage record")
     if metadata:
         raise _BadData("tensors with serialized metadata (e.g. conjugate/negative views) are not supported")
-    offset = _index(storage_offset, "tensor storage_offset")
+    offset = storage_offset if type(storage_offset) is int and 0 <= storage_offset < MAX_INDEX else \
+        _index(storage_offset, "tensor storage_offset")
     shape = _dims(size, "size")
     strides = _dims(stride, "stride")
     if len(shape) != len(strides):
         raise _BadData(f"tensor size {list(shape)} and stride {list(strides)} differ in length")
     # The view must lie inside its storage on both ends, as torch.load requires: the first element
     # at `offset`, the last at offset + sum((size-1)*stride).
-    if numel(shape) > 0:
-        last = offset + sum((n - 1) * st for n, st in zip(shape, strides))
+    if 0 not in shape:
+        last = offset
+        for n, st in zip(shape, strides):
+            last += (n - 1) * st
         if last >= storage.numel:
             raise _BadData(f"tensor view (offset {offset}, size {list(shape)}, stride {list(strides)}) reaches "
                            f"element {last}, past the end of storage record {storage.key} of {storage.numel} "
@@ -385,6 +372,33 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         raise _BadData(f"tensor attributes must be a dict, got {type(state).__name__}")
     tensor.py_state = dict(state) if state else {}
     return tensor
+
+
+def _allowed_globals() -> Dict[Tuple[str, str], Any]:
+    """What each allowlisted global stands for while parsing. An opaque class is one class per global,
+    shared by every file: it holds no state of its own (each object keeps its arguments and state)."""
+    table: Dict[Tuple[str, str], Any] = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+        ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+        ("torch", "Tensor"): TORCH_TENSOR,
+        ("torch", "Size"): TorchSize,
+        ("collections", "OrderedDict"): OrderedDict,
+        ("builtins", "set"): _set,
+        ("__builtin__", "set"): _set,
+        ("builtins", "frozenset"): _frozenset,
+        ("__builtin__", "frozenset"): _frozenset,
+        ("_codecs", "encode"): _safe_codecs_encode,
+    }
+    for name in set(STORAGE_DTYPES) | TORCH_DTYPE_NAMES:
+        table.setdefault(("torch", name), GlobalName("torch", name))
+    for key in OPAQUE_CLASSES | OPAQUE_ENUMS:
+        base = OpaqueEnum if key in OPAQUE_ENUMS else Opaque
+        table[key] = type(key[1], (base, ), {"_global": key, "__module__": __name__})
+    return table
+
+
+_GLOBALS = _allowed_globals()
 
 
 def loads(data: bytes, source=None, where: str = "<pickle>") -> Any:

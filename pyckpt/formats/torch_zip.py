@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 from ..errors import CheckpointFormatError
 from ..native import _core, native_errors, scan_pickle
@@ -35,34 +35,42 @@ def max_pickle_bytes() -> int:
 
 
 class SourceFile:
-    """One input torch.save archive: its member table and its parsed pickle."""
+    """One input torch.save archive: its member table and its parsed pickle.
 
-    def __init__(self, path: str):
+    ``head`` is the file's entry from ``_core.read_archive_heads`` (see :func:`open_sources`), which
+    read the member table and data.pkl already; without it the file is opened here."""
+
+    def __init__(self, path: str, head=None):
         self.path = os.fspath(path)
+        if head is None:
+            head = self._read_head()
+        self.size, self.prefix, self.members, self._pickle_bytes = head
+        pkl = self.prefix + "/data.pkl"
+        if pkl not in self.members:
+            raise CheckpointFormatError(f"{self.path}: not a torch.save archive (no {pkl} member)")
+        cap = max_pickle_bytes()
+        if self.members[pkl][1] > cap or self._pickle_bytes is None:
+            raise CheckpointFormatError(f"{self.path}: {pkl} is {self.members[pkl][1]} bytes, more than the "
+                                        f"{cap}-byte cap for checkpoint metadata (set PYCKPT_MAX_PICKLE_BYTES "
+                                        "to raise it)")
+        self._obj = None
+        self._loaded = False
+        self._scan = None
+
+    def _read_head(self):
         # A clear refusal of FIFOs and folders here; the native reader refuses them too (without
         # blocking), in case the name is swapped between the two opens.
         os.close(open_regular(self.path))
         try:
             with native_errors(), _core.Archive(self.path) as ar:
-                self.size = ar.size
-                self.prefix = ar.prefix
-                self.members: Dict[str, Tuple[int, int, int]] = {
+                members: Dict[str, Tuple[int, int, int]] = {
                     name: (off, size, crc) for name, off, size, crc in ar.members()
                 }
-                pkl = self.prefix + "/data.pkl"
-                if pkl not in self.members:
-                    raise CheckpointFormatError(f"{self.path}: not a torch.save archive (no {pkl} member)")
-                cap = max_pickle_bytes()
-                if self.members[pkl][1] > cap:
-                    raise CheckpointFormatError(f"{self.path}: {pkl} is {self.members[pkl][1]} bytes, more than the "
-                                                f"{cap}-byte cap for checkpoint metadata (set PYCKPT_MAX_PICKLE_BYTES "
-                                                "to raise it)")
-                self._pickle_bytes = ar.read(pkl)
+                pkl = ar.prefix + "/data.pkl"
+                small = pkl in members and members[pkl][1] <= max_pickle_bytes()
+                return ar.size, ar.prefix, members, ar.read(pkl) if small else None
         except FileNotFoundError:
             raise CheckpointFormatError(f"{self.path}: file not found") from None
-        self._obj = None
-        self._loaded = False
-        self._scan = None
 
     def _pickle_scan(self):
         """The native opcode walk over data.pkl (native.scan_pickle), made once and shared by load()
@@ -128,14 +136,15 @@ class SourceFile:
 
     def tensor_byte_range(self, t: TensorRef, start: int = 0, numel: int = None) -> Tuple[int, int]:
         """(absolute offset, nbytes) of elements [start, start+numel) of a contiguous tensor."""
+        count = t.numel()
         if numel is None:
-            numel = t.numel() - start
+            numel = count - start
         if not t.is_contiguous():
             raise CheckpointFormatError(f"{self.path}: expected a contiguous tensor, got {t!r}")
-        if start < 0 or numel < 0 or start + numel > t.numel():
+        if start < 0 or numel < 0 or start + numel > count:
             raise CheckpointFormatError(f"{self.path}: slice [{start}, {start + numel}) is outside tensor {t!r} "
-                                        f"of {t.numel()} elements")
-        if (t.offset + t.numel()) > t.storage.numel:
+                                        f"of {count} elements")
+        if (t.offset + count) > t.storage.numel:
             raise CheckpointFormatError(f"{self.path}: tensor {t!r} reaches past its storage of "
                                         f"{t.storage.numel} elements")
         base = self.storage_offset(t.storage)
@@ -157,6 +166,25 @@ class SourceFile:
 
     def __repr__(self):
         return f"SourceFile({self.path!r})"
+
+
+def open_sources(paths, workers: int = 0) -> List[SourceFile]:
+    """``SourceFile(p)`` for every path, in order, the archives opened and indexed on native threads.
+
+    Planning at frontier scale reads tens of thousands of files' metadata; this leaves the calling
+    thread only the unpickling. A file the batch could not read is opened alone, so its refusal is
+    the one ``SourceFile`` gives. Reads go in chunks so that the pickles waiting for the parser stay
+    a bounded amount of memory."""
+    paths = [os.fspath(p) for p in paths]
+    out: List[SourceFile] = []
+    for lo in range(0, len(paths), _HEAD_CHUNK):
+        chunk = paths[lo:lo + _HEAD_CHUNK]
+        heads = _core.read_archive_heads(chunk, "data.pkl", max_pickle_bytes(), workers)
+        out.extend(SourceFile(p, head) for p, head in zip(chunk, heads))
+    return out
+
+
+_HEAD_CHUNK = 1024
 
 
 def open_regular(path: str) -> int:
