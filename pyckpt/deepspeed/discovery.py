@@ -38,14 +38,20 @@ def expert_files_in(names) -> List[str]:
 
 def resolve_tag_folder(path) -> str:
     """Accept the tag folder itself, or the save_dir holding ``latest``."""
+    return _tag_folder_and_names(path)[0]
+
+
+def _tag_folder_and_names(path):
+    """(tag folder, its listing when that was the folder listed here, else None): a tag folder given
+    directly is listed once for both the test and discovery."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointFormatError(f"{path}: not a folder")
     names = os.listdir(path)
     if any(n.endswith("_optim_states.pt") for n in names):
-        return path
+        return path, names
     if os.path.lexists(os.path.join(path, "latest")):
-        return follow_pointer(path, "latest")
+        return follow_pointer(path, "latest"), None
     _refuse_megatron_lm(path, names)
     raise CheckpointFormatError(f"{path}: no *_optim_states.pt files and no 'latest' file: not a DeepSpeed ZeRO "
                                 "checkpoint folder (pass the tag folder, e.g. .../global_step100, or its parent)")
@@ -107,8 +113,8 @@ class ZeroCheckpoint:
 
 
 def discover(path) -> ZeroCheckpoint:
-    folder = resolve_tag_folder(path)
-    names = sorted(os.listdir(folder), key=natural_key)
+    folder, names = _tag_folder_and_names(path)
+    names = sorted(os.listdir(folder) if names is None else names, key=natural_key)
     # every shard and model-state file is read by its path from here on
     check_links_inside(folder, names)
     optim_names = [n for n in names if n.endswith("_optim_states.pt")]
