@@ -42,7 +42,11 @@ if [ $# -eq 0 ]; then
     $(ls tests/test_properties.py tests/test_fuzz.py tests/test_fuzz_regressions.py 2>/dev/null)
 fi
 status=0
-pytest -q -p no:cacheprovider "$@" || status=$?
+# Two processes as in scripts/test.sh (each ASan report file is named by its process id).
+N=${PYCKPT_TEST_PROCESSES:-2}
+PARALLEL=()
+[ "$N" = 0 ] || PARALLEL=(-n "$N" --dist loadfile)
+pytest -q -p no:cacheprovider "${PARALLEL[@]}" "$@" || status=$?
 if compgen -G "$REPORTS/*" >/dev/null; then
   echo "sanitizer reports:" >&2
   cat "$REPORTS"/* >&2
