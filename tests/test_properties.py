@@ -67,7 +67,7 @@ def raw_source(workdir, records, gap=3):
         f.write(blob)
     sf = SourceFile.__new__(SourceFile)
     sf.path, sf.size, sf.prefix, sf.members = path, len(blob), "arc", members
-    sf._obj, sf._loaded = None, True
+    sf._obj, sf._loaded, sf._offsets = None, True, {}
     return sf
 
 

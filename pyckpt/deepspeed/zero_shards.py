@@ -14,6 +14,7 @@ only through ``optimizer_state_dict``, as DeepSpeed copies them).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -77,8 +78,9 @@ class FlatGroup:
         value = self.fp32 if state_name == "fp32" else self.state.get(state_name)
         return value if isinstance(value, TensorRef) else None
 
-    @property
+    @functools.cached_property
     def step(self) -> Optional[Step]:
+        # one Step per group, so its bytes are read once however many parameters compare it
         return Step(self._file, self.state["step"]) if "step" in self.state else None
 
     _file: SourceFile = field(default=None, repr=False)

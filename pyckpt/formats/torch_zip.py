@@ -56,6 +56,7 @@ class SourceFile:
         self._obj = None
         self._loaded = False
         self._scan = None
+        self._offsets = {}
 
     def _read_head(self):
         # A clear refusal of FIFOs and folders here; the native reader refuses them too (without
@@ -123,6 +124,12 @@ class SourceFile:
 
     def storage_offset(self, storage: StorageRef) -> int:
         """Absolute byte offset of a storage record's data, checked against the record's size."""
+        # A file's storages are checked when it is loaded and looked up again for every fragment
+        # planned from them; the reader makes one StorageRef per record, so a record that passed
+        # for it passes again.
+        known = self._offsets.get(storage.key)
+        if known is not None and known[0] is storage:
+            return known[1]
         name = f"{self.prefix}/data/{storage.key}"
         entry = self.members.get(name)
         if entry is None:
@@ -132,6 +139,7 @@ class SourceFile:
         if size < storage.nbytes:
             raise CheckpointFormatError(f"{self.path}: record {name} holds {size} bytes but its tensor needs "
                                         f"{storage.nbytes}")
+        self._offsets[storage.key] = (storage, off)
         return off
 
     def tensor_byte_range(self, t: TensorRef, start: int = 0, numel: int = None) -> Tuple[int, int]:
