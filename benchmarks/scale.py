@@ -20,7 +20,8 @@ process under `ulimit -n` --nofile (soft and hard, as bash's `ulimit -n 1024` se
   where it did not finish, the larger points of the sweep skip it.
 * at the points named by --before, convert --dry-run of the build at --pyckpt-path (PYTHONPATH),
   in the same rounds as the current build's.
-* one rank's load plan and direct-resume plan: hooks, not measured yet (see load_plan/resume_plan).
+* one rank's load plan and direct-resume plan (benchmarks/rank_plan.py, the middle rank of a job at
+  the point's dp): the seconds it plans after its imports, and the process's wall and peak RSS.
 
 Peak RSS comes from /usr/bin/time (the kernel's max RSS of the tool's largest process): the rusage
 this script could read itself from os.wait4 would include its own RSS, which the forked child
@@ -75,8 +76,9 @@ TARGETS = {
     "dsv3": [("convert --dry-run wall s", "convert_dry", "wall_s", "<=", 5.0),
              ("convert --dry-run peak RSS MiB", "convert_dry", "peak_rss_mib", "<=", 256.0),
              ("convert / cp -r", "ratios", "convert / cp -r", "<=", 1.5),
-             ("one rank's load plan wall s", "load_plan", "wall_s", "<=", 1.0)],
-    "dense70b": [("convert --dry-run wall s", "convert_dry", "wall_s", "<=", 2.0)],
+             ("one rank's load plan s", "load_plan", "plan_s", "<=", 1.0)],
+    "dense70b": [("convert --dry-run wall s", "convert_dry", "wall_s", "<=", 2.0),
+                 ("one rank's load plan s", "load_plan", "plan_s", "<=", 0.5)],
     "moe16x256": [("before / now, convert --dry-run wall", "ratios", "before / now dry-run wall", ">=", 20.0)],
 }
 SWEEPS = ("ranks", "experts", "layers", "cases")
@@ -219,17 +221,50 @@ def tree_size(path: Path):
     return files, nbytes
 
 
+def _rank_plan(mode: str, folder: Path, point: dict, env: dict, args) -> dict:
+    """rank_plan.py in a fresh process under the NOFILE limit: the process's wall/RSS from run_limited,
+    and the planning seconds it measured itself (after its imports, torch's included: a loading job
+    has them already), for the middle rank of a job at the checkpoint's own dp."""
+    out = args.work / f"{point['label']}.{mode}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    report = out / "plan.json"
+    cmd = [sys.executable, HERE / "rank_plan.py", mode, folder, "--world", str(point["dp"]), "--stage",
+           str(point["stage"]), "--json", report]
+    runs = []
+    for _ in range(args.runs):
+        report.unlink(missing_ok=True)
+        r = run_limited(cmd, env=env, cwd=out, nofile=args.nofile)
+        if r["status"] == "ok" and report.exists():
+            r.update(json.loads(report.read_text()))
+        runs.append(r)
+    got = summarize(runs)
+    plans = [r["plan_s"] for r in runs if "plan_s" in r]
+    if plans:
+        got.update(plan_s=statistics.median(plans), params=runs[-1].get("params"), rank=runs[-1].get("rank"))
+    print(f"   {mode + ' plan (one rank)':28s} {got.get('plan_s', float('nan')):.3f} s planning, "
+          f"{got.get('params')} params", file=sys.stderr)
+    shutil.rmtree(out, ignore_errors=True)
+    return got
+
+
 def load_plan(tag_dir: Path, point: dict, env: dict, args) -> Optional[dict]:
-    """HOOK for the lead engineer: one rank's load plan (pyckpt.deepspeed's universal load, planned for
-    one rank of point['dp'] without a running job). Return run_limited()'s dict (or summarize() of
-    several). Not measured yet: DeepSpeed is not to be mocked here."""
-    return None
+    """One rank's universal-load plan (benchmarks/rank_plan.py load) on pyckpt's conversion of the point."""
+    univ = args.work / f"{point['label']}.universal"
+    shutil.rmtree(univ, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pyckpt.convert", str(tag_dir), str(univ), "--quiet"], env=env,
+                   check=True, cwd=str(args.work))
+    try:
+        return _rank_plan("load", univ, point, env, args)
+    finally:
+        shutil.rmtree(univ, ignore_errors=True)
+        (args.work / "latest_universal").unlink(missing_ok=True)
 
 
 def resume_plan(tag_dir: Path, point: dict, env: dict, args) -> Optional[dict]:
-    """HOOK for the lead engineer: one rank's direct-resume plan (from the ZeRO shards, no conversion).
-    Return as load_plan. Not measured yet."""
-    return None
+    """One rank's direct-resume plan (benchmarks/rank_plan.py resume: the universal view of the ZeRO
+    checkpoint, which every rank builds whole, then its own parameters' states)."""
+    return _rank_plan("resume", tag_dir, point, env, args)
 
 
 def measure_point(label: str, gen: dict, args, envs: dict, ds_state: dict) -> dict:
@@ -365,7 +400,7 @@ def table(data: dict) -> str:
                cell(m, "ds_to_universal", spec=".2f"), fmt(r.get("ds_to_universal / convert"), ".1f"),
                f"{cell(m, 'ds_to_universal', 'peak_rss_mib', '.0f')} "
                f"({cell(m, 'ds_to_universal', 'tree_rss_mib', '.0f')})",
-               cell(m, "load_plan"), cell(m, "resume_plan"), ", ".join("/".join(map(str, n)) for n in nofile) or "-"]
+               cell(m, "load_plan", "plan_s"), cell(m, "resume_plan", "plan_s"), ", ".join("/".join(map(str, n)) for n in nofile) or "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -61,7 +61,9 @@ def test_scale_quick(tmp_path):
             assert m[name]["nofile"][0] == 1024, (p["label"], name, m[name]["nofile"])
         assert m["convert"]["output_bytes"] > 0 and m["convert"]["output_files"] > 0
         assert p["ratios"]["convert / cp -r"] > 0
-        assert m["load_plan"]["status"] == m["resume_plan"]["status"] == "not measured"
+        for plan in ("load_plan", "resume_plan"):  # one rank of a job at the point's dp
+            assert m[plan]["status"] == "ok" and m[plan]["plan_s"] > 0 and m[plan]["params"] >= 1, m[plan]
+            assert m[plan]["rank"] == p["dp"] // 2 and m[plan]["nofile"][0] == 1024
     assert "| dp8 |" in (results / "scale_ranks.md").read_text()
     if importlib.util.find_spec("matplotlib"):
         assert (results / "scale_ranks.png").stat().st_size > 0
