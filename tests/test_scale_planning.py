@@ -196,3 +196,22 @@ def test_convert_and_export_succeed_under_a_descriptor_limit_far_below_the_file_
             assert run.returncode == 0, (job, limit, run.stderr[-2000:])
             outs[limit] = digest(out)
         assert outs[64] == outs[None] and outs[64]
+
+
+def test_a_released_file_parses_again_and_notices_a_change(tmp_path):
+    """Discovery lets go of each rank's parsed shard once it has its records (memory flat in dp); a
+    later load() reads the file again, and refuses one whose records changed meanwhile."""
+    tag = _autoep(tmp_path / "ck", 4)
+    path = str(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    sf = SourceFile(path)
+    first = repr(sf.load())
+    sf.release()
+    assert sf._pickle_bytes is None and repr(sf.load()) == first
+    ck = discover(tag)
+    assert ck.optim[0].saved is not None and all(s.saved is None and s.file._pickle_bytes is None
+                                                  for s in ck.optim[1:])
+    sf.release()
+    with open(path, "ab") as f:
+        f.write(b"\0" * 64)  # the ZIP's records move: not the file first read
+    with pytest.raises(CheckpointFormatError, match="changed while pyckpt was reading it"):
+        sf.load()

@@ -207,6 +207,12 @@ def _read_shards(folder, grid, first, mp_ranks, dp, stage) -> List[List[ZeroShar
             if shard.stage != stage:
                 raise CheckpointFormatError(f"{shard.path}: a ZeRO stage {shard.stage} shard beside stage {stage} "
                                             f"ones ({first.path})")
+        for shard in row[1:]:
+            # Only dp rank 0's whole optimizer state is written out (zero/optimizer_state.pt); the
+            # others keep their records, not their parsed files: each holds the torch param_groups
+            # with every parameter's index, so kept whole they made memory grow with dp x params.
+            shard.saved = shard.param_groups = None
+            shard.file.release()
         rows.append(row)
     return rows
 

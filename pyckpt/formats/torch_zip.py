@@ -73,10 +73,25 @@ class SourceFile:
         except FileNotFoundError:
             raise CheckpointFormatError(f"{self.path}: file not found") from None
 
+    def release(self) -> None:
+        """Let go of the parsed pickle and its bytes. A planner reading thousands of files (one per
+        rank) keeps the records it took from each, not every file's whole object, so its memory
+        does not grow with the rank count; a later load() reads and parses the file again."""
+        self._obj, self._loaded, self._scan, self._pickle_bytes = None, False, None, None
+
+    def _reread(self) -> None:
+        size, prefix, members, data = self._read_head()
+        if (size, prefix, members) != (self.size, self.prefix, self.members) or data is None:
+            raise CheckpointFormatError(f"{self.path}: changed while pyckpt was reading it (its records differ from "
+                                        "when it was first opened)")
+        self._pickle_bytes = data
+
     def _pickle_scan(self):
         """The native opcode walk over data.pkl (native.scan_pickle), made once and shared by load()
         and check_copyable()."""
         if self._scan is None:
+            if self._pickle_bytes is None:
+                self._reread()
             self._scan = scan_pickle(self._pickle_bytes)
         return self._scan
 
@@ -86,6 +101,8 @@ class SourceFile:
         Every storage the pickle names is checked against its record here, so a file that parses
         has no tensor reaching outside its bytes, whether pyckpt later reads it or copies it whole."""
         if not self._loaded:
+            if self._pickle_bytes is None:
+                self._reread()
             obj, storages = loads_with_storages(self._pickle_bytes, source=self, where=self.path,
                                                 scan=self._pickle_scan())
             for storage in storages.values():

@@ -174,6 +174,7 @@ def check_expert_files(folder: str, names, layers: list) -> Dict[Tuple[int, int]
             key = f"{prefix}.{w}.{eid}"
             if key not in weights.tensors:
                 raise AutoEPError(f"Expected key '{key}' not found in {weights.path}")
+        sf.release()  # its tensor records stay; the pickle of each of ~15,000 files need not
         found[(layer_id, eid)] = weights
     return found
 
