@@ -12,38 +12,25 @@ Three kinds of evidence, at small sizes:
 from __future__ import annotations
 
 import enum
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import dsharness
 import pyckpt
+import generator
 from compare import diff_folders
 from dsharness import Config
 from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.inspect import describe
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "make_checkpoint.py"
-
-
-def _load_generator():
-    # benchmarks/ is not a package; dataclasses need the module registered while it executes.
-    spec = importlib.util.spec_from_file_location("benchmarks_make_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-mc = _load_generator()
+SCRIPT = generator.SCRIPT
+mc = generator.load()
 
 # name -> make_checkpoint arguments; ~50k parameters, so every flat group carries padding.
 CASES = {

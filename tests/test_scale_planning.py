@@ -10,7 +10,6 @@ under a soft descriptor limit far below their file count.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import resource
 import subprocess
@@ -27,21 +26,10 @@ from pyckpt.errors import CheckpointFormatError, MissingExpertFileError
 from pyckpt.formats import torch_zip
 from pyckpt.formats.torch_zip import SourceFile, open_sources
 
+import generator
 from compare import digest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "make_checkpoint.py"
-
-
-def _load_generator():
-    spec = importlib.util.spec_from_file_location("benchmarks_make_checkpoint_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-mc = _load_generator()
+mc = generator.load()
 
 
 def _autoep(root: Path, experts: int, dp: int = 4) -> Path:
