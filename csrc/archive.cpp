@@ -1,9 +1,15 @@
 #include "archive.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <stdexcept>
 
 #include "errors.hpp"
+#include "fd.hpp"
 #include "zip_format.hpp"
 
 namespace pyckpt {
@@ -23,12 +29,46 @@ std::string num(uint64_t v) { return std::to_string(v); }
 }  // namespace
 
 Archive::Archive(std::string path) : path_(std::move(path)) {
+    open_mapped();
+    parse();
+    check_unchanged();
+}
+
+Archive::Archive(std::string path, uint64_t read_limit) : path_(std::move(path)) {
+    // The same refusals as MappedFile's: O_NONBLOCK so a FIFO named like a shard does not wait for
+    // a writer, then nothing but a regular file.
+    UniqueFd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+    if (!fd) throw_errno("open", path_);
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0) throw_errno("stat", path_);
+    if (!S_ISREG(st.st_mode)) throw_errno_code(EINVAL, "read (not a regular file)", path_);
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    if (size > read_limit) {
+        fd.reset();
+        open_mapped();
+    } else {
+        held_.resize(size);
+        uint64_t got = 0;
+        while (got < size) {
+            ssize_t n = ::pread(fd.get(), held_.data() + got, size - got, static_cast<off_t>(got));
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0) throw_errno("read", path_);
+            if (n == 0) throw source_changed_error(path_);
+            got += static_cast<uint64_t>(n);
+        }
+        size_ = size;
+        data_ = reinterpret_cast<const uint8_t*>(held_.data());
+    }
+    parse();
+    check_unchanged();
+}
+
+void Archive::open_mapped() {
     // Parsing reads the end records, the central directory and one local header per member:
     // a few scattered pages that must not each drag in a readahead window.
     map_ = std::make_unique<MappedFile>(path_, /*random_access=*/true);
     size_ = map_->size();
-    parse();
-    check_unchanged();
+    data_ = map_->data();
 }
 
 void Archive::check_unchanged() const {
@@ -70,7 +110,7 @@ bool Archive::read_zip64_extra(const uint8_t* x, uint64_t len, std::initializer_
 }
 
 void Archive::parse() {
-    const uint8_t* f = map_->data();
+    const uint8_t* f = data_;
     const uint64_t n = size_;
     if (n < kEocdSize)
         fail("file too short to be a ZIP archive (" + num(n) + " bytes, no end-of-central-directory record)");
@@ -229,8 +269,8 @@ const ArchiveMember& Archive::member(std::string_view name) const {
 }
 
 const uint8_t* Archive::member_data(const ArchiveMember& m) const {
-    if (!map_) throw std::logic_error(path_ + ": archive is closed");
-    return map_->data() + m.data_offset;
+    if (!data_) throw std::logic_error(path_ + ": archive is closed");
+    return data_ + m.data_offset;
 }
 
 std::string Archive::prefix() const {
@@ -247,6 +287,10 @@ std::string Archive::prefix() const {
     return std::string(first.substr(0, slash));
 }
 
-void Archive::close() noexcept { map_.reset(); }
+void Archive::close() noexcept {
+    map_.reset();
+    std::string().swap(held_);
+    data_ = nullptr;
+}
 
 }  // namespace pyckpt

@@ -30,6 +30,12 @@ struct ArchiveMember {
 class Archive {
 public:
     explicit Archive(std::string path);
+    // As above, except that a file of at most `read_limit` bytes is read into memory (pread) rather
+    // than mapped. A planning pass opens thousands of small archives on several threads: mapping
+    // and unmapping each takes the process's address-space lock and unmapping interrupts the other
+    // CPUs to flush their TLBs, so those threads mostly waited on each other; reading costs one
+    // copy of a few KB. A read-in archive never changes under its reader (check_unchanged passes).
+    Archive(std::string path, uint64_t read_limit);
 
     const std::string& path() const noexcept { return path_; }
     uint64_t size() const noexcept { return size_; }
@@ -49,9 +55,10 @@ public:
     void check_unchanged() const;
 
     void close() noexcept;
-    bool closed() const noexcept { return !map_; }
+    bool closed() const noexcept { return data_ == nullptr; }
 
 private:
+    void open_mapped();
     void parse();
     bool read_zip64_extra(const uint8_t* x, uint64_t len, std::initializer_list<uint64_t*> slots,
                           std::string_view member, const char* where) const;
@@ -60,6 +67,8 @@ private:
 
     std::string path_;
     std::unique_ptr<MappedFile> map_;
+    std::string held_;                // the file's bytes when read in rather than mapped
+    const uint8_t* data_ = nullptr;   // map_'s bytes or held_'s; null once closed
     uint64_t size_ = 0;
     std::vector<ArchiveMember> members_;
     std::unordered_map<std::string_view, std::size_t> index_;  // views into members_[i].name

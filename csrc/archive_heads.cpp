@@ -6,13 +6,18 @@
 
 namespace pyckpt {
 
+// Files up to this size are read rather than mapped (see Archive's read_limit): every shard and
+// expert file of a metadata-sized checkpoint, while a real model's multi-GB shards stay mapped and
+// only the pages holding their headers are touched.
+constexpr uint64_t kReadWholeLimit = 128u << 10;
+
 std::vector<ArchiveHead> read_archive_heads(const std::vector<std::string>& paths, const std::string& member,
                                             uint64_t max_bytes, unsigned workers) {
     std::vector<ArchiveHead> heads(paths.size());
     auto task = [&](uint64_t i, unsigned) {
         ArchiveHead& head = heads[i];
         try {
-            Archive ar(paths[i]);
+            Archive ar(paths[i], kReadWholeLimit);
             head.size = ar.size();
             head.prefix = ar.prefix();
             head.members = ar.members();

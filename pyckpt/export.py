@@ -28,6 +28,7 @@ from .execution.distributed import agreed, plan_digest, several
 from .execution.publish import write_published
 from .formats.pickle_read import ITEMSIZE
 from .formats.safetensors import RESERVED_NAME, TensorEntry, layout
+from .planning.collector import pauses_collector
 from .formats.confined import read_inside
 from .huggingface.shards import parse_size, split
 from .planning.plan import Plan
@@ -86,6 +87,7 @@ def resolve_dtype(dtype: str, config: Optional[dict] = None) -> str:
     return DTYPES[key]
 
 
+@pauses_collector
 def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5GB",
                 exclude_frozen: bool = False, dense_only: bool = False, tag: Optional[str] = None,
                 torch_bin: bool = False):

@@ -107,7 +107,7 @@ def test_a_missing_expert_file_is_named_before_any_is_read(tmp_path, monkeypatch
     def no_reads(paths, workers=0):
         raise AssertionError("expert files read before every one was found")
 
-    monkeypatch.setattr(layers, "open_sources", no_reads)
+    monkeypatch.setattr(layers, "iter_sources", no_reads)
     with pytest.raises(MissingExpertFileError, match="layer_1 expert_3"):
         build_plan(ck, False, False, True)
 
@@ -203,3 +203,117 @@ def test_a_released_file_parses_again_and_notices_a_change(tmp_path):
         f.write(b"\0" * 64)  # the ZIP's records move: not the file first read
     with pytest.raises(CheckpointFormatError, match="changed while pyckpt was reading it"):
         sf.load()
+
+
+def test_small_archives_read_in_and_large_ones_mapped_give_the_same_heads(tmp_path):
+    """The batch reads files up to 128 KiB into memory and maps larger ones: the same records either
+    way, and the same refusals of an empty or cut file as the single-file open."""
+    import torch
+    paths = []
+    for n in (4, 40_000, 4):  # 16 B, 160 KB (past the read-in limit), 16 B
+        path = tmp_path / f"t{n}_{len(paths)}.pt"
+        torch.save({"w": torch.arange(n, dtype=torch.float32), "meta": {"n": n}}, path)
+        paths.append(str(path))
+    assert os.path.getsize(paths[1]) > 128 << 10 > os.path.getsize(paths[0])
+    for path, sf in zip(paths, open_sources(paths), strict=True):
+        one = SourceFile(path)
+        assert (sf.size, sf.prefix, sf.members, sf._pickle_bytes) == (one.size, one.prefix, one.members,
+                                                                      one._pickle_bytes)
+        assert repr(sf.load()) == repr(one.load())
+    data = Path(paths[0]).read_bytes()
+    for name, content in (("empty.pt", b""), ("cut.pt", data[:len(data) // 2])):
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        with pytest.raises(CheckpointFormatError) as alone:
+            SourceFile(str(bad))
+        with pytest.raises(CheckpointFormatError) as batched:
+            open_sources([paths[0], str(bad)])
+        assert str(batched.value) == str(alone.value)
+
+
+def test_iter_sources_reads_ahead_and_refuses_a_bad_file_in_its_turn(tmp_path, monkeypatch):
+    """Chunks are read one ahead of the parser, in order; a bad file is refused only once every file
+    before it was handed out, and a consumer that stops early leaves nothing waiting."""
+    tag = _autoep(tmp_path / "ck", 8)
+    paths = sorted(str(p) for p in tag.glob("*.pt"))
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not an archive")
+    monkeypatch.setattr(torch_zip, "_HEAD_CHUNK", 3)
+    calls = []
+    real = torch_zip._core.read_archive_heads
+    monkeypatch.setattr(torch_zip._core, "read_archive_heads",
+                        lambda chunk, *a: calls.append(list(chunk)) or real(chunk, *a))
+    handed = []
+    with pytest.raises(CheckpointFormatError, match="bad.pt"):
+        for sf in torch_zip.iter_sources(paths[:7] + [str(bad)] + paths[7:]):
+            handed.append(sf.path)
+    assert handed == paths[:7]
+    assert [p for chunk in calls for p in chunk][:9] == paths[:7] + [str(bad)] + paths[7:8]
+    calls.clear()
+    first = next(torch_zip.iter_sources(paths))
+    assert first.path == paths[0] and len(calls) <= 2  # the first chunk and at most one read ahead
+
+
+def test_planning_pauses_the_collector_and_restores_its_state(tmp_path):
+    """Discovery and planning run without cyclic collections (they were a third of a 15,873-file
+    plan); the collector's state is put back afterwards, also after a failure and when nested."""
+    import gc
+
+    from pyckpt.planning.collector import collector_paused
+
+    tag = _autoep(tmp_path / "ck", 4)
+    seen = []
+    real_read = layers.read_expert_weights
+    try:
+        layers.read_expert_weights = lambda sf: seen.append(gc.isenabled()) or real_read(sf)
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            build_plan(discover(tag), False, False, True)
+            assert gc.isenabled() is enabled
+        assert seen and not any(seen)
+        gc.enable()
+        with pytest.raises(CheckpointFormatError):
+            discover(tmp_path / "no such folder")
+        assert gc.isenabled()
+        with collector_paused():
+            with collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert gc.isenabled()
+    finally:
+        layers.read_expert_weights = real_read
+        gc.enable()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_whole_row_blocks_copy_what_the_rows_hold(seed):
+    """tp_merge's row copier against a byte-by-byte reference: any split of the source into parts,
+    any block layout; runs of whole rows become strided pieces."""
+    import random
+
+    from pyckpt.deepspeed.tp_merge import _blocks
+    from pyckpt.planning.plan import Segments
+
+    rnd = random.Random(seed)
+    block = rnd.randint(1, 9)
+    outer = rnd.randint(1, 12)
+    total = block * outer
+    cuts = sorted(rnd.sample(range(1, total), min(total - 1, rnd.randint(0, 5)))) if total > 1 else []
+    sources = [object() for _ in range(len(cuts) + 1)]
+    bounds = [0] + cuts + [total]
+    seg = Segments((sources[i], 1000 * i, bounds[i + 1] - bounds[i]) for i in range(len(bounds) - 1))
+    dst_row, dst_off = block + rnd.randint(0, 5), rnd.randint(0, 3)
+    got = {}
+    for p in _blocks(seg, outer, block, 0, dst_row, dst_off, block):
+        for r in range(p.rows):
+            for b in range(p.nbytes):
+                dst = p.dst_off + r * (p.stride if p.rows > 1 else 0) + b
+                assert dst not in got
+                got[dst] = (p.src, p.src_off + r * p.nbytes + b)
+    want = {}
+    for r in range(outer):
+        for b in range(block):
+            pos = r * block + b
+            i = max(k for k in range(len(bounds) - 1) if bounds[k] <= pos)
+            want[r * dst_row + dst_off + b] = (sources[i], 1000 * i + pos - bounds[i])
+    assert got == want

@@ -14,7 +14,8 @@ from typing import Dict, List
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..formats.confined import check_links_inside, inside, read_small_text
-from ..formats.torch_zip import SourceFile, open_sources
+from ..formats.torch_zip import SourceFile, iter_sources
+from ..planning.collector import pauses_collector
 from .model_states import ModelStates, read_model_states
 from .names import check_tag, missing_ranks
 from .zero_shards import ZeroShard, read_zero_shard, read_zero_stage
@@ -112,6 +113,7 @@ class ZeroCheckpoint:
         return self.optim_grid[0]
 
 
+@pauses_collector
 def discover(path) -> ZeroCheckpoint:
     folder, names = _tag_folder_and_names(path)
     names = sorted(os.listdir(folder) if names is None else names, key=natural_key)
@@ -200,19 +202,21 @@ def _read_shards(folder, grid, first, mp_ranks, dp, stage) -> List[List[ZeroShar
     rows = []
     for m in mp_ranks:
         names = [grid[m][r] for r in range(dp)]
-        fresh = iter(open_sources(os.path.join(folder, n) for n in names if n not in opened))
-        files = [opened.get(n) or next(fresh) for n in names]
-        row = [read_zero_shard(sf, r, dp) for r, sf in enumerate(files)]
-        for shard in row:
+        fresh = iter_sources(os.path.join(folder, n) for n in names if n not in opened)
+        row = []
+        for r, n in enumerate(names):
+            shard = read_zero_shard(opened.get(n) or next(fresh), r, dp)
             if shard.stage != stage:
                 raise CheckpointFormatError(f"{shard.path}: a ZeRO stage {shard.stage} shard beside stage {stage} "
                                             f"ones ({first.path})")
-        for shard in row[1:]:
-            # Only dp rank 0's whole optimizer state is written out (zero/optimizer_state.pt); the
-            # others keep their records, not their parsed files: each holds the torch param_groups
-            # with every parameter's index, so kept whole they made memory grow with dp x params.
-            shard.saved = shard.param_groups = None
-            shard.file.release()
+            if r > 0:
+                # Only dp rank 0's whole optimizer state is written out (zero/optimizer_state.pt);
+                # the others keep their records, not their parsed files: each holds the torch
+                # param_groups with every parameter's index, so kept whole they made memory grow
+                # with dp x params.
+                shard.saved = shard.param_groups = None
+                shard.file.release()
+            row.append(shard)
         rows.append(row)
     return rows
 
@@ -267,7 +271,7 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
     # Every model-state file is copied into the output, so every one is read and checked, not only
     # the ones the plan reads.
     model_files = {n: read_model_states(sf)
-                   for n, sf in zip(model_names, open_sources(os.path.join(folder, n) for n in model_names))}
+                   for n, sf in zip(model_names, iter_sources(os.path.join(folder, n) for n in model_names))}
     model_grid = [[model_files[by_rank[(t, r)]] for r in range(dp)] for t in range(tp)]
     return ZeroCheckpoint(folder, 3, dp, tp, 1, optim_grid, model_grid[0], model_grid, list(model_files.values()),
                           bf16_prefix=zero3[0].startswith("bf16_"), names=list(names))

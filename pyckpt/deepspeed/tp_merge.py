@@ -292,9 +292,8 @@ def _blocks(seg: Segments, outer: int, src_row: int, src_off: int, dst_row: int,
             while r <= last:
                 lo, hi = max(pos, r * block), min(pos + n, (r + 1) * block)
                 if lo == r * block and hi == (r + 1) * block:
-                    run_end = r
-                    while run_end + 1 <= last and (run_end + 2) * block <= pos + n:
-                        run_end += 1
+                    # the last row this part holds whole (row r is whole, so run_end >= r)
+                    run_end = min(last, (pos + n) // block - 1)
                     rows = run_end - r + 1
                     pieces.append(Piece(sf, off + (lo - pos), block, r * dst_row + dst_off, 0, rows,
                                         dst_row if rows > 1 else 0))

@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 from ..planning.plan import Plan
+from ..planning.collector import pauses_collector
 from .discovery import ZeroCheckpoint
 from .zero12 import plan_zero12
 from .zero3 import plan_zero3
 
 
+@pauses_collector
 def build_plan(ck: ZeroCheckpoint, inject_missing_state: bool = False, dense_only: bool = False,
                strict: bool = True) -> Tuple[Plan, Dict[str, int]]:
     plan = Plan()

@@ -35,6 +35,7 @@ from ..formats.pickle_read import numel
 from ..formats.pickle_write import NewTensor
 from ..formats.torch_zip import SourceFile
 from ..planning.plan import Piece
+from ..planning.collector import pauses_collector
 from .consolidated import ConsolidatedState, assemble, trainable_shapes
 from .discovery import follow_pointer, natural_key, parallel_degrees
 from .model_states import ModelStates, read_model_states
@@ -79,6 +80,7 @@ def find_universal_folder(path) -> Optional[str]:
     return None
 
 
+@pauses_collector
 def discover_universal(folder) -> UniversalCheckpoint:
     """Read and check a universal folder's copied model-state files (the per-parameter files are read
     by :func:`consolidate_universal`, each when its parameter is reached)."""

@@ -21,6 +21,7 @@ from ..formats.pickle_write import NewTensor, dumps
 from ..formats.torch_zip import open_regular
 from ..native import execute_into, op_table, write_archives
 from ..planning.plan import Plan
+from ..planning.collector import pauses_collector
 
 
 def copy_checked(src, dst: str, fsync: bool = False) -> None:
@@ -75,6 +76,7 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+@pauses_collector
 def compile_plan(plan: Plan, root: str):
     """(sources, outputs, op table, tensor bytes) for :func:`pyckpt.native.write_archives`."""
     sources: List[str] = []

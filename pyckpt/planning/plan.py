@@ -13,6 +13,7 @@ from typing import Any, List, Tuple
 from ..errors import CheckpointFormatError
 from ..formats.pickle_read import ITEMSIZE
 from ..formats.pickle_write import NewTensor, dumps
+from .collector import pauses_collector
 
 
 def check_relpath(relpath: str) -> str:
@@ -143,6 +144,7 @@ class Plan:
         self.copies.append(FileCopy(src, self._claim(relpath)))
 
     # -- describing ----------------------------------------------------------------------------
+    @pauses_collector
     def describe(self, limit: int = 40) -> str:
         lines = []
         total = 0

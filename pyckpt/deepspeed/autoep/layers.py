@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ...errors import AutoEPError, MissingExpertFileError, UnsupportedCheckpointError
-from ...formats.torch_zip import SourceFile, open_sources
+from ...formats.torch_zip import SourceFile, iter_sources
 from ..model_states import ExpertWeights, ModelStates, read_expert_weights
 from ..names import check_param_name
 
@@ -168,7 +168,7 @@ def check_expert_files(folder: str, names, layers: list) -> Dict[Tuple[int, int]
                     f"{[os.path.basename(m) for m in matches]}. Multi-mp_rank expert files are not supported.")
             wanted.append(((layer_id, eid, prefix), matches[0]))
     found = {}
-    for ((layer_id, eid, prefix), _), sf in zip(wanted, open_sources(path for _, path in wanted)):
+    for ((layer_id, eid, prefix), _), sf in zip(wanted, iter_sources(path for _, path in wanted)):
         weights = read_expert_weights(sf)
         for w in WEIGHTS:
             key = f"{prefix}.{w}.{eid}"
