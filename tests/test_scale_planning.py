@@ -192,9 +192,12 @@ def test_a_released_file_parses_again_and_notices_a_change(tmp_path):
     tag = _autoep(tmp_path / "ck", 4)
     path = str(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     sf = SourceFile(path)
-    first = repr(sf.load())
+    first, table = repr(sf.load()), dict(sf.members)
     sf.release()
-    assert sf._pickle_bytes is None and repr(sf.load()) == first
+    assert sf._pickle_bytes is None and sf._members is None  # the member table goes too
+    assert sf.members == table and repr(sf.load()) == first
+    sf.release()
+    assert repr(sf.load()) == first and sf.members == table
     ck = discover(tag)
     assert ck.optim[0].saved is not None and all(s.saved is None and s.file._pickle_bytes is None
                                                   for s in ck.optim[1:])
@@ -203,6 +206,8 @@ def test_a_released_file_parses_again_and_notices_a_change(tmp_path):
         f.write(b"\0" * 64)  # the ZIP's records move: not the file first read
     with pytest.raises(CheckpointFormatError, match="changed while pyckpt was reading it"):
         sf.load()
+    with pytest.raises(CheckpointFormatError, match="changed while pyckpt was reading it"):
+        sf.members
 
 
 def test_small_archives_read_in_and_large_ones_mapped_give_the_same_heads(tmp_path):

@@ -7,6 +7,7 @@ the executor copies them.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import stat
 from typing import Any, Dict, Iterator, List, Tuple
@@ -30,6 +31,13 @@ METADATA_RECORDS = (
     (".data/serialization_id", "ASCII text", lambda b: b.isascii()),
 )
 
+def _members_digest(size: int, prefix: str, members: Dict[str, Tuple[int, int, int]]) -> bytes:
+    """What a re-read must find again, in 16 bytes (a collision needs a crafted file, and a file
+    crafted to collide still passes every check a first read makes)."""
+    text = repr((size, prefix, sorted(members.items())))
+    return hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=16).digest()
+
+
 def max_pickle_bytes() -> int:
     value = os.environ.get("PYCKPT_MAX_PICKLE_BYTES")
     return int(value) if value else DEFAULT_MAX_PICKLE_BYTES
@@ -45,7 +53,8 @@ class SourceFile:
         self.path = os.fspath(path)
         if head is None:
             head = self._read_head()
-        self.size, self.prefix, self.members, self._pickle_bytes = head
+        self.size, self.prefix, self._members, self._pickle_bytes = head
+        self._members_digest = None  # set while the member table is let go (release)
         pkl = self.prefix + "/data.pkl"
         if pkl not in self.members:
             raise CheckpointFormatError(f"{self.path}: not a torch.save archive (no {pkl} member)")
@@ -74,17 +83,33 @@ class SourceFile:
         except FileNotFoundError:
             raise CheckpointFormatError(f"{self.path}: file not found") from None
 
+    @property
+    def members(self) -> Dict[str, Tuple[int, int, int]]:
+        """Member name -> (absolute data offset, size, CRC-32), read again if it was let go."""
+        if self._members is None:
+            self._reread()
+        return self._members
+
     def release(self) -> None:
-        """Let go of the parsed pickle and its bytes. A planner reading thousands of files (one per
-        rank) keeps the records it took from each, not every file's whole object, so its memory
-        does not grow with the rank count; a later load() reads and parses the file again."""
-        self._obj, self._loaded, self._scan, self._pickle_bytes = None, False, None, None
+        """Let go of the parsed pickle, its bytes and the member table. A planner reading thousands
+        of files (one per rank, one per AutoEP expert) keeps the records it took from each, not
+        every file's whole object: the member table alone was 2.4 KB a file, the largest per-rank
+        cost of a 4,096-rank plan. A later load() or members reads the file again, and refuses it if
+        its records changed; storage offsets already checked stay known."""
+        if self._members is not None:
+            self._members_digest = _members_digest(self.size, self.prefix, self._members)
+        self._obj, self._loaded, self._scan, self._pickle_bytes, self._members = None, False, None, None, None
 
     def _reread(self) -> None:
         size, prefix, members, data = self._read_head()
-        if (size, prefix, members) != (self.size, self.prefix, self.members) or data is None:
+        if self._members is None:
+            same = _members_digest(size, prefix, members) == self._members_digest
+        else:
+            same = (size, prefix, members) == (self.size, self.prefix, self._members)
+        if not same or data is None:
             raise CheckpointFormatError(f"{self.path}: changed while pyckpt was reading it (its records differ from "
                                         "when it was first opened)")
+        self._members, self._members_digest = members, None
         self._pickle_bytes = data
 
     def _pickle_scan(self):
