@@ -31,6 +31,8 @@ from .errors import CheckpointFormatError, PyckptError
 from .deepspeed.names import check_tag, missing_ranks, name_problem
 from .deepspeed.universal_layout import LATEST_UNIVERSAL, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, read_state
 from .formats.pickle_read import ITEMSIZE, Opaque, TensorRef, numel
+from .formats.pickle_write import NewTensor
+from .native import _core
 
 STATE_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt")
 MOMENTS = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")
@@ -125,7 +127,6 @@ def resolve_universal_folder(path, report: Optional[VerifyReport] = None) -> Opt
 # -- reading files -----------------------------------------------------------------------------
 
 def _crc32(data, init: int = 0) -> int:
-    from .native import _core
     return _core.crc32(data, init)
 
 
@@ -522,7 +523,6 @@ def _same_file_bytes(a: str, b: str) -> bool:
 def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: VerifyReport, reader) -> None:
     """Walk the planned object and the file's object together; tensors by dtype, shape and (with a
     ``reader``) the CRC-32 of their bytes."""
-    from .formats.pickle_write import NewTensor
     if isinstance(expected, (NewTensor, TensorRef)):
         if not isinstance(actual, TensorRef):
             report.add(path, f"{_at(where)}expected a tensor, found a {type(actual).__name__}")
@@ -586,7 +586,6 @@ def _short(value) -> str:
 
 def _planned_crc(t, reader: "_Reader") -> Optional[int]:
     """CRC-32 of the bytes the plan would write for ``t``, or None when not worth computing."""
-    from .formats.pickle_write import NewTensor
     if isinstance(t, TensorRef):
         sf = t.storage.source
         if not t.is_contiguous():
@@ -646,7 +645,6 @@ class _Reader:
 def _assemble(t, nbytes: int, reader: "_Reader") -> bytes:
     """The planned bytes of a strided or converting NewTensor, as the executor would write them."""
     import numpy as np
-    from .native import _core
     out = bytearray(nbytes)
     to_f32 = {
         _core.KIND_BF16_TO_F32: lambda b: (np.frombuffer(b, np.uint16).astype(np.uint32) << 16).view(np.float32),
