@@ -32,7 +32,7 @@ The layouts this reproduces (as DeepSpeed 0.19.8's engine and ZeRO optimizers sa
 
 Parameter layouts: the default toy stacks (few, odd-shaped tensors), or with ``--family`` a real
 model's names and tensor count at any width: ``llama`` (LlamaForCausalLM: 9 per layer + 3, so 723 at
-80 layers; with ``--tp``, Megatron-style slices under those names), ``mixtral`` and ``deepseek``
+80 layers; with ``--tp``, cut and described as DeepSpeed AutoTP does), ``mixtral`` and ``deepseek``
 (DeepSeek-V3: MLA attention, 3 dense layers, then routed + shared experts) as DeepSpeed AutoEP
 leaves them. ``--hidden 8`` keeps metadata-heavy checkpoints (thousands of ranks or expert files)
 small on disk. Planning costs O(what each file holds): no rank rescans the model, and archives go
@@ -303,6 +303,10 @@ class Model:
     tp_kind: Dict[str, str] = field(default_factory=dict)
     vocab_rows: int = 0  # the unpadded vocabulary (original_vocab_size)
     family: str = "toy"
+    # Who publishes the tp metadata: "megatron" (a Megatron-DeepSpeed model's regex patterns) or
+    # "autotp" (DeepSpeed AutoTP on a Hugging Face model: exact-name patterns plus an affine map of
+    # every parameter, as collect_autotp_universal_checkpoint_info writes them in 0.19.8).
+    tp_style: str = "megatron"
 
     @property
     def autoep(self) -> bool:
@@ -318,9 +322,12 @@ class Model:
         return total
 
     def uc_info(self) -> dict:
-        """The universal_checkpoint_info a Megatron-DeepSpeed model passes for this layout."""
+        """The universal_checkpoint_info a Megatron-DeepSpeed model passes for this layout, or the
+        one DeepSpeed AutoTP publishes (tp_style "autotp")."""
         if self.tp == 1:
             return {}  # the client_state every UCP user passes
+        if self.tp_style == "autotp":
+            return self._autotp_info()
 
         def pats(kind):
             return sorted({re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(n)) for n, k in self.tp_kind.items() if k == kind})
@@ -334,6 +341,60 @@ class Model:
             "vocabulary_parameter_patterns": pats("vocab"),
             "original_vocab_size": self.vocab_rows,
         }
+
+
+    def _autotp_info(self) -> dict:
+        # AutoTP names each parameter exactly (^name$), lists sorted; parameters it partitioned get a
+        # map first, in module order, then the ones it left whole, as DeepSpeed 0.19.8's
+        # collect_autotp_universal_checkpoint_info (module_inject/layers.py) collects them.
+        kinds, shapes = self.tp_kind, dict(self.params)
+        split = [n for n, _ in self.params if kinds[n] != "replicated"]
+        whole = [n for n, _ in self.params if kinds[n] == "replicated"]
+        return {
+            "universal_checkpoint_version": 0.4,
+            "parameter_with_row_parallelism_patterns": sorted(_exact(n) for n in split if kinds[n] == "row"),
+            "tp_replicated_parameter_patterns": sorted(_exact(n) for n in whole),
+            "vocabulary_parameter_patterns": sorted(_exact(n) for n in split if kinds[n] == "vocab"),
+            "parameter_with_sub_params": [],
+            "autotp_unsupported_parameter_patterns": {},
+            "original_vocab_size": self.vocab_rows,
+            "affine_map": {"version": 1,
+                           "params": {_exact(n): autotp_map(shapes[n], kinds[n], self.tp) for n in split + whole}},
+        }
+
+
+def _exact(name: str) -> str:
+    return f"^{re.escape(name)}$"
+
+
+def _strides(shape) -> List[int]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return out[::-1]
+
+
+def autotp_map(shape, kind: str, tp: int) -> dict:
+    """AutoTP's affine map of one parameter whose every tp rank holds a ``shape`` slice: "column" and
+    "vocab" split on dim 0, "row" on dim 1, "replicated" whole on every rank (its replicated_map)."""
+    shape = list(shape)
+    if kind == "replicated":
+        piece = {"shape": shape, "source": [0, _strides(shape)], "dest": [0, _strides(shape)],
+                 "locations": list(range(tp))}
+        return {"logical_shape": shape,
+                "ranks": {r: {"shard_shape": list(shape), "pieces": [dict(piece)]} for r in range(tp)}}
+    if kind == "row":
+        logical, step = [shape[0], shape[1] * tp] + shape[2:], shape[1]
+    elif kind in ("column", "vocab"):
+        logical, step = [shape[0] * tp] + shape[1:], math.prod(shape)
+    else:
+        raise ValueError(f"AutoTP has no {kind!r} parameters")
+    return {"logical_shape": logical,
+            "ranks": {r: {"shard_shape": list(shape),
+                          "pieces": [{"shape": list(shape), "source": [r * step, _strides(logical)],
+                                      "dest": [0, _strides(shape)], "locations": [r]}]}
+                      for r in range(tp)}}
 
 
 def dense_model(layers: int, hidden: int) -> Model:
@@ -461,16 +522,19 @@ def llama_model(layers: int, hidden: int, *, heads: Optional[int] = None, kv_hea
                 ffn: Optional[int] = None, vocab: Optional[int] = None, tp: int = 1) -> Model:
     """LlamaForCausalLM's parameters in named_parameters() order (untied embeddings): 9 per layer + 3.
 
-    With ``tp > 1`` the Megatron-style slicing of :func:`tp_model` under Llama's names: q/k/v and
-    gate/up column-parallel, o/down row-parallel, norms replicated, embed_tokens and lm_head
-    vocabulary-parallel (padded to a multiple of tp; the padding is stripped on conversion)."""
+    With ``tp > 1`` the model as DeepSpeed AutoTP (``tensor_parallel.autotp_size``) cuts it and
+    describes it: q/k/v and gate/up split on dim 0, o/down on dim 1, lm_head on dim 0 (a
+    vocabulary parameter), the embedding and the norms left whole on every rank."""
     heads, kv_heads = _gqa_heads(hidden, heads, kv_heads, tp)
     ffn = ffn or 7 * hidden // 2  # Llama 3 8B/70B: 14336 at 4096, 28672 at 8192
     vocab = vocab or FAMILY_VOCAB["llama"]
     if tp > 1 and ffn % tp:
         raise ValueError(f"the MLP width {ffn} is not divisible by --tp {tp}")
-    rows = _ceil_to(vocab, tp) // tp
-    spec = [("model.embed_tokens.weight", (rows, hidden), "vocab")]
+    if tp > 1 and vocab % tp:
+        # AutoTP cuts lm_head unevenly then; one slice shape per parameter is what this writes
+        raise ValueError(f"--vocab {vocab} is not divisible by --tp {tp}")
+    rows = vocab // tp
+    spec = [("model.embed_tokens.weight", (vocab, hidden), "replicated")]
     for i in range(layers):
         base = f"model.layers.{i}"
         spec += _gqa_attention(base, hidden, heads, kv_heads, tp)
@@ -481,7 +545,7 @@ def llama_model(layers: int, hidden: int, *, heads: Optional[int] = None, kv_hea
     spec += [("model.norm.weight", (hidden, ), "replicated"), ("lm_head.weight", (rows, hidden), "vocab")]
     m = Model([(n, s) for n, s, _ in spec], family="llama")
     if tp > 1:
-        m.tp, m.tp_kind, m.vocab_rows = tp, {n: k for n, _, k in spec}, vocab
+        m.tp, m.tp_kind, m.vocab_rows, m.tp_style = tp, {n: k for n, _, k in spec}, vocab, "autotp"
     return m
 
 
@@ -843,6 +907,8 @@ class _Writer:
         }
         if self.dtype == "bf16":
             config["bf16"] = {"enabled": True}
+        if self.m.tp_style == "autotp" and self.m.tp > 1:
+            config["tensor_parallel"] = {"autotp_size": self.m.tp, "preset_model": self.m.family}
         if self.m.autoep:
             config["expert_parallel"] = {"enabled": True, "autoep_size": self.topo.ep,
                                         "preset_model": AUTOEP_PRESET[self.m.family]}
@@ -1262,7 +1328,7 @@ def main(argv=None) -> int:
                         "vocabulary, replicated and averaged parameters), files per tp rank")
     p.add_argument("--family", choices=FAMILIES, default="toy",
                    help="parameter layout: toy (default: the small synthetic stacks), llama (LlamaForCausalLM names, "
-                        "9 per layer + 3; works with --tp), mixtral or deepseek (DeepSeek-V3) under AutoEP")
+                        "9 per layer + 3; with --tp, as DeepSpeed AutoTP cuts it), mixtral or deepseek (DeepSeek-V3) under AutoEP")
     p.add_argument("--heads", type=int, help="llama/mixtral/deepseek: attention heads (default: from --hidden)")
     p.add_argument("--kv-heads", type=int, help="llama/mixtral: key/value heads (grouped-query; default from --heads)")
     p.add_argument("--dense-layers", type=int, default=3,

@@ -79,3 +79,32 @@ def test_zero_width_shards_are_recorded_only_by_the_affine_map(name, checkpoints
     amap = next(v for p, v in info["affine_map"]["params"].items() if __import__("re").match(p, k_proj))
     ranks = {int(r): v for r, v in amap["ranks"].items()}
     assert [list(ranks[r]["shard_shape"]) for r in range(4)] == [[4, 16], [4, 16], [0, 16], [0, 16]]
+
+
+def test_the_generators_autotp_metadata_is_what_deepspeed_autotp_writes(checkpoints):
+    """benchmarks/make_checkpoint.py --family llama --tp N describes its slices as AutoTP does: for
+    every parameter of a real AutoTP run that is split evenly or left whole (the generator writes no
+    fused or uneven ones), the generator's affine map from the slice shape and the kind the real
+    pattern lists give is the real map, and its metadata has the real keys."""
+    import generator
+    from pyckpt.formats.torch_zip import SourceFile
+
+    mc = generator.load()
+    tag = checkpoints["tp_s1_fp32"].tag_dir
+    info = SourceFile(str(tag / "mp_rank_00_model_states.pt")).load()["universal_checkpoint_info"]
+    fused = {p for spec in info["parameter_with_sub_params"] for p in spec["patterns"]}
+    compared = set()
+    for pattern, real in info["affine_map"]["params"].items():
+        shards = {tuple(rank["shard_shape"]) for rank in real["ranks"].values()}
+        if pattern in fused or len(shards) != 1:
+            continue
+        kind = ("row" if pattern in info["parameter_with_row_parallelism_patterns"] else
+                "vocab" if pattern in info["vocabulary_parameter_patterns"] else
+                "replicated" if pattern in info["tp_replicated_parameter_patterns"] else "column")
+        assert mc.autotp_map(next(iter(shards)), kind, 2) == real, pattern
+        compared.add(kind)
+    assert compared == {"row", "replicated", "column"}  # lm_head is uneven here (37 rows)
+    model = mc.llama_model(2, 8, vocab=12, tp=2)
+    generated = model.uc_info()
+    assert set(generated) == set(info) - {"sub_param_shard_widths"}  # present only with fused parameters
+    assert generated["original_vocab_size"] == 12 and generated["parameter_with_sub_params"] == []

@@ -62,7 +62,10 @@ CASES = {
     "llama_z1_fp32_dp2": dict(dp=2, stage=1, family="llama", layers=2, hidden=9, vocab=11),
     "llama_z2_bf16_dp2": dict(dp=2, stage=2, dtype="bf16", family="llama", layers=2, hidden=9, vocab=11),
     "llama_z3_fp32_dp2": dict(dp=2, stage=3, family="llama", layers=2, hidden=9, vocab=11),
-    "llama_tp2_z2_fp32_dp3": dict(dp=3, stage=2, tp=2, family="llama", layers=2, hidden=8, vocab=11),
+    # AutoTP (DeepSpeed 0.19.8's metadata: exact-name patterns and an affine map of every parameter)
+    "llama_autotp2_z2_fp32_dp3": dict(dp=3, stage=2, tp=2, family="llama", layers=2, hidden=8, vocab=12),
+    "llama_autotp4_z1_bf16_dp5": dict(dp=5, stage=1, dtype="bf16", tp=4, family="llama", layers=2, hidden=8,
+                                      vocab=12),
     "mixtral_z2_fp32": dict(dp=4, stage=2, family="mixtral", experts=4, ep=2, layers=2, hidden=9, vocab=11),
     "deepseek_z2_fp32": dict(dp=4, stage=2, family="deepseek", experts=4, ep=2, layers=3, dense_layers=1,
                              hidden=8, vocab=11),
@@ -440,18 +443,26 @@ def test_family_models_are_sized_to_the_target(family, target):
     assert model.family == family and model.params[0][1][1] % 64 == 0
 
 
-def test_family_llama_tp_slices(generated):
-    item = generated["llama_tp2_z2_fp32_dp3"]
-    expect = {"lm_head.weight": ((11, 8), {"cat_dim": 0, "vocab_tensor": True}),
-              "model.embed_tokens.weight": ((11, 8), {"cat_dim": 0, "vocab_tensor": True}),
-              "model.layers.1.self_attn.k_proj.weight": ((4, 8), {"cat_dim": 0}),
-              "model.layers.1.self_attn.o_proj.weight": ((8, 8), {"cat_dim": 1}),
-              "model.layers.1.mlp.down_proj.weight": ((8, 28), {"cat_dim": 1}),
+def test_family_llama_autotp_slices(generated):
+    """AutoTP's maps put each slice back where it came from: whole tensors, and only lm_head (a
+    vocabulary parameter) marked; the merge rules of the pattern lists are not what is used."""
+    item = generated["llama_autotp2_z2_fp32_dp3"]
+    expect = {"lm_head.weight": ((12, 8), {"vocab_tensor": True}),
+              "model.embed_tokens.weight": ((12, 8), {}),
+              "model.layers.1.self_attn.k_proj.weight": ((4, 8), {}),
+              "model.layers.1.self_attn.o_proj.weight": ((8, 8), {}),
+              "model.layers.1.mlp.down_proj.weight": ((8, 28), {}),
               "model.layers.1.input_layernorm.weight": ((8, ), {})}
     for pname, (shape, extra) in expect.items():
         obj = torch.load(item["pyckpt"] / "zero" / pname / "fp32.pt", weights_only=False)
         assert tuple(obj["param"].shape) == shape, pname
         assert {key: v for key, v in obj.items() if key != "param"} == extra, pname
+    state = torch.load(item["tag_dir"] / "mp_rank_01_model_states.pt", weights_only=False)
+    info = state["universal_checkpoint_info"]
+    assert state["ds_config"]["tensor_parallel"] == {"autotp_size": 2, "preset_model": "llama"}
+    assert info["vocabulary_parameter_patterns"] == [r"^lm_head\.weight$"]
+    assert r"^model\.embed_tokens\.weight$" in info["tp_replicated_parameter_patterns"]
+    assert len(info["affine_map"]["params"]) == len(item["info"]["model"].params)
 
 
 @pytest.mark.parametrize("name", ["mixtral_z2_fp32", "deepseek_z3_bf16"])
