@@ -55,7 +55,7 @@ def worker(ckpt: str, out: str, result: str) -> None:
     if ranks:
         ranks.all_gather(None)  # start together: the inner time is the conversion's alone
     io0, t0 = proc_io(), time.perf_counter()
-    report = convert_to_universal(ckpt, out, default_workers(), ranks=ranks)
+    report = convert_to_universal(ckpt, out, workers=default_workers(), ranks=ranks)
     seconds = time.perf_counter() - t0
     io1 = proc_io()
     # what this rank's share was, planned again after the timing (planning is deterministic)

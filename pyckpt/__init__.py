@@ -8,8 +8,10 @@ The package imports its heavy parts (numpy, the native module) on first use, so 
 line interrupted while starting up exits with one line instead of an import traceback.
 """
 
-from .errors import (AutoEPError, CheckpointFormatError, MissingExpertFileError, OutputExistsError, PyckptError,
-                     UnsafePickleError, UnsupportedCheckpointError)
+from .errors import (AutoEPError, CheckpointFormatError, CollectiveCallError, InputChangedError, MissingExpertFileError,
+                     OutputExistsError, OutputLockError, PlanCheckError, PointerNameError, PyckptError, RankLoadError,
+                     RanksFailedError, SaveError, TpMergeError, UnsafePickleError, UnsupportedCheckpointError,
+                     VerifyInputError)
 
 _LAZY = {
     "convert_to_universal": "universal",
@@ -25,9 +27,11 @@ _LAZY = {
 
 __all__ = [
     "convert_to_universal", "ConversionReport", "export_hf", "ExportReport", "state_dict", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
-    "PyckptError",
-    "CheckpointFormatError", "UnsafePickleError", "OutputExistsError", "UnsupportedCheckpointError", "AutoEPError",
-    "MissingExpertFileError"
+    # every exception pyckpt raises on purpose (pyckpt.errors), all PyckptError
+    "PyckptError", "CheckpointFormatError", "UnsafePickleError", "OutputExistsError", "UnsupportedCheckpointError",
+    "AutoEPError", "MissingExpertFileError", "InputChangedError", "PlanCheckError", "RanksFailedError",
+    "VerifyInputError", "TpMergeError", "RankLoadError", "CollectiveCallError", "SaveError", "OutputLockError",
+    "PointerNameError",
 ]
 __version__ = "0.1.0"
 

@@ -109,7 +109,7 @@ def run(args) -> int:
     with cli_common.among_processes() as (ranks, lead):
         if workers is None and ranks is not None:
             workers = default_workers()
-        report = convert_to_universal(src, dst, workers, inject_missing_state=args.inject_missing_state,
+        report = convert_to_universal(src, dst, workers=workers, inject_missing_state=args.inject_missing_state,
                                       overwrite=args.overwrite, progress=lead and not args.quiet,
                                       dry_run=args.dry_run, strict=args.strict, dense_only=args.dense_only,
                                       fsync=args.fsync, notify=note if lead and not args.quiet else None, ranks=ranks)

@@ -1,7 +1,10 @@
-"""The exceptions pyckpt raises on purpose.
+"""The exceptions pyckpt raises on purpose, and the one rule that turns a stray lookup failure into one.
 
 Every error about input names the file and the rule it broke, so a user can act on one line.
 """
+
+import contextlib
+import os
 
 
 class PyckptError(Exception):
@@ -57,3 +60,52 @@ class RanksFailedError(PyckptError, RuntimeError):
         parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
                  for message, ranks in by_message.items()]
         super().__init__(f"{what} failed on {len(failures)} of {size} ranks; {'; '.join(parts)}")
+
+
+class VerifyInputError(CheckpointFormatError):
+    """OUTPUT is not a universal folder, or INPUT (``against``) cannot be read or planned."""
+
+
+class TpMergeError(CheckpointFormatError, AssertionError):
+    """A merge rule's precondition failed (DeepSpeed asserts the same)."""
+
+
+class RankLoadError(PyckptError, RuntimeError):
+    """Another rank could not plan its part of the load."""
+
+
+class CollectiveCallError(PyckptError, RuntimeError):
+    """A collective pyckpt call was not made by every rank of the process group."""
+
+
+class SaveError(PyckptError, RuntimeError):
+    """The checkpoint was not saved (or not converted); raised on every rank with every failing
+    rank's message. ``published`` says whether the DeepSpeed checkpoint itself is in place."""
+
+    def __init__(self, message: str, published: bool = False):
+        super().__init__(message)
+        self.published = published
+
+
+class OutputLockError(PyckptError, OSError):
+    """The output's lock could not be taken."""
+
+
+class PointerNameError(PyckptError, ValueError):
+    """A pointer file could not name the output so that DeepSpeed finds it again."""
+
+
+@contextlib.contextmanager
+def metadata_errors(folder):
+    """Last line of defence: a lookup or arithmetic failure while reading metadata is a malformed
+    checkpoint, reported as such with the folder named (each file's own checks name the file; this
+    catches what they do not yet cover)."""
+    try:
+        yield
+    except PyckptError:
+        raise
+    except (KeyError, IndexError, TypeError, AttributeError, ZeroDivisionError, OverflowError, ValueError,
+            RecursionError) as exc:
+        detail = f"missing key {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise CheckpointFormatError(f"{os.fspath(folder)}: malformed checkpoint metadata ({type(exc).__name__}: "
+                                    f"{' '.join(detail.split())[:300]})") from exc

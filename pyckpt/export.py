@@ -18,39 +18,27 @@ from dataclasses import asdict, dataclass
 from collections import OrderedDict
 from typing import Callable, Dict, Optional, Tuple, Union
 
-from .deepspeed.consolidated import FLOATING, cast, consolidate
+from .deepspeed.consolidated import cast, consolidate
+from .tensors import dtype_named, FLOATING, ITEMSIZE
 from .deepspeed.discovery import discover
 from .deepspeed.names import check_tag
 from .deepspeed.universal_read import consolidate_universal, discover_universal, find_universal_folder
 from .deepspeed.autoep.hf_names import preset_of, to_hf_names
-from .errors import CheckpointFormatError, UnsupportedCheckpointError
+from .errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
 from .execution.distributed import agreed, plan_digest, several
-from .execution.publish import write_published
-from .formats.pickle_read import ITEMSIZE
+from .execution.publish import check_apart, write_published
 from .formats.safetensors import RESERVED_NAME, TensorEntry, layout
 from .planning.collector import pauses_collector
 from .formats.confined import read_inside
+from .huggingface.files import (COMPANION_FILES, CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
+                                 WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
 from .huggingface.shards import parse_size, split
 from .planning.plan import Plan
-from .universal import check_apart, metadata_errors
 
-DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-          "fp16": "float16", "float16": "float16"}
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-WEIGHTS_NAME = "pytorch_model.bin"
-WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
-CONFIG_NAME = "config.json"
-# What from_pretrained reads beside the weights (model and generation configs, tokenizers): copied
-# when they lie beside the checkpoint, as the Trainer and save_pretrained leave them. Each must be a
-# regular file inside that folder (formats.confined): a companion that links out of it, or into a
-# kernel pseudo-filesystem, stops the export, since whatever it names would be published.
-COMPANION_FILES = (CONFIG_NAME, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
-                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
-                   "chat_template.json", "preprocessor_config.json")
+# Each companion (huggingface.files.COMPANION_FILES) must be a regular file inside the checkpoint's
+# folder (formats.confined): one that links out of it, or into a kernel pseudo-filesystem, stops the
+# export, since whatever it names would be published.
 COMPANION_MAX_BYTES = 64 * 1024 * 1024
-TORCH_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 @dataclass
@@ -80,11 +68,10 @@ def resolve_dtype(dtype: str, config: Optional[dict] = None) -> str:
     """The export's torch dtype name; ``auto`` takes the model config's dtype, else float32."""
     if dtype == "auto":
         named = (config or {}).get("dtype") or (config or {}).get("torch_dtype")
-        return DTYPES.get(str(named).replace("torch.", ""), "float32") if named else "float32"
-    key = str(dtype).replace("torch.", "")
-    if key not in DTYPES:
+        return (dtype_named(named) or "float32") if named else "float32"
+    if dtype_named(dtype) is None:
         raise ValueError(f"dtype {dtype!r} is not one of fp32, bf16, fp16, auto")
-    return DTYPES[key]
+    return dtype_named(dtype)
 
 
 @pauses_collector
@@ -203,10 +190,10 @@ def _add_companions(plan: Plan, folder: str, config: Optional[dict], config_byte
             if stale:
                 config = dict(config)
                 for k in keys:
-                    config[k] = TORCH_DTYPE_NAMES[target]
+                    config[k] = target
                 # transformers writes configs this way (PretrainedConfig.to_json_string)
                 data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode("utf-8")
-                plan.notes.append(f"  {CONFIG_NAME}: dtype set to {TORCH_DTYPE_NAMES[target]}")
+                plan.notes.append(f"  {CONFIG_NAME}: dtype set to {target}")
         plan.add_raw_file(name, data)
 
 

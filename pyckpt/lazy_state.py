@@ -11,20 +11,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Iterator, Optional
 
-from .deepspeed.consolidated import FLOATING, cast
+from .deepspeed.consolidated import cast
 from .execution.executor import gather_tensor
 from .export import read_consolidated
+from .tensors import FLOATING, dtype_named
 
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16"}
 
 
 class LazyStateDict(Mapping):
     def __init__(self, input, dtype: Optional[str] = None, exclude_frozen_parameters: bool = False):
         ck, self._state = read_consolidated(input, exclude_frozen=exclude_frozen_parameters)
-        if dtype is not None and str(dtype).replace("torch.", "") not in _DTYPES:
+        if dtype is not None and dtype_named(dtype) is None:
             raise ValueError(f"dtype {dtype!r} is not one of fp32, bf16, fp16")
-        self._dtype = _DTYPES[str(dtype).replace("torch.", "")] if dtype is not None else None
+        self._dtype = dtype_named(dtype) if dtype is not None else None
         self.folder = ck.folder
 
     def __iter__(self) -> Iterator[str]:
@@ -53,7 +52,7 @@ class LazyStateDict(Mapping):
         return f"LazyStateDict({self.folder!r}, {len(self)} tensors)"
 
 
-def state_dict(input, dtype: Optional[str] = None, exclude_frozen_parameters: bool = False) -> LazyStateDict:
+def state_dict(input, *, dtype: Optional[str] = None, exclude_frozen_parameters: bool = False) -> LazyStateDict:
     """The consolidated state dict of a ZeRO checkpoint (``zero_to_fp32``'s keys, order and values;
     tied aliases included, as the same values), each tensor read when it is accessed. ``input`` may
     also be a Universal Checkpoint made from one, which holds the same state dict."""

@@ -7,7 +7,6 @@ replaced. A crash leaves at most a ``.<name>.pyckpt-tmp-*`` folder that no loade
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -15,9 +14,9 @@ from typing import Callable, Optional
 
 from .deepspeed.discovery import discover
 from .deepspeed.universal_plan import build_plan
-from .errors import CheckpointFormatError, PyckptError
+from .errors import metadata_errors
 from .execution.distributed import agreed, plan_digest, several
-from .execution.publish import check_pointer_name, write_published
+from .execution.publish import check_apart, check_pointer_name, write_published
 
 
 @dataclass
@@ -51,7 +50,7 @@ class ConversionReport:
         return d
 
 
-def convert_to_universal(input, output, workers: Optional[int] = None, *, inject_missing_state: bool = False,
+def convert_to_universal(input, output, *, workers: Optional[int] = None, inject_missing_state: bool = False,
                          overwrite: bool = False, progress: bool = False, dry_run: bool = False,
                          strict: bool = True, dense_only: bool = False, fsync: bool = False,
                          notify: Optional[Callable[[str], None]] = None, ranks=None) -> ConversionReport:
@@ -107,37 +106,3 @@ def convert_to_universal(input, output, workers: Optional[int] = None, *, inject
     report.files = stats["files"]
     report.seconds = time.perf_counter() - t0
     return report
-
-
-@contextlib.contextmanager
-def metadata_errors(folder):
-    """Last line of defence: a lookup or arithmetic failure while reading metadata is a malformed
-    checkpoint, reported as such with the folder named (each file's own checks name the file; this
-    catches what they do not yet cover)."""
-    try:
-        yield
-    except PyckptError:
-        raise
-    except (KeyError, IndexError, TypeError, AttributeError, ZeroDivisionError, OverflowError, ValueError,
-            RecursionError) as exc:
-        detail = f"missing key {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else str(exc)
-        raise CheckpointFormatError(f"{os.fspath(folder)}: malformed checkpoint metadata ({type(exc).__name__}: "
-                                    f"{' '.join(detail.split())[:300]})") from exc
-
-
-def check_apart(given_input, tag_folder: str, output: str) -> None:
-    """OUTPUT may not be, lie inside, or contain the folder the checkpoint is read from.
-
-    With --overwrite any of these would replace input files with output; symlinks are resolved
-    first so another spelling of the same folder is caught too. OUTPUT inside the folder holding
-    `latest` is DeepSpeed's usual layout and allowed, as long as it is not the tag folder itself."""
-    out = os.path.realpath(output)
-    for src, may_hold_output in ((os.path.realpath(tag_folder), False),
-                                 (os.path.realpath(os.fspath(given_input)), True)):
-        inside = out == src or out.startswith(src.rstrip(os.sep) + os.sep)
-        contains = src.startswith(out.rstrip(os.sep) + os.sep)
-        if out == src or contains or (inside and not may_hold_output):
-            relation = "is" if out == src else ("contains" if contains else "lies inside")
-            raise CheckpointFormatError(f"{output}: the output {relation} the input checkpoint folder {src}; "
-                                        "writing there could replace the checkpoint being read. Choose an output "
-                                        "outside it (e.g. beside the tag folder)")

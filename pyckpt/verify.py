@@ -27,11 +27,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .formats.confined import read_small_text
 from .formats.torch_zip import SourceFile, open_regular
-from .errors import CheckpointFormatError, PyckptError
+from .errors import CheckpointFormatError, PyckptError, VerifyInputError
 from .deepspeed.names import check_tag, missing_ranks, name_problem
 from .deepspeed.universal_layout import LATEST_UNIVERSAL, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, read_state
-from .formats.pickle_read import ITEMSIZE, Opaque, TensorRef, numel
-from .formats.pickle_write import NewTensor
+from .tensors import ITEMSIZE, NewTensor, numel
+from .formats.pickle_read import Opaque, TensorRef
 from .native import _core
 
 STATE_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt")
@@ -41,10 +41,6 @@ _CHUNK = 64 << 20
 # Planned tensors whose bytes need reordering or dtype conversion are assembled in memory to be
 # CRC'd; above this size they are checked for shape and size only (counted in the report).
 _ASSEMBLE_LIMIT = 512 << 20
-
-
-class VerifyInputError(CheckpointFormatError):
-    """OUTPUT is not a universal folder, or INPUT (``against``) cannot be read or planned."""
 
 
 @dataclass
@@ -440,15 +436,17 @@ def _verify_folder(folder: str, report: VerifyReport, files: _Files) -> None:
 # -- against the ZeRO checkpoint ---------------------------------------------------------------
 
 def _verify_against(folder, against, report, files: _Files, inject_missing_state, dense_only, content):
-    from .deepspeed.universal_plan import build_plan
-    from .universal import metadata_errors
+    from .deepspeed.universal_plan import read_zero_state
+    from .deepspeed.universal_write import param_of_path, universal_plan
+    from .errors import metadata_errors
     from .deepspeed.discovery import discover
     try:
         with metadata_errors(against):
             ck = discover(against)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # unused-pattern warnings are the converter's business
-                plan, _ = build_plan(ck, inject_missing_state, dense_only, strict=False)
+                state, _ = read_zero_state(ck, inject_missing_state, dense_only, strict=False)
+                plan = universal_plan(state)
     except (PyckptError, OSError) as exc:
         raise VerifyInputError(f"cannot plan the conversion of {os.fspath(against)}: {exc}") from None
     planned = {}
@@ -460,25 +458,25 @@ def _verify_against(folder, against, report, files: _Files, inject_missing_state
     for dirpath, dirnames, filenames in os.walk(folder):
         for f in filenames:
             present.add(os.path.relpath(os.path.join(dirpath, f), folder).replace(os.sep, "/"))
-    planned_params = {rel.split("/")[1] for rel in planned if rel.startswith("zero/") and rel.count("/") == 2}
-    present_params = {rel.split("/")[1] for rel in present if rel.startswith("zero/") and rel.count("/") == 2}
+    planned_params = set(state.params)
+    present_params = {param_of_path(rel) for rel in present} - {None}
     missing_params = set()
     for rel in sorted(set(planned) - present):
-        parts = rel.split("/")
-        if len(parts) == 3 and parts[0] == "zero" and parts[1] not in present_params:
-            if parts[1] not in missing_params:  # one line for the whole folder, not one per state file
-                missing_params.add(parts[1])
-                report.add(os.path.join(folder, "zero", parts[1]), f"missing parameter folder: converting "
+        param = param_of_path(rel)
+        if param is not None and param not in present_params:
+            if param not in missing_params:  # one line for the whole folder, not one per state file
+                missing_params.add(param)
+                report.add(os.path.join(folder, "zero", param), f"missing parameter folder: converting "
                            f"{ck.folder} writes it")
             continue
         report.add(os.path.join(folder, rel), f"missing: converting {ck.folder} writes it")
     reported_dirs = set()
     for rel in sorted(present - set(planned)):
-        parts = rel.split("/")
-        if len(parts) == 3 and parts[0] == "zero" and parts[1] not in planned_params:
-            if parts[1] not in reported_dirs:
-                reported_dirs.add(parts[1])
-                report.add(os.path.join(folder, "zero", parts[1]), f"extra parameter: converting {ck.folder} "
+        param = param_of_path(rel)
+        if param is not None and param not in planned_params:
+            if param not in reported_dirs:
+                reported_dirs.add(param)
+                report.add(os.path.join(folder, "zero", param), f"extra parameter: converting {ck.folder} "
                            "writes no such folder")
             continue
         report.add(os.path.join(folder, rel), f"extra file: converting {ck.folder} does not write it")

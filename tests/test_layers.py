@@ -1,4 +1,4 @@
-"""The package's layers import only downward (README, Development): errors and the native boundary,
+"""The package's layers import only downward (README, Development): errors, the tensor vocabulary, the native boundary,
 byte formats, plans, Hugging Face and DeepSpeed rules, execution, the capabilities, then the command lines. Only
 pyckpt/native.py imports the native module itself."""
 
@@ -6,7 +6,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "pyckpt"
-LAYERS = ["errors", "native", "formats", "planning", "huggingface", "deepspeed", "execution"]  # then capabilities, command lines
+LAYERS = ["errors", "tensors", "native", "formats", "planning", "huggingface", "deepspeed", "execution"]  # then capabilities, command lines
 # What a user runs (the cli* modules, and the command lines older than pyckpt/cli.py). Anything else
 # at the top level is a capability, which must not depend on how it is invoked.
 COMMAND_LINES = {"convert", "clean", "demo", "__main__"}
@@ -101,3 +101,28 @@ def test_command_lines_are_the_top_layer():
     # The stanza rule must not hide anything but the stanza.
     text = 'from .a import b\nif __name__ == "__main__":\n    from .c import d\n\n    main()\nfrom .e import f\n'
     assert _outside_main_stanza(text) == "from .a import b\nfrom .e import f\n"
+
+
+def test_every_library_exception_lives_in_errors_and_is_exported():
+    """One home for what pyckpt raises on purpose: every error class of the library (``*Error``) is
+    defined in pyckpt/errors.py, derives from PyckptError and is exported by the package. The
+    command lines keep their own usage errors, and the signals planners pass to their callers
+    (``NotACopy``, ``Unsupported``) are not errors."""
+    import inspect
+
+    import pyckpt
+    from pyckpt import errors
+
+    elsewhere = []
+    for path, module in _modules():
+        if module == "errors" or _layer(module) > len(LAYERS):
+            continue
+        for m in re.finditer(r"^class ([A-Za-z]\w*Error)\(([^)]*)\):", path.read_text(), re.M):
+            if re.search(r"Error|Exception", m.group(2)):
+                elsewhere.append(f"{module}.{m.group(1)}")
+    assert elsewhere == []
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, Exception)]
+    assert len(classes) >= 17
+    for cls in classes:
+        assert issubclass(cls, errors.PyckptError), cls
+        assert cls.__name__ in pyckpt.__all__ and getattr(pyckpt, cls.__name__) is cls, cls

@@ -21,16 +21,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, List, Tuple
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
-from ..formats.pickle_read import ITEMSIZE, TensorRef, numel
+from ..tensors import FLOATING, ITEMSIZE, NewTensor, numel
+from ..formats.pickle_read import TensorRef
 from ..formats.dtype_cast import cast_bytes
-from ..formats.pickle_write import NewTensor
 from ..native import CONVERT_TO_F32, KIND_COPY, KIND_SOURCE_DTYPE, cast_kind
 from ..planning.plan import Piece
 from .discovery import ZeroCheckpoint
 from .model_states import ModelStates
-from .universal_plan import build_plan
+from .universal_plan import read_zero_state
 
-FLOATING = ("float64", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -50,9 +49,9 @@ def consolidate(ck: ZeroCheckpoint, exclude_frozen: bool = False, dense_only: bo
     def trainable() -> Iterator[Tuple[str, NewTensor]]:
         # An input without universal_checkpoint_info is fine here as for zero_to_fp32, except where the
         # TP merge rules would be guessed.
-        plan, _ = build_plan(ck, inject_missing_state=ck.tp * ck.pp == 1, dense_only=dense_only, strict=False)
-        fp32 = {arc.relpath[len("zero/"):-len("/fp32.pt")]: arc.obj for arc in plan.archives
-                if arc.relpath.startswith("zero/") and arc.relpath.endswith("/fp32.pt")}
+        state, _ = read_zero_state(ck, inject_missing_state=ck.tp * ck.pp == 1, dense_only=dense_only, strict=False,
+                                   states=("fp32", ))
+        fp32 = {name: held["fp32"] for name, held in state.params.items() if "fp32" in held}
         for name, shape in trainable_shapes(ck).items():
             obj = fp32.get(name)
             if obj is None:

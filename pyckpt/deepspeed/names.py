@@ -59,11 +59,6 @@ def check_param_name(name, where: str, what: str = "parameter name") -> str:
     return name
 
 
-def check_param_names(keys, where: str, what: str = "parameter name") -> None:
-    for key in keys:
-        check_param_name(key, where, what)
-
-
 def check_tag(tag: str, latest_path: str) -> str:
     """A tag named by a ``latest`` file must be one folder name beside it."""
     if tag in ("", ".", "..") or "/" in tag or "\x00" in tag or os.sep in tag:

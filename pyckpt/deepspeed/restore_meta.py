@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from ..formats.pickle_read import numel
+from ..tensors import numel
 from .universal_slice import Run, append_run, remap, select_along
 
 

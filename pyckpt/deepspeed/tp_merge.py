@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError
-from ..formats.pickle_read import ITEMSIZE, Opaque, numel
-from ..formats.pickle_write import NewTensor
+from ..errors import CheckpointFormatError, TpMergeError, UnsupportedCheckpointError
+from ..tensors import ITEMSIZE, NewTensor, numel
+from ..formats.pickle_read import Opaque
 from ..planning.plan import Piece, Segments
 from .schema import Schema
 
@@ -42,11 +42,6 @@ class Slice:
     shape: Tuple[int, ...]
     dtype: str
     requires_grad: bool = False
-
-
-class TpMergeError(CheckpointFormatError, AssertionError):
-    """A merge rule's precondition failed (DeepSpeed asserts the same)."""
-
 
 
 def _subparam_shape(patterns, shape, partition_dim) -> Opaque:

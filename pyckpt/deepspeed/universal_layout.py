@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional, Tuple
 
-from ..formats.pickle_read import TensorRef, numel
-
+from ..tensors import numel
+from ..formats.pickle_read import TensorRef
 LATEST_UNIVERSAL = "latest_universal"
 ZERO12_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")

@@ -31,8 +31,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..errors import CheckpointFormatError
 from ..formats.confined import check_links_inside, inside
-from ..formats.pickle_read import numel
-from ..formats.pickle_write import NewTensor
+from ..tensors import NewTensor, numel
 from ..formats.torch_zip import SourceFile
 from ..planning.plan import Piece
 from ..planning.collector import pauses_collector

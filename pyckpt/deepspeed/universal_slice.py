@@ -27,8 +27,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from ..formats.pickle_read import numel
-
+from ..tensors import numel
 Run = Tuple[Optional[int], int]
 
 

@@ -14,10 +14,11 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import AutoEPError, CheckpointFormatError, UnsupportedCheckpointError
-from ..formats.pickle_read import ITEMSIZE, TensorRef, numel
-from ..formats.pickle_write import NewTensor
+from ..tensors import ITEMSIZE, NewTensor, numel
+from ..formats.pickle_read import TensorRef
 from ..native import CONVERT_TO_F32
-from ..planning.plan import Piece, Plan, Segments
+from ..planning.plan import Piece, Segments
+from ..planning.state import CheckpointState
 from .autoep.layers import ZERO12_PATTERNS, aggregate_zero12, check_expert_files, resaved_model_states
 from .autoep.zero12 import Holding, plan_zero12_experts
 from .discovery import ZeroCheckpoint, expert_files_in
@@ -64,7 +65,7 @@ def _state_segments(name, state_name, held: List[Holding]) -> Tuple[Segments, st
     return seg, dtype, requires_grad
 
 
-def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = False,
+def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state: bool = False,
                 dense_only: bool = False, strict: bool = True) -> Dict[str, int]:
     info = universal_checkpoint_info(ck, inject_missing_state)
     rules = TpRules(info, ck.tp, ck.folder, ck.model[0].path)
@@ -97,12 +98,12 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
     experts = set()
     if layers is not None:
         expert_files = check_expert_files(ck.folder, ck.names, layers)
-        experts = plan_zero12_experts(ck, plan, frags_by_mp[0], layers, data_before_expert, expert_files)
+        experts = plan_zero12_experts(ck, state, frags_by_mp[0], layers, data_before_expert, expert_files)
         written |= experts
     elif expert_file_names:  # dense_only: leave out what lives in expert-parallel param groups
         experts = _expert_group_params([shard for row in ck.optim_grid for shard in row], ck.dp)
         written |= experts
-        plan.notes.append(f"  dense only: {len(experts)} expert parameter(s) and {len(expert_file_names)} native "
+        state.notes.append(f"  dense only: {len(experts)} expert parameter(s) and {len(expert_file_names)} native "
                           "MoE expert files left out")
     params = len(experts) if layers is not None else 0
     for name, shapes in per_tp.items():
@@ -122,7 +123,7 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
             continue  # no optimizer state: the module fallback below writes fp32.pt, as DeepSpeed does
         params += 1
         written.add(name)
-        for state_name in STATES:
+        for state_name in state.wanted(STATES):
             slices = []
             for t, holders in enumerate(sources):
                 shape = shapes[t]
@@ -151,16 +152,18 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
                     s.dtype = next((x.dtype for x in slices if x.seg.nbytes), s.dtype)
             merged = rules.merge(name, slices, state_name)
             if merged is not None:
-                plan.add_archive(f"zero/{name}/{state_name}.pt", merged)
+                state.put(name, state_name, merged)
         # On each tp rank the dp ranks of the first stage holding the parameter must agree on its
         # step; DeepSpeed writes the first tp rank's.
+        if not state.wants("step"):
+            continue
         steps = [agreed_step([g.step for _, g, _ in holders[0][1] if g.step is not None],
                              lambda _: CheckpointFormatError(f"{ck.folder}: dp ranks disagree on the Adam step of "
                                                              f"{name}"))
                  for holders in sources if holders]
         step = next((s for s in steps if s is not None), None)
         if step is not None:
-            plan.add_archive(f"zero/{name}/step.pt", step.output())
+            state.put(name, "step", step.output())
 
     rules.check_unused(strict)
 
@@ -173,14 +176,15 @@ def plan_zero12(ck: ZeroCheckpoint, plan: Plan, inject_missing_state: bool = Fal
                 continue
             written.add(name)
             fallback += 1
-            plan.add_archive(f"zero/{name}/fp32.pt", {"param": _as_float32(mf.file, name, t)})
+            if state.wants("fp32"):
+                state.put(name, "fp32", {"param": _as_float32(mf.file, name, t)})
 
-    plan.add_archive("zero/optimizer_state.pt", universal_optimizer_state(ck.optim[0], ck.dp))
+    state.put_optimizer(universal_optimizer_state(ck.optim[0], ck.dp))
     for mf in ck.model:
         if layers is not None:
-            plan.add_archive(os.path.basename(mf.path), resaved_model_states(mf, ZERO12_PATTERNS, layers))
+            state.put_model_file(os.path.basename(mf.path), resaved_model_states(mf, ZERO12_PATTERNS, layers))
         else:
-            plan.add_copy(mf.file, os.path.basename(mf.path))
+            state.copy_model_file(os.path.basename(mf.path), mf.file)
     return {"params": params, "fallback_params": fallback, "experts": len(experts)}
 
 

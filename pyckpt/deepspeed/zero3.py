@@ -11,9 +11,9 @@ import os
 from typing import Dict
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
-from ..formats.pickle_read import ITEMSIZE, numel
-from ..formats.pickle_write import NewTensor
-from ..planning.plan import Plan, Segments
+from ..tensors import ITEMSIZE, NewTensor, numel
+from ..planning.plan import Segments
+from ..planning.state import CheckpointState
 from .autoep.zero3 import plan_zero3_experts
 from .discovery import ZeroCheckpoint
 from .optimizer_state import STATES, universal_optimizer_state
@@ -21,7 +21,7 @@ from .tp_merge import Slice, TpRules
 from .zero3_partition import shard_pieces
 
 
-def _extract(ck: ZeroCheckpoint, t: int, experts) -> Dict[tuple, list]:
+def _extract(ck: ZeroCheckpoint, t: int, experts, keys) -> Dict[tuple, list]:
     """(name, state) -> [Segments in dp order, dtype, requires_grad, numel] for tp rank t."""
     out: Dict[tuple, list] = {}
     for shard in ck.optim_grid[t]:
@@ -29,7 +29,7 @@ def _extract(ck: ZeroCheckpoint, t: int, experts) -> Dict[tuple, list]:
         for group, name, _, n, offset, real in shard_pieces(ck.model_grid[t][0], shard):
             if name in experts:
                 continue
-            for key in STATES:
+            for key in keys:
                 tensor = group.tensor(key)
                 if tensor is None:
                     raise CheckpointFormatError(f"{shard.path}: sub-group {group.index} has no {key} tensor")
@@ -42,16 +42,17 @@ def _extract(ck: ZeroCheckpoint, t: int, experts) -> Dict[tuple, list]:
     return out
 
 
-def plan_zero3(ck: ZeroCheckpoint, plan: Plan, strict: bool = True) -> Dict[str, int]:
+def plan_zero3(ck: ZeroCheckpoint, state: CheckpointState, strict: bool = True) -> Dict[str, int]:
     if ck.tp > 1 and any(ms.autoep_layers is not None for row in ck.model_grid for ms in row):
         raise UnsupportedCheckpointError(f"{ck.folder}: Universal checkpoint conversion of an AutoEP + AutoTP "
                                          "(tensor parallel) ZeRO-3 checkpoint is not supported (nor by DeepSpeed)")
     rules = TpRules(ck.model[0].universal_info or {}, ck.tp, ck.folder, ck.model[0].path) if ck.tp > 1 else None
-    experts = plan_zero3_experts(ck, plan)
-    extracted = [_extract(ck, t, experts) for t in range(ck.tp)]
+    experts = plan_zero3_experts(ck, state)
+    keys = state.wanted(STATES)
+    extracted = [_extract(ck, t, experts, keys) for t in range(ck.tp)]
     names = [n for n in ck.model_grid[0][0].shapes if n not in experts]
     for name in names:
-        for key in STATES:
+        for key in keys:
             slices = []
             for t in range(ck.tp):
                 shapes = ck.model_grid[t][0].shapes
@@ -64,17 +65,16 @@ def plan_zero3(ck: ZeroCheckpoint, plan: Plan, strict: bool = True) -> Dict[str,
                 slices.append(Slice(seg, shapes[name], dtype, requires_grad))
             if rules is None:  # DeepSpeed writes dense ZeRO-3 parameters as raw flat tensors
                 s0 = slices[0]
-                plan.add_archive(f"zero/{name}/{key}.pt", NewTensor(s0.dtype, (numel(s0.shape), ), s0.seg.pieces(),
-                                                                     s0.requires_grad))
+                state.put(name, key, NewTensor(s0.dtype, (numel(s0.shape), ), s0.seg.pieces(), s0.requires_grad))
             else:
                 merged = rules.merge(name, slices, key)
                 if merged is not None:
-                    plan.add_archive(f"zero/{name}/{key}.pt", merged)
+                    state.put(name, key, merged)
     if rules is not None:
         rules.check_unused(strict)
 
-    plan.add_archive("zero/optimizer_state.pt", universal_optimizer_state(ck.optim[0], ck.dp))
+    state.put_optimizer(universal_optimizer_state(ck.optim[0], ck.dp))
     if not experts:  # with AutoEP the model files were re-saved with expert patterns instead
         for ms in ck.model_files:
-            plan.add_copy(ms.file, os.path.basename(ms.path))
+            state.copy_model_file(os.path.basename(ms.path), ms.file)
     return {"params": len(names) + len(experts), "fallback_params": 0, "experts": len(experts)}

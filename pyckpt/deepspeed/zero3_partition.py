@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterator, Mapping, Tuple
 
 from ..errors import CheckpointFormatError
-from ..formats.pickle_read import numel
+from ..tensors import numel
 from .model_states import ModelStates
 from .zero_shards import FlatGroup, ZeroShard
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import CheckpointFormatError
 from ..formats.pickle_read import Opaque, TensorRef
-from ..formats.pickle_write import NewTensor
+from ..tensors import NewTensor
 from ..formats.torch_zip import SourceFile
 from ..planning.plan import Piece
 from .names import check_param_name

@@ -23,7 +23,7 @@ import sys
 from typing import Any, Iterator, List, Optional, Tuple
 
 from ..errors import PyckptError, RanksFailedError
-from ..formats.pickle_read import ITEMSIZE
+from ..tensors import ITEMSIZE
 from ..formats.pickle_write import dumps
 from ..planning.plan import Plan
 

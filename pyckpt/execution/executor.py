@@ -16,8 +16,9 @@ import threading
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import CheckpointFormatError
-from ..formats.pickle_read import ITEMSIZE, StorageRef
-from ..formats.pickle_write import NewTensor, dumps
+from ..tensors import ITEMSIZE, NewTensor
+from ..formats.pickle_read import StorageRef
+from ..formats.pickle_write import dumps
 from ..formats.torch_zip import open_regular
 from ..native import execute_into, op_table, write_archives
 from ..planning.plan import Plan

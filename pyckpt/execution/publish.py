@@ -33,17 +33,9 @@ import warnings
 from typing import Callable, List, Optional
 
 from ..native import _core
-from ..errors import OutputExistsError, PyckptError, RanksFailedError
+from ..errors import CheckpointFormatError, OutputExistsError, OutputLockError, PointerNameError, RanksFailedError
 
 STAGING, OLD, POINTER_TMP, LOCK = "pyckpt-tmp", "pyckpt-old", "pyckpt-ptr", "pyckpt-lock"
-
-
-class OutputLockError(PyckptError, OSError):
-    """The output's lock could not be taken."""
-
-
-class PointerNameError(PyckptError, ValueError):
-    """A pointer file could not name the output so that DeepSpeed finds it again."""
 
 
 def pointer_name_problem(name: str) -> str:
@@ -421,3 +413,21 @@ def write_published_together(plan, output: str, ranks, *, overwrite: bool = Fals
                 _mark_published(error, output, pointer, pointer_written)
             raise error from failure
     return totals
+
+
+def check_apart(given_input, tag_folder: str, output: str) -> None:
+    """OUTPUT may not be, lie inside, or contain the folder the checkpoint is read from.
+
+    With --overwrite any of these would replace input files with output; symlinks are resolved
+    first so another spelling of the same folder is caught too. OUTPUT inside the folder holding
+    `latest` is DeepSpeed's usual layout and allowed, as long as it is not the tag folder itself."""
+    out = os.path.realpath(output)
+    for src, may_hold_output in ((os.path.realpath(tag_folder), False),
+                                 (os.path.realpath(os.fspath(given_input)), True)):
+        inside = out == src or out.startswith(src.rstrip(os.sep) + os.sep)
+        contains = src.startswith(out.rstrip(os.sep) + os.sep)
+        if out == src or contains or (inside and not may_hold_output):
+            relation = "is" if out == src else ("contains" if contains else "lies inside")
+            raise CheckpointFormatError(f"{output}: the output {relation} the input checkpoint folder {src}; "
+                                        "writing there could replace the checkpoint being read. Choose an output "
+                                        "outside it (e.g. beside the tag folder)")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from ..errors import CheckpointFormatError, UnsafePickleError
+from ..tensors import ITEMSIZE, numel
 from ..native import scan_pickle
 
 # Legacy storage class names in persistent ids -> (dtype name, itemsize).
@@ -39,16 +40,8 @@ STORAGE_DTYPES: Dict[str, Tuple[str, int]] = {
     "ComplexDoubleStorage": ("complex128", 16),
 }
 DTYPE_STORAGE = {dtype: name for name, (dtype, _) in STORAGE_DTYPES.items()}
-ITEMSIZE = {dtype: size for dtype, size in STORAGE_DTYPES.values()}
+assert {dtype: size for dtype, size in STORAGE_DTYPES.values()} == ITEMSIZE
 
-
-
-def numel(shape) -> int:
-    """Element count of a shape (a tuple, list, TorchSize or torch.Size)."""
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 @dataclass(eq=False)
 class StorageRef:

@@ -10,26 +10,11 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
 
-from .pickle_read import DTYPE_STORAGE, GlobalName, Opaque, TensorRef, TorchSize, numel
-
-
-@dataclass(eq=False)
-class NewTensor:
-    """A contiguous tensor that the plan will assemble from byte pieces of source records."""
-
-    dtype: str
-    shape: Tuple[int, ...]
-    pieces: list = field(default_factory=list)  # pyckpt.planning.plan.Piece
-    requires_grad: bool = False
-    # Bytes computed in memory (the few outputs that are not copies, e.g. TP-averaged parameters);
-    # when set, ``pieces`` is empty and these bytes are written as the record.
-    data: Optional[bytes] = None
-
-    def numel(self) -> int:
-        return numel(self.shape)
+from ..tensors import NewTensor, numel
+from .pickle_read import DTYPE_STORAGE, GlobalName, Opaque, TensorRef, TorchSize
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointFormatError
-from .pickle_read import numel
+from ..tensors import numel
 
 # torch dtype name -> safetensors dtype tag, and its item size.
 DTYPES = {

@@ -17,7 +17,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..deepspeed.universal_slice import Run
 from ..errors import CheckpointFormatError
-from ..formats.pickle_read import ITEMSIZE, TensorRef
+from ..tensors import ITEMSIZE
+from ..formats.pickle_read import TensorRef
 from ..formats.torch_zip import SourceFile
 from ..native import cast_kind, execute_into, op_table
 

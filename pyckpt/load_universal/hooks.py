@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Callable, Dict, Optional, Tuple
 
-from ..errors import UnsafePickleError, UnsupportedCheckpointError
+from ..errors import RankLoadError, UnsafePickleError, UnsupportedCheckpointError
 from . import model_state_file, pickle_policy, resume, zero3, zero12, zero_view
 from .unsupported import Unsupported
 
@@ -68,10 +68,6 @@ def _agree(failure: Optional[str], unsupported: Optional[str]) -> Tuple[list, li
     failures = [(r, f) for r, (f, _) in enumerate(everyone) if f]
     unsupported = [(r, u) for r, (_, u) in enumerate(everyone) if u]
     return failures, unsupported
-
-
-class RankLoadError(RuntimeError):
-    """Another rank could not plan its part of the load."""
 
 
 def _raise_failures(error: Optional[BaseException], failures: list, what: str) -> None:

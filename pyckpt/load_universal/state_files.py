@@ -17,7 +17,8 @@ from ..deepspeed.names import check_param_name
 from ..deepspeed.universal_layout import read_state
 from ..errors import CheckpointFormatError
 from ..formats.confined import inside
-from ..formats.pickle_read import ITEMSIZE, Opaque, TensorRef
+from ..tensors import ITEMSIZE
+from ..formats.pickle_read import Opaque, TensorRef
 from ..formats.torch_zip import SourceFile
 
 STEP = "step"

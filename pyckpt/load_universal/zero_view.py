@@ -1,9 +1,9 @@
 """A ZeRO checkpoint seen as the Universal Checkpoint it would convert to, without writing one.
 
-The conversion plan (:func:`pyckpt.deepspeed.universal_plan.build_plan`) already says where every
-element of every ``zero/<name>/<key>.pt`` comes from: byte pieces of the ZeRO shards. Read through
-that plan, the planners of this package see the same parameter states, global state and steps as in
-a converted folder, and gather each rank's element runs straight from the original shards: no
+The checkpoint's logical state (:func:`pyckpt.deepspeed.universal_plan.read_zero_state`) already
+says where every element of every parameter state comes from: byte pieces of the ZeRO shards, the
+same values a converted folder's ``zero/<name>/<key>.pt`` files hold. Read through it, the planners
+of this package see the same parameter states, global state and steps as in a converted folder, and gather each rank's element runs straight from the original shards: no
 universal folder, no extra disk, each rank reading only its own bytes.
 
 Checkpoints saved without ``universal_checkpoint_info`` are read as ``--inject_missing_state`` reads
@@ -20,12 +20,11 @@ from typing import Dict, List, Tuple
 
 from ..deepspeed.discovery import discover
 from ..deepspeed.universal_layout import STATE_META_TYPES
-from ..deepspeed.universal_plan import build_plan
-from ..errors import CheckpointFormatError
-from ..formats.pickle_read import ITEMSIZE
-from ..formats.pickle_write import NewTensor
+from ..deepspeed.universal_plan import read_zero_state
+from ..deepspeed.universal_write import OPTIMIZER_STATE, param_state_path
+from ..errors import CheckpointFormatError, metadata_errors
+from ..tensors import ITEMSIZE, NewTensor
 from ..native import KIND_COPY, KIND_SOURCE_DTYPE
-from ..universal import metadata_errors
 from .state_files import GlobalState, ParamStates, StateFile, global_state_of, scalar_tensor
 
 class VirtualStateFile:
@@ -93,21 +92,15 @@ class ZeroView:
         with metadata_errors(tag_folder):
             self.ck = discover(tag_folder)
         with metadata_errors(self.ck.folder):
-            plan, _ = build_plan(self.ck, inject_missing_state=True)
+            self.state, _ = read_zero_state(self.ck, inject_missing_state=True)
         self.folder = self.ck.folder
-        self._objs: Dict[str, object] = {a.relpath: a.obj for a in plan.archives}
-        self._by_param: Dict[str, Dict[str, object]] = {}
-        for relpath, obj in self._objs.items():
-            parts = relpath.split("/")
-            if len(parts) == 3 and parts[0] == "zero" and parts[2].endswith(".pt"):
-                self._by_param.setdefault(parts[1], {})[parts[2][:-3]] = obj
+        self._by_param: Dict[str, Dict[str, object]] = self.state.params
 
     def _label(self, relpath: str) -> str:
         return f"{self.folder} (as universal {relpath})"
 
     def global_state(self, stage: int) -> GlobalState:
-        relpath = "zero/optimizer_state.pt"
-        return global_state_of(self._objs[relpath], self._label(relpath), stage, self.ck.optim[0].file)
+        return global_state_of(self.state.optimizer, self._label(OPTIMIZER_STATE), stage, self.ck.optim[0].file)
 
     def param_states(self, name: str, stage: int) -> ParamStates:
         folder = self._label(f"zero/{name}")
@@ -115,9 +108,9 @@ class ZeroView:
         if objs is None:
             raise CheckpointFormatError(f"{self.folder}: the checkpoint has no state for parameter {name!r} of the "
                                         "model being loaded")
-        out = ParamStates(folder, label=lambda key: self._label(f"zero/{name}/{key}.pt"))
+        out = ParamStates(folder, label=lambda key: self._label(param_state_path(name, key)))
         for key, obj in sorted(objs.items()):
-            label = self._label(f"zero/{name}/{key}.pt")
+            label = self._label(param_state_path(name, key))
             if key == "step":
                 out.step = _scalar(obj, label) if isinstance(obj, NewTensor) else obj
                 continue

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, List, Tuple
 
 from ..errors import CheckpointFormatError
-from ..formats.pickle_read import ITEMSIZE
-from ..formats.pickle_write import NewTensor, dumps
+from ..tensors import ITEMSIZE, NewTensor
+from ..formats.pickle_write import dumps
 from .collector import pauses_collector
 
 

@@ -13,11 +13,7 @@ from __future__ import annotations
 import datetime
 from typing import List
 
-from ..errors import PyckptError
-
-
-class CollectiveCallError(PyckptError, RuntimeError):
-    """A collective pyckpt call was not made by every rank of the process group."""
+from ..errors import CollectiveCallError
 
 
 def _default_store():

@@ -30,7 +30,7 @@ import re
 import time
 from typing import Any, List, Optional
 
-from ..errors import PyckptError
+from ..errors import SaveError
 from ..execution.distributed import TorchRanks, describe_failure
 from ..execution.publish import (LOCK, OLD, POINTER_TMP, STAGING, OutputLock, OutputLockError, Publisher, clean,
                                  pointer_name_problem)
@@ -42,15 +42,6 @@ from .space import estimate_rank_bytes, free_bytes, human
 log = logging.getLogger("pyckpt")
 
 WHAT = "pyckpt.deepspeed.save_checkpoint"
-
-
-class SaveError(PyckptError, RuntimeError):
-    """The checkpoint was not saved (or not converted); raised on every rank with every failing
-    rank's message. ``published`` says whether the DeepSpeed checkpoint itself is in place."""
-
-    def __init__(self, message: str, published: bool = False):
-        super().__init__(message)
-        self.published = published
 
 
 def _orphans(save_dir: str) -> List[str]:

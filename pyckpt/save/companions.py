@@ -16,8 +16,9 @@ import platform
 import sys
 from typing import Any, Optional
 
+from ..huggingface.files import CONFIG_NAME
+
 TRAINING_STATE = "training_state.json"
-CONFIG_NAME = "config.json"
 
 
 def write_tokenizer(tokenizer, folder: str) -> None:

@@ -18,8 +18,7 @@ from collections import OrderedDict
 from typing import Dict, List, Optional
 
 from ...errors import UnsupportedCheckpointError
-from ...formats.pickle_read import ITEMSIZE
-from ...formats.pickle_write import NewTensor
+from ...tensors import ITEMSIZE, NewTensor
 from ...native import KIND_COPY, KIND_SOURCE_DTYPE
 from ...planning.plan import Piece
 

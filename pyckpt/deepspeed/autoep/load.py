@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...errors import CheckpointFormatError
-from ...formats.pickle_read import TensorRef, numel
+from ...tensors import numel
+from ...formats.pickle_read import TensorRef
 from .layers import WEIGHTS, positive_int
 
 
@@ -15,7 +16,7 @@ def valid_ep_sizes(num_experts: int, stage_size: Optional[int] = None) -> List[i
     return [e for e in range(1, num_experts + 1) if num_experts % e == 0 and (stage_size is None or stage_size % e == 0)]
 
 
-def check_load_topology(layers: Sequence[dict], autoep_size: int, world_size: int, pp_size: int = 1,
+def check_load_topology(layers: Sequence[dict], autoep_size: int, world_size: int, *, pp_size: int = 1,
                         target_shapes: Optional[Dict[str, tuple]] = None,
                         checkpoint_shapes: Optional[Dict[str, tuple]] = None) -> None:
     """Can a run with ``autoep_size`` over ``world_size / pp_size`` ranks load these experts?
@@ -63,7 +64,7 @@ def expert_rows(num_experts: int, ep_rank: int, ep_size: int) -> Tuple[int, int]
     return ep_rank * local, local
 
 
-def read_expert_slice(path, ep_rank: int, ep_size: int, key: str = "param", out=None, workers: int = 0):
+def read_expert_slice(path, ep_rank: int, ep_size: int, *, key: str = "param", out=None, workers: int = 0):
     """Rows ``[ep_rank*E/ep, (ep_rank+1)*E/ep)`` of a universal expert file, reading only those bytes.
 
     Returns a torch tensor (or fills ``out``, a contiguous tensor of the slice's shape and dtype).

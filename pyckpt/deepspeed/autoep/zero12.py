@@ -14,10 +14,10 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 from ...errors import AutoEPError
-from ...formats.pickle_read import ITEMSIZE, numel
-from ...formats.pickle_write import NewTensor
+from ...tensors import ITEMSIZE, NewTensor, numel
 from ...native import CONVERT_TO_F32
-from ...planning.plan import Plan, Segments
+from ...planning.plan import Segments
+from ...planning.state import CheckpointState
 from ..optimizer_state import STATES, agreed_step
 from ..zero_shards import FlatGroup, Fragment, ZeroShard
 from .layers import in_files, zero12_dp_ranks, zero12_param_info
@@ -25,7 +25,7 @@ from .layers import in_files, zero12_dp_ranks, zero12_param_info
 Holding = Tuple[ZeroShard, FlatGroup, Fragment]
 
 
-def plan_zero12_experts(ck, plan: Plan, fragments: Dict[str, List[Holding]], layers, data_before_expert,
+def plan_zero12_experts(ck, out: CheckpointState, fragments: Dict[str, List[Holding]], layers, data_before_expert,
                         expert_files) -> set:
     """Universal expert files from the fp32 master fragments in the ZeRO shards of mp rank 0;
     ``fragments`` maps each parameter to the (shard, group, fragment) holding it, in dp order."""
@@ -46,7 +46,7 @@ def plan_zero12_experts(ck, plan: Plan, fragments: Dict[str, List[Holding]], lay
         local_numel = numel(local_shape)
         by_rank = {held[0].dp_rank: held for held in fragments.get(name, [])}
         full_shape = (n_exp, ) + local_shape[1:]
-        for state in STATES:
+        for state in out.wanted(STATES):
             ep_parts = []  # per EP rank: (Segments, dtype, requires_grad)
             absent = _absent_moment(state, by_rank)
             if absent:
@@ -81,14 +81,16 @@ def plan_zero12_experts(ck, plan: Plan, fragments: Dict[str, List[Holding]], lay
                     raise AutoEPError(f"Missing AutoEP {state} fragments for {name}, EP rank {e}{in_files(paths, meta_file)}.")
                 raise AutoEPError(f"AutoEP {state} fragment size mismatch for {name}, EP rank {e}: got {got}, "
                                   f"expected {local_numel}{in_files(paths, meta_file)}.")
-            plan.add_archive(f"zero/{name}/{state}.pt", _expert_dict(ep_parts, full_shape, n_exp, meta_file))
+            out.put(name, state, _expert_dict(ep_parts, full_shape, n_exp, meta_file))
+        if not out.wants("step"):
+            continue
         steps = [group.step for _, (_, group, _) in sorted(by_rank.items()) if group.step is not None]
         if not steps:
             raise AutoEPError(f"Missing AutoEP optimizer step for {name}"
                               f"{in_files([shard.path for shard in ck.optim], meta_file)}.")
         step = agreed_step(steps, lambda steps: AutoEPError(
             f"Inconsistent AutoEP optimizer steps for {name}{in_files([s.file.path for s in steps], meta_file)}."))
-        plan.add_archive(f"zero/{name}/step.pt", step.output())
+        out.put(name, "step", step.output())
     return set(info)
 
 

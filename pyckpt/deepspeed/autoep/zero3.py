@@ -14,16 +14,16 @@ import warnings
 from typing import Dict, Tuple
 
 from ...errors import AutoEPError, UnsupportedCheckpointError
-from ...formats.pickle_read import ITEMSIZE, numel
-from ...formats.pickle_write import NewTensor
-from ...planning.plan import Plan, Segments
+from ...tensors import ITEMSIZE, NewTensor, numel
+from ...planning.plan import Segments
+from ...planning.state import CheckpointState
 from ..optimizer_state import STATES
 from ..zero3_partition import shard_pieces
 from .layers import (WEIGHTS, ZERO3_PATTERNS, Placement, in_files, is_partitioned, placement_of, resaved_model_states,
                      validate_zero3)
 
 
-def plan_zero3_experts(ck, plan: Plan) -> set:
+def plan_zero3_experts(ck, out: CheckpointState) -> set:
     """Partition-native ZeRO-3 AutoEP experts; returns the expert parameter names (left out of the dense path)."""
     metas = {r: ms.autoep_layers for r, ms in enumerate(ck.model) if ms.autoep_layers is not None}
     if not metas:
@@ -75,7 +75,7 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
                 raise AutoEPError(f"AutoEP expert shard shape mismatch for {name}, EP rank {ep_rank}: got "
                                   f"{shape}, expected {expected} (in {ms.path}).")
             local_shape_of[(name, ep_rank)] = shape
-            for state in STATES:
+            for state in out.wanted(STATES):
                 t = group.tensor(state)
                 if t is None:
                     if state == "fp32":
@@ -116,12 +116,12 @@ def plan_zero3_experts(ck, plan: Plan) -> set:
             dtype = items[0][4]
             shape = local_shape_of[(name, ep_rank)]
             locals_[ep_rank] = (seg.slice(0, numel(shape) * ITEMSIZE[dtype]), dtype, any(it[2] for it in items))
-        plan.add_archive(f"zero/{name}/{state}.pt",
-                         _placed_expert_dict(name, state, placement, locals_, local_shape_of, e0["num_experts"],
-                                             in_files([it[5] for items in by_ep.values() for it in items], ck.folder)))
+        out.put(name, state,
+                _placed_expert_dict(name, state, placement, locals_, local_shape_of, e0["num_experts"],
+                                    in_files([it[5] for items in by_ep.values() for it in items], ck.folder)))
 
     for ms in ck.model_files:
-        plan.add_archive(os.path.basename(ms.path), resaved_model_states(ms, ZERO3_PATTERNS, ms.autoep_layers))
+        out.put_model_file(os.path.basename(ms.path), resaved_model_states(ms, ZERO3_PATTERNS, ms.autoep_layers))
     return expert_names
 
 
