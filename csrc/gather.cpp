@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "convert.hpp"
+#include "dtype_kernels.hpp"
 
 namespace pyckpt {
 

@@ -4,7 +4,7 @@
 #include <queue>
 #include <stdexcept>
 
-#include "convert.hpp"
+#include "dtype_kernels.hpp"
 #include "errors.hpp"
 
 namespace pyckpt {

@@ -1,7 +1,7 @@
 // The executor entry points (write_archives, execute_into) and the op-table constants.
 #include "common.hpp"
 
-#include "../convert.hpp"
+#include "../dtype_kernels.hpp"
 #include "../executor.hpp"
 
 namespace pyckpt::bindings {

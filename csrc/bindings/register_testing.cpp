@@ -1,7 +1,7 @@
 // Test hooks: fault injection for the executor's output syscalls and the portable fp16 paths.
 #include "common.hpp"
 
-#include "../convert.hpp"
+#include "../dtype_kernels.hpp"
 #include "../fault_injection.hpp"
 
 namespace pyckpt::bindings {

@@ -1,4 +1,4 @@
-#include "convert.hpp"
+#include "dtype_kernels.hpp"
 
 #include <algorithm>
 #include <cstring>

@@ -1,0 +1,217 @@
+#include "file_destination.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <mutex>
+
+#include "crc32.hpp"
+#include "errors.hpp"
+#include "fault_injection.hpp"
+#include "fd.hpp"
+
+namespace pyckpt {
+
+namespace {
+
+namespace fi = fault_injection;
+
+void pwrite_all(int fd, const uint8_t* p, uint64_t len, uint64_t off, const std::string& path) {
+    if (int e = fi::next_failure(fi::Call::Write)) throw_errno_code(e, "write", path);
+    while (len > 0) {
+        // Linux caps one write at ~2 GiB; stay well below it.
+        std::size_t chunk = static_cast<std::size_t>(std::min<uint64_t>(len, 1u << 30));
+        ssize_t n = ::pwrite(fd, p, chunk, static_cast<off_t>(off));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            throw_errno("write", path);
+        }
+        if (n == 0) throw_errno_code(EIO, "write (no progress)", path);
+        p += n;
+        off += static_cast<uint64_t>(n);
+        len -= static_cast<uint64_t>(n);
+    }
+}
+
+struct OutputState {
+    std::mutex mu;
+    UniqueFd fd;
+    // fd's number once open, read without the mutex: a window writes in many slices.
+    std::atomic<int> open_fd{-1};
+    bool created = false;
+};
+
+// New files: each is created new and sized up front, and windows land at their records' data
+// offsets. A torch.save ZIP archive (stored members) gets its headers and central directory,
+// which carry the CRCs, once its last window is done; a raw file gets only its inline records.
+class FileDestination final : public Destination {
+public:
+    FileDestination(const std::vector<OutputSpec>& outputs, const WriteOptions& options,
+                          const std::vector<zip::ArchiveLayout>& layouts,
+                          const std::vector<std::vector<std::string>>& names,
+                          const std::vector<uint64_t>& output_first_target, const WindowPlan& plan)
+        : outputs_(outputs),
+          options_(options),
+          layouts_(layouts),
+          names_(names),
+          output_first_target_(output_first_target),
+          plan_(plan),
+          state_(std::make_unique<OutputState[]>(outputs.size())),
+          in_kernel_copy_(options.copy_in_kernel) {}
+
+    bool wants_crc(std::size_t o) const noexcept override { return outputs_[o].container == Container::TorchZip; }
+    void prepare(std::size_t o) override { open_output(o); }
+    uint8_t* memory(std::size_t, uint64_t, uint64_t) override { return nullptr; }
+    void write(std::size_t o, const uint8_t* p, uint64_t len, uint64_t offset) override {
+        int fd = state_[o].open_fd.load(std::memory_order_acquire);
+        pwrite_all(fd >= 0 ? fd : open_output(o), p, len, offset, outputs_[o].path);
+    }
+
+    uint64_t copy_range(std::size_t o, SourceSet& sources, std::size_t src, uint64_t src_off, uint64_t len,
+                        uint64_t offset) override {
+        if (!in_kernel_copy_.load(std::memory_order_relaxed)) return 0;
+        const std::string& path = outputs_[o].path;
+        if (int e = fi::next_failure(fi::Call::Write)) throw_errno_code(e, "write", path);
+        UniqueFd in = sources.open_verified(src);
+        int fd = state_[o].open_fd.load(std::memory_order_acquire);
+        if (fd < 0) fd = open_output(o);
+        loff_t in_off = static_cast<loff_t>(src_off);
+        loff_t out_off = static_cast<loff_t>(offset);
+        uint64_t done = 0;
+        while (done < len) {
+            const std::size_t chunk = static_cast<std::size_t>(std::min<uint64_t>(len - done, 1u << 30));
+            ssize_t n = ::copy_file_range(in.get(), &in_off, fd, &out_off, chunk, 0);
+            if (n < 0) {
+                if (errno == EINTR) continue;
+                // Not between these two files (another filesystem, a kernel or filesystem
+                // without it): the caller writes through the mapping, as it does from now on.
+                if (done == 0 && (errno == EXDEV || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP)) {
+                    in_kernel_copy_.store(false, std::memory_order_relaxed);
+                    return 0;
+                }
+                throw_errno("write", path);
+            }
+            // End of file before the validated end: the source shrank under us.
+            if (n == 0) throw source_changed_error(sources.path(src));
+            done += static_cast<uint64_t>(n);
+        }
+        return done;
+    }
+
+    // Headers can only be written once every window's CRC is known; adjacent header/inline
+    // regions are coalesced into single writes.
+    uint64_t finish(std::size_t o, const std::vector<uint32_t>& window_crc) override {
+        int fd = open_output(o);
+        const OutputSpec& out = outputs_[o];
+        const zip::ArchiveLayout& L = layouts_[o];
+        std::vector<uint32_t> crcs(out.records.size());
+        std::string chunk;
+        uint64_t chunk_off = 0;
+        auto flush = [&] {
+            if (!chunk.empty())
+                pwrite_all(fd, reinterpret_cast<const uint8_t*>(chunk.data()), chunk.size(), chunk_off, out.path);
+            chunk.clear();
+        };
+        auto place = [&](uint64_t off) {
+            if (!chunk.empty() && chunk_off + chunk.size() != off) flush();
+            if (chunk.empty()) chunk_off = off;
+        };
+        if (out.container == Container::Raw) {
+            for (std::size_t r = 0; r < out.records.size(); ++r) {
+                if (!out.records[r].has_inline) continue;
+                place(L.entries[r].data_offset);
+                chunk.append(out.records[r].inline_bytes);
+            }
+        } else {
+            for (std::size_t r = 0; r < out.records.size(); ++r) {
+                const RecordSpec& rec = out.records[r];
+                const uint32_t t = static_cast<uint32_t>(output_first_target_[o] + r);
+                uint32_t crc = 0;
+                if (rec.has_inline) {
+                    crc = crc32(0, rec.inline_bytes.data(), rec.inline_bytes.size());
+                } else {
+                    for (uint64_t w = plan_.target_first[t]; w < plan_.target_first[t + 1]; ++w)
+                        crc = crc32_combine(crc, window_crc[w], plan_.windows[w].end - plan_.windows[w].begin);
+                }
+                crcs[r] = crc;
+                place(L.entries[r].header_offset);
+                zip::append_local_header(chunk, names_[o][r], L.entries[r], crc);
+                if (rec.has_inline) chunk.append(rec.inline_bytes);
+            }
+            place(L.cd_offset);
+            chunk.append(zip::build_central_directory(names_[o], L, crcs));
+        }
+        flush();
+        if (options_.fsync) {
+            if (int e = fi::next_failure(fi::Call::Fsync)) throw_errno_code(e, "fsync", out.path);
+            if (::fsync(fd) != 0) throw_errno("fsync", out.path);
+        }
+        {
+            std::lock_guard<std::mutex> lk(state_[o].mu);
+            int injected = fi::next_failure(fi::Call::Close);
+            state_[o].open_fd.store(-1, std::memory_order_release);
+            int err = state_[o].fd.close();
+            if (injected) throw_errno_code(injected, "close", out.path);
+            if (err) throw_errno_code(err, "close", out.path);
+        }
+        uint64_t window_bytes = 0;
+        for (uint64_t w = plan_.target_first[output_first_target_[o]];
+             w < plan_.target_first[output_first_target_[o + 1]]; ++w)
+            window_bytes += plan_.windows[w].end - plan_.windows[w].begin;
+        return L.file_size - window_bytes;
+    }
+
+    void abandon() noexcept override {
+        for (std::size_t o = 0; o < outputs_.size(); ++o) {
+            OutputState& st = state_[o];
+            st.open_fd.store(-1, std::memory_order_relaxed);
+            st.fd.reset();
+            if (st.created) ::unlink(outputs_[o].path.c_str());
+        }
+    }
+
+private:
+    int open_output(std::size_t o) {
+        OutputState& st = state_[o];
+        std::lock_guard<std::mutex> lk(st.mu);
+        if (st.fd) return st.fd.get();
+        const std::string& path = outputs_[o].path;
+        // O_EXCL | O_NOFOLLOW: an output is always a new file in a fresh folder, so anything
+        // already there (a planted symlink above all) is refused rather than written through.
+        if (int e = fi::next_failure(fi::Call::Open)) throw_errno_code(e, "open", path);
+        UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
+        if (!fd) throw_errno("open", path);
+        st.created = true;
+        st.fd = std::move(fd);
+        // Sizing the file up front lets windows land in any order and leaves all-zero windows
+        // as holes that read back as zeros.
+        if (::ftruncate(st.fd.get(), static_cast<off_t>(layouts_[o].file_size)) != 0) throw_errno("truncate", path);
+        st.open_fd.store(st.fd.get(), std::memory_order_release);
+        return st.fd.get();
+    }
+
+    const std::vector<OutputSpec>& outputs_;
+    const WriteOptions& options_;
+    const std::vector<zip::ArchiveLayout>& layouts_;
+    const std::vector<std::vector<std::string>>& names_;
+    const std::vector<uint64_t>& output_first_target_;
+    const WindowPlan& plan_;
+    std::unique_ptr<OutputState[]> state_;
+    std::atomic<bool> in_kernel_copy_;
+};
+
+}  // namespace
+
+std::unique_ptr<Destination> make_file_destination(const std::vector<OutputSpec>& outputs,
+                                                   const WriteOptions& options,
+                                                   const std::vector<zip::ArchiveLayout>& layouts,
+                                                   const std::vector<std::vector<std::string>>& names,
+                                                   const std::vector<uint64_t>& output_first_target,
+                                                   const WindowPlan& plan) {
+    return std::make_unique<FileDestination>(outputs, options, layouts, names, output_first_target, plan);
+}
+
+}  // namespace pyckpt
