@@ -32,7 +32,8 @@ from .deepspeed.names import check_tag, missing_ranks, name_problem
 from .deepspeed.universal_layout import LATEST_UNIVERSAL, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, read_state
 from .tensors import ITEMSIZE, NewTensor, numel
 from .formats.pickle_read import Opaque, TensorRef
-from .native import _core
+from .formats.dtype_cast import cast_bytes
+from .native import KIND_SOURCE_DTYPE, _core
 
 STATE_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt")
 MOMENTS = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")
@@ -641,25 +642,14 @@ class _Reader:
 
 
 def _assemble(t, nbytes: int, reader: "_Reader") -> bytes:
-    """The planned bytes of a strided or converting NewTensor, as the executor would write them."""
-    import numpy as np
+    """The planned bytes of a strided or converting NewTensor, as the executor would write them,
+    computed apart from it (numpy casts, Python copies)."""
     out = bytearray(nbytes)
-    to_f32 = {
-        _core.KIND_BF16_TO_F32: lambda b: (np.frombuffer(b, np.uint16).astype(np.uint32) << 16).view(np.float32),
-        _core.KIND_F16_TO_F32: lambda b: np.frombuffer(b, np.float16).astype(np.float32),
-        _core.KIND_F64_TO_F32: lambda b: np.frombuffer(b, np.float64).astype(np.float32),
-        _core.KIND_I64_TO_F32: lambda b: np.frombuffer(b, np.int64).astype(np.float32),
-        _core.KIND_I32_TO_F32: lambda b: np.frombuffer(b, np.int32).astype(np.float32),
-        _core.KIND_I16_TO_F32: lambda b: np.frombuffer(b, np.int16).astype(np.float32),
-        _core.KIND_I8_TO_F32: lambda b: np.frombuffer(b, np.int8).astype(np.float32),
-        _core.KIND_U8_TO_F32: lambda b: np.frombuffer(b, np.uint8).astype(np.float32),
-        _core.KIND_BOOL_TO_F32: lambda b: np.frombuffer(b, np.uint8).astype(bool).astype(np.float32),
-    }
     for p in t.pieces:
         for i in range(max(1, p.rows)):
             data = reader.read(p.src, p.src_off + i * p.nbytes, p.nbytes)
             if p.kind:
-                data = to_f32[p.kind](data).tobytes()
+                data = cast_bytes(data, KIND_SOURCE_DTYPE[p.kind], t.dtype)
             dst = p.dst_off + i * p.stride
             out[dst:dst + len(data)] = data
     return bytes(out)
