@@ -1,7 +1,5 @@
 #include "archive.hpp"
 
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,14 +33,8 @@ Archive::Archive(std::string path) : path_(std::move(path)) {
 }
 
 Archive::Archive(std::string path, uint64_t read_limit) : path_(std::move(path)) {
-    // The same refusals as MappedFile's: O_NONBLOCK so a FIFO named like a shard does not wait for
-    // a writer, then nothing but a regular file.
-    UniqueFd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
-    if (!fd) throw_errno("open", path_);
-    struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) throw_errno("stat", path_);
-    if (!S_ISREG(st.st_mode)) throw_errno_code(EINVAL, "read (not a regular file)", path_);
-    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    uint64_t size = 0;
+    UniqueFd fd = open_regular_file(path_, size);  // the same refusals as a mapped archive's
     if (size > read_limit) {
         fd.reset();
         open_mapped();

@@ -20,15 +20,18 @@ uint64_t page_size() {
 }
 }  // namespace
 
-MappedFile::MappedFile(std::string path, bool random_access) : path_(std::move(path)) {
-    // O_NONBLOCK: opening a FIFO (or a device) named like a shard must not wait for a writer;
-    // fstat then refuses anything but a regular file. It has no effect on regular files.
-    UniqueFd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
-    if (!fd) throw_errno("open", path_);
+UniqueFd open_regular_file(const std::string& path, uint64_t& size) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+    if (!fd) throw_errno("open", path);
     struct stat st {};
-    if (::fstat(fd.get(), &st) != 0) throw_errno("stat", path_);
-    if (!S_ISREG(st.st_mode)) throw_errno_code(EINVAL, "read (not a regular file)", path_);
-    size_ = static_cast<uint64_t>(st.st_size);
+    if (::fstat(fd.get(), &st) != 0) throw_errno("stat", path);
+    if (!S_ISREG(st.st_mode)) throw_errno_code(EINVAL, "read (not a regular file)", path);
+    size = static_cast<uint64_t>(st.st_size);
+    return fd;
+}
+
+MappedFile::MappedFile(std::string path, bool random_access) : path_(std::move(path)) {
+    UniqueFd fd = open_regular_file(path_, size_);
     if (size_ > 0) {
         void* p = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd.get(), 0);
         if (p == MAP_FAILED) throw_errno("mmap", path_);

@@ -12,7 +12,14 @@
 #include <cstdint>
 #include <string>
 
+#include "fd.hpp"
+
 namespace pyckpt {
+
+// A read-only descriptor of `path`, refusing anything but a regular file (a folder, a FIFO, a
+// device named like a checkpoint file), with the file's size. O_NONBLOCK: opening a FIFO must not
+// wait for a writer; it has no effect on regular files. Throws std::system_error naming the path.
+UniqueFd open_regular_file(const std::string& path, uint64_t& size);
 
 class MappedFile {
 public:
