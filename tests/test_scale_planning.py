@@ -24,7 +24,7 @@ from pyckpt.deepspeed.discovery import discover
 from pyckpt.deepspeed.universal_plan import build_plan
 from pyckpt.errors import CheckpointFormatError, MissingExpertFileError
 from pyckpt.formats import torch_zip
-from pyckpt.formats.torch_zip import SourceFile, open_sources
+from pyckpt.formats.torch_zip import SourceFile, iter_sources
 
 import generator
 from compare import digest
@@ -112,10 +112,10 @@ def test_a_missing_expert_file_is_named_before_any_is_read(tmp_path, monkeypatch
         build_plan(ck, False, False, True)
 
 
-def test_open_sources_reads_what_sourcefile_reads_and_refuses_what_it_refuses(tmp_path, monkeypatch):
+def test_iter_sources_reads_what_sourcefile_reads_and_refuses_what_it_refuses(tmp_path, monkeypatch):
     tag = _autoep(tmp_path / "ck", 4)
     good = sorted(str(p) for p in tag.glob("*.pt"))
-    batch = open_sources(good, workers=3)
+    batch = list(iter_sources(good, workers=3))
     for path, sf in zip(good, batch, strict=True):
         one = SourceFile(path)
         assert (sf.path, sf.size, sf.prefix, sf.members, sf._pickle_bytes) == \
@@ -132,18 +132,18 @@ def test_open_sources_reads_what_sourcefile_reads_and_refuses_what_it_refuses(tm
         with pytest.raises(CheckpointFormatError) as alone:
             SourceFile(str(bad))
         with pytest.raises(CheckpointFormatError) as batched:
-            open_sources([good[0], str(bad), good[1]])
+            list(iter_sources([good[0], str(bad), good[1]]))
         assert str(batched.value) == str(alone.value)
     # data.pkl over the cap: the same message as the single-file open
     monkeypatch.setenv("PYCKPT_MAX_PICKLE_BYTES", "16")
     with pytest.raises(CheckpointFormatError) as alone:
         SourceFile(good[0])
     with pytest.raises(CheckpointFormatError) as batched:
-        open_sources(good[:1])
+        list(iter_sources(good[:1]))
     assert "cap for checkpoint metadata" in str(alone.value) and str(batched.value) == str(alone.value)
 
 
-def test_open_sources_goes_in_chunks(tmp_path, monkeypatch):
+def test_iter_sources_goes_in_chunks(tmp_path, monkeypatch):
     """The pickles waiting for the parser are bounded by the chunk, not the file count."""
     tag = _autoep(tmp_path / "ck", 8)
     paths = sorted(str(p) for p in tag.glob("*.pt"))
@@ -152,7 +152,7 @@ def test_open_sources_goes_in_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_zip, "_HEAD_CHUNK", 5)
     monkeypatch.setattr(torch_zip._core, "read_archive_heads",
                         lambda chunk, *a: sizes.append(len(chunk)) or real(chunk, *a))
-    assert [sf.path for sf in open_sources(paths)] == paths
+    assert [sf.path for sf in list(iter_sources(paths))] == paths
     assert max(sizes) == 5 and sum(sizes) == len(paths)
 
 
@@ -220,7 +220,7 @@ def test_small_archives_read_in_and_large_ones_mapped_give_the_same_heads(tmp_pa
         torch.save({"w": torch.arange(n, dtype=torch.float32), "meta": {"n": n}}, path)
         paths.append(str(path))
     assert os.path.getsize(paths[1]) > 128 << 10 > os.path.getsize(paths[0])
-    for path, sf in zip(paths, open_sources(paths), strict=True):
+    for path, sf in zip(paths, list(iter_sources(paths)), strict=True):
         one = SourceFile(path)
         assert (sf.size, sf.prefix, sf.members, sf._pickle_bytes) == (one.size, one.prefix, one.members,
                                                                       one._pickle_bytes)
@@ -232,7 +232,7 @@ def test_small_archives_read_in_and_large_ones_mapped_give_the_same_heads(tmp_pa
         with pytest.raises(CheckpointFormatError) as alone:
             SourceFile(str(bad))
         with pytest.raises(CheckpointFormatError) as batched:
-            open_sources([paths[0], str(bad)])
+            list(iter_sources([paths[0], str(bad)]))
         assert str(batched.value) == str(alone.value)
 
 

@@ -10,7 +10,7 @@ import concurrent.futures
 import hashlib
 import os
 import stat
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 from ..errors import CheckpointFormatError
 from ..native import _core, native_errors, scan_pickle
@@ -46,7 +46,7 @@ def max_pickle_bytes() -> int:
 class SourceFile:
     """One input torch.save archive: its member table and its parsed pickle.
 
-    ``head`` is the file's entry from ``_core.read_archive_heads`` (see :func:`open_sources`), which
+    ``head`` is the file's entry from ``_core.read_archive_heads`` (see :func:`iter_sources`), which
     read the member table and data.pkl already; without it the file is opened here."""
 
     def __init__(self, path: str, head=None):
@@ -217,11 +217,6 @@ class SourceFile:
 
     def __repr__(self):
         return f"SourceFile({self.path!r})"
-
-
-def open_sources(paths, workers: int = 0) -> List[SourceFile]:
-    """``SourceFile(p)`` for every path, in order: :func:`iter_sources` as a list."""
-    return list(iter_sources(paths, workers))
 
 
 def iter_sources(paths, workers: int = 0) -> Iterator[SourceFile]:
