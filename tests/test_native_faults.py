@@ -314,9 +314,9 @@ def test_existing_file_or_symlink_at_an_output_path_is_not_written_through(kind,
 
 @pytest.fixture
 def faults():
-    _core._clear_faults()
-    yield _core._inject_fault
-    _core._clear_faults()
+    _core.testing.clear_faults()
+    yield _core.testing.inject_fault
+    _core.testing.clear_faults()
 
 
 CALLS = [("open", errno.EMFILE), ("write", errno.ENOSPC), ("write", errno.EIO), ("fsync", errno.EIO),
@@ -341,7 +341,7 @@ def test_injected_fault_names_the_file_and_removes_every_output(call, err, after
 
 def test_inject_fault_rejects_unknown_calls():
     with pytest.raises(ValueError, match="open, write, fsync, close"):
-        _core._inject_fault("rename", errno.EIO)
+        _core.testing.inject_fault("rename", errno.EIO)
 
 
 # -- the same faults through a whole conversion ------------------------------------------------------

@@ -1,4 +1,7 @@
 // Test hooks: fault injection for the executor's output syscalls and the portable fp16 paths.
+// Confined to the submodule pyckpt._core.testing, which nothing in the package imports: the release
+// module's own namespace holds only what pyckpt uses. Disarmed, a hook costs one relaxed atomic load
+// per output syscall.
 #include "common.hpp"
 
 #include "../dtype_kernels.hpp"
@@ -6,9 +9,11 @@
 
 namespace pyckpt::bindings {
 
-void register_testing(py::module_& m) {
+void register_testing(py::module_& core) {
+    py::module_ m = core.def_submodule(
+        "testing", "Test hooks (fault injection, portable kernels); not part of pyckpt's interface.");
     m.def(
-        "_f16_to_f32_portable",
+        "f16_to_f32_portable",
         [](py::object data) {
             BufferView bv(data, false);
             if (bv.size() % 2) throw py::value_error("fp16 data must have an even number of bytes");
@@ -18,7 +23,7 @@ void register_testing(py::module_& m) {
         },
         py::arg("data"), "Test hook: fp16 -> fp32 through the portable (non-F16C) code path.");
     m.def(
-        "_f32_to_f16_portable",
+        "f32_to_f16_portable",
         [](py::object data) {
             BufferView bv(data, false);
             if (bv.size() % 4) throw py::value_error("fp32 data must have a multiple of 4 bytes");
@@ -29,7 +34,7 @@ void register_testing(py::module_& m) {
         py::arg("data"), "Test hook: fp32 -> fp16 through the portable (non-F16C) code path.");
 
     m.def(
-        "_inject_fault",
+        "inject_fault",
         [](const std::string& call, int err, uint64_t after) {
             fault_injection::Call c;
             if (!fault_injection::parse_call(call, c))
@@ -40,7 +45,7 @@ void register_testing(py::module_& m) {
         py::arg("call"), py::arg("errno"), py::arg("after") = 0,
         "Test hook: the (after+1)-th next output `call` (open/write/fsync/close) of the executor fails with errno, "
         "once.");
-    m.def("_clear_faults", &fault_injection::disarm, "Test hook: disarms every _inject_fault.");
+    m.def("clear_faults", &fault_injection::disarm, "Test hook: disarms every inject_fault.");
 }
 
 }  // namespace pyckpt::bindings
