@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from pyckpt.deepspeed.autoep.load import read_expert_slice
+from pyckpt.universal.expert_slice import read_expert_slice
 
 
 def evict(path):

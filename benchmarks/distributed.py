@@ -48,7 +48,7 @@ def planned_bytes(share) -> int:
 
 def worker(ckpt: str, out: str, result: str) -> None:
     from pyckpt.execution.distributed import default_workers, from_launcher, split_outputs
-    from pyckpt.universal import convert_to_universal
+    from pyckpt.universal.convert import convert_to_universal
 
     ranks = from_launcher()
     rank, size = (ranks.rank, ranks.size) if ranks else (0, 1)
@@ -59,8 +59,8 @@ def worker(ckpt: str, out: str, result: str) -> None:
     seconds = time.perf_counter() - t0
     io1 = proc_io()
     # what this rank's share was, planned again after the timing (planning is deterministic)
-    from pyckpt.deepspeed.discovery import discover
-    from pyckpt.deepspeed.universal_plan import build_plan
+    from pyckpt.zero.discovery import discover
+    from pyckpt.universal.write import build_plan
 
     share = split_outputs(build_plan(discover(ckpt), False, False, True)[0], size)[rank]
     mine = {"rank": rank, "seconds": seconds, "read_bytes": io1["read_bytes"] - io0["read_bytes"],

@@ -100,7 +100,7 @@ def main():
     import deepspeed
 
     import pyckpt.deepspeed
-    from pyckpt.load_universal import hooks
+    from pyckpt.deepspeed.load import hooks
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from make_real_checkpoint import build_model, ds_config

@@ -4,7 +4,7 @@
     python benchmarks/rank_plan.py resume ZERO_TAG_FOLDER  --world 1024 [--rank R] [--json OUT]
 
 What a rank of pyckpt's load backend reads before its gather, at checkpoint scale: ``load`` opens
-the universal folder (pyckpt.load_universal.state_files.FolderStates), ``resume`` builds the view of
+the universal folder (pyckpt.deepspeed.load.state_files.FolderStates), ``resume`` builds the view of
 a ZeRO checkpoint as the universal folder it would convert to (zero_view.ZeroView: discovery and
 the whole conversion plan, which every rank of a direct resume makes); then each reads the global
 optimizer state and the state files of the parameters the rank holds. The rank's parameters are
@@ -57,10 +57,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     import torch  # noqa: F401  (a loading job has it; the step tensors are made with it)
 
-    from pyckpt.deepspeed.model_states import read_model_states
+    from pyckpt.zero.model_states import read_model_states
     from pyckpt.formats.torch_zip import SourceFile
-    from pyckpt.load_universal.state_files import FolderStates
-    from pyckpt.load_universal.zero_view import ZeroView
+    from pyckpt.deepspeed.load.state_files import FolderStates
+    from pyckpt.deepspeed.load.zero_view import ZeroView
 
     t1 = time.perf_counter()
     states = ZeroView(args.folder) if args.mode == "resume" else FolderStates(args.folder)

@@ -98,7 +98,7 @@ def make_checkpoint(root: Path, params: str, dp: int, stage: int, dtype: str) ->
 
 
 def make_synthetic(root: Path, args) -> Path:
-    from make_checkpoint import make_checkpoint as synth
+    from pyckpt.testing import make_checkpoint as synth
     if (root / "latest").exists():
         return root / (root / "latest").read_text().strip()
     info: dict = {}
@@ -243,7 +243,7 @@ def run(args, tag_dir: Path):
     keep = args.work / "check"
     shutil.rmtree(keep, ignore_errors=True)
     # Untimed: caches pyckpt's bytecode (see main) before its first timed run.
-    subprocess.run([sys.executable, "-c", "import pyckpt.convert, pyckpt.export, pyckpt.universal"], check=True,
+    subprocess.run([sys.executable, "-c", "import pyckpt.universal.convert, pyckpt.huggingface.export"], check=True,
                    cwd=str(args.work))
 
     # The first big write after the checkpoint was made runs 1.4-2.5x slower for any tool (8 GB, seen

@@ -56,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run as bench  # noqa: E402
-from make_checkpoint import make_checkpoint  # noqa: E402
+from pyckpt.testing import make_checkpoint  # noqa: E402
 
 TIME = "/usr/bin/time"
 HAS_FAMILY = "family" in inspect.signature(make_checkpoint).parameters

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run as bench  # noqa: E402
-from make_checkpoint import parse_count  # noqa: E402
+from pyckpt.testing import parse_count  # noqa: E402
 
 # Per job: the tool measured, the tool it replaces, the copy it is held against.
 JOBS = {"universal": ("pyckpt", "ds_to_universal", "cp -r"),

@@ -13,16 +13,17 @@ from .errors import (AutoEPError, CheckpointFormatError, CollectiveCallError, In
                      RanksFailedError, SaveError, TpMergeError, UnsafePickleError, UnsupportedCheckpointError,
                      VerifyInputError)
 
+# The package's one lazy table: each public verb from the folder that implements it.
 _LAZY = {
-    "convert_to_universal": "universal",
-    "export_hf": "export",
-    "state_dict": "lazy_state",
-    "ExportReport": "export",
-    "ConversionReport": "universal",
-    "read_expert_slice": "deepspeed.autoep.load",
-    "check_load_topology": "deepspeed.autoep.load",
-    "verify_universal": "verify",
-    "VerifyReport": "verify",
+    "convert_to_universal": "universal.convert",
+    "ConversionReport": "universal.convert",
+    "verify_universal": "universal.verify",
+    "VerifyReport": "universal.verify",
+    "read_expert_slice": "universal.expert_slice",
+    "check_load_topology": "universal.expert_slice",
+    "export_hf": "huggingface.export",
+    "ExportReport": "huggingface.export",
+    "state_dict": "huggingface.state_dict",
 }
 
 __all__ = [

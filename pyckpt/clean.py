@@ -4,7 +4,7 @@ import argparse
 import json
 import sys
 
-from .cli_common import add_common_flags, note
+from .cli.common import add_common_flags, note
 
 DESCRIPTION = """\
 Remove what killed runs into OUTPUT left beside it (the hidden .NAME.pyckpt-* entries), restoring

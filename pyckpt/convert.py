@@ -5,15 +5,15 @@ from __future__ import annotations
 import sys
 
 # Light (os, signal, sys): nothing slow runs before the handler below is in place.
-from .cli_common import starting
+from .cli.common import starting
 
 if __name__ == "__main__":
     starting()
 
 import argparse  # noqa: E402  (after the start-up handler on purpose)
 
-from . import cli_common  # noqa: E402
-from .cli_common import UsageError, add_common_flags, note, report_done  # noqa: E402
+from .cli import common as cli_common  # noqa: E402
+from .cli.common import UsageError, add_common_flags, note, report_done  # noqa: E402
 
 DESCRIPTION = """\
 Convert a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint to DeepSpeed's Universal Checkpoint layout,
@@ -48,7 +48,7 @@ not given), --inject_missing_state, --no_strict, --keep_temp_folder (no temp fol
 exit status: 0 done, 1 conversion failed (one line on stderr; --debug for a traceback), 2 usage.
 """
 FORMATTER = argparse.RawDescriptionHelpFormatter
-IMPORTS = ("pyckpt.universal",)  # numpy and the native module: loaded as part of start-up
+IMPORTS = ("pyckpt.universal.convert",)  # numpy and the native module: loaded as part of start-up
 
 # SIGTERM/SIGHUP unwind like Ctrl-C (the staging folder is removed), an interrupt says what was published.
 WRITES_OUTPUT = True
@@ -105,7 +105,7 @@ def run(args) -> int:
     if workers is None and (args.num_extract_workers or args.num_merge_workers):
         workers = max(args.num_extract_workers or 0, args.num_merge_workers or 0)
     from .execution.distributed import default_workers
-    from .universal import convert_to_universal
+    from .universal.convert import convert_to_universal
     with cli_common.among_processes() as (ranks, lead):
         if workers is None and ranks is not None:
             workers = default_workers()

@@ -158,7 +158,7 @@ def _resume(rank: int, work: str, port: int, stage: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
     import pyckpt.deepspeed
-    from pyckpt.load_universal.hooks import last_load
+    from pyckpt.deepspeed.load.hooks import last_load
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(os.path.join(work, "hf"))
     model = _model(len(tokenizer))

@@ -53,13 +53,23 @@ class RanksFailedError(PyckptError, RuntimeError):
     raises this, naming each failing rank and its message (``failures``: rank -> message)."""
 
     def __init__(self, what: str, failures: dict, size: int):
-        self.what, self.failures, self.size = what, dict(failures), size
+        self.what, self.failures, self.size = what, dict(sorted(failures.items())), size
+        super().__init__(self._message())
+
+    @staticmethod
+    def describe(exc: BaseException) -> str:
+        """One line for another rank's message: the exception's kind (unless it is pyckpt's own, whose
+        text says what happened) and its text."""
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        return text if isinstance(exc, PyckptError) else f"{type(exc).__name__}: {text}"
+
+    def _message(self) -> str:
         by_message: dict = {}
-        for rank in sorted(failures):
-            by_message.setdefault(failures[rank], []).append(rank)
+        for rank, message in self.failures.items():
+            by_message.setdefault(message, []).append(rank)
         parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
                  for message, ranks in by_message.items()]
-        super().__init__(f"{what} failed on {len(failures)} of {size} ranks; {'; '.join(parts)}")
+        return f"{self.what} failed on {len(self.failures)} of {self.size} ranks; {'; '.join(parts)}"
 
 
 class VerifyInputError(CheckpointFormatError):
@@ -70,8 +80,20 @@ class TpMergeError(CheckpointFormatError, AssertionError):
     """A merge rule's precondition failed (DeepSpeed asserts the same)."""
 
 
-class RankLoadError(PyckptError, RuntimeError):
-    """Another rank could not plan its part of the load."""
+class RankLoadError(RanksFailedError):
+    """Another rank could not do its part of a load. A load fails together: the ranks that failed
+    raise their own errors, every other rank this one, naming the first failing rank, before any
+    rank changes its state."""
+
+    @staticmethod
+    def describe(exc: BaseException) -> str:
+        return f"{type(exc).__name__}: {exc}"
+
+    def _message(self) -> str:
+        rank, message = next(iter(self.failures.items()))
+        more = len(self.failures) - 1
+        return (f"pyckpt: {self.what} failed on rank {rank} ({message})"
+                + (f" and {more} more rank(s)" if more else "") + "; no rank changed its state")
 
 
 class CollectiveCallError(PyckptError, RuntimeError):

@@ -229,7 +229,7 @@ def correct_zero3_load(engine, root: str, tag: str, names: list) -> None:
 
 def _load(cfg, world_size: int, rank: int, root: str, tag: str, backend: bool, correct: bool = False, **kw):
     import pyckpt.deepspeed
-    from pyckpt.load_universal import hooks
+    from pyckpt.deepspeed.load import hooks
 
     engine = W.make_engine(cfg, world_size, load_universal=True)
     if backend and kw.get("load_optimizer_states", True):  # a module-only load leaves them as they are
@@ -366,7 +366,7 @@ def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
     engine.load_checkpoint(root, tag) with load_universal and pyckpt enabled ("enable"; tag None
     where no latest_universal lies in root)."""
     import pyckpt.deepspeed
-    from pyckpt.load_universal import hooks
+    from pyckpt.deepspeed.load import hooks
 
     if how == "api":
         engine = W.make_engine(cfg, world_size)
@@ -419,7 +419,9 @@ def pages(task: dict, rank: int, world_size: int) -> dict:
     import glob
 
     import pyckpt.deepspeed
-    from pyckpt.load_universal import hooks, zero3, zero12
+    from pyckpt.deepspeed.load import hooks
+    from pyckpt.deepspeed.load import stage3_restore as zero3
+    from pyckpt.deepspeed.load import stage12_restore as zero12
 
     cfg, root, how = task["cfg"], task["root"], task["how"]
     pattern = os.path.join(root, task["tag"], "zero", "*", "*.pt") if how == "universal" else \

@@ -69,7 +69,7 @@ def _reload(cfg: dict, ws: int, root: str, tag=None):
 
 def equal(task: dict, rank: int, ws: int) -> dict:
     """A bare engine.save_checkpoint and the glue's save of the same state, then a resume from the glue's."""
-    from pyckpt.save.space import estimate_rank_bytes
+    from pyckpt.deepspeed.save.space import estimate_rank_bytes
 
     cfg = task["cfg"]
     root = task["root"]
@@ -140,7 +140,7 @@ def _listing(root: str) -> list:
 
 def fault(task: dict, rank: int, ws: int) -> dict:
     """A good save, a save that fails on rank 1, one more training step, a good save; then the first loads."""
-    from pyckpt.save import SaveError
+    from pyckpt.deepspeed.save import SaveError
 
     cfg = task["cfg"]
     root = task["root"]
@@ -175,7 +175,7 @@ def fault(task: dict, rank: int, ws: int) -> dict:
 
 def partial(task: dict, rank: int, ws: int) -> dict:
     """The save called on rank 0 only, then on rank 1 only, then on both."""
-    from pyckpt.save import CollectiveCallError
+    from pyckpt.deepspeed.save import CollectiveCallError
 
     cfg = task["cfg"]
     root = task["root"]
@@ -200,8 +200,8 @@ def partial(task: dict, rank: int, ws: int) -> dict:
 
 def no_space(task: dict, rank: int, ws: int) -> dict:
     """The filesystem says it has 1000 bytes free."""
-    import pyckpt.save.collective_save as cs
-    from pyckpt.save import SaveError
+    import pyckpt.deepspeed.save.collective_save as cs
+    from pyckpt.deepspeed.save import SaveError
 
     cfg = task["cfg"]
     root = task["root"]

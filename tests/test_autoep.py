@@ -11,7 +11,7 @@ import pyckpt
 from compare import diff_folders
 from edit import rewrite
 from pyckpt import CheckpointFormatError
-from pyckpt.deepspeed.autoep.load import read_expert_slice
+from pyckpt.universal.expert_slice import read_expert_slice
 
 
 def _copy(checkpoints, name, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pyckpt import CheckpointFormatError
-from pyckpt.deepspeed.autoep.load import check_load_topology, expert_rows, read_expert_slice
+from pyckpt.universal.expert_slice import check_load_topology, expert_rows, read_expert_slice
 
 from pagecache import evict, resident_bytes
 

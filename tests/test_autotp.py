@@ -86,10 +86,9 @@ def test_the_generators_autotp_metadata_is_what_deepspeed_autotp_writes(checkpoi
     every parameter of a real AutoTP run that is split evenly or left whole (the generator writes no
     fused or uneven ones), the generator's affine map from the slice shape and the kind the real
     pattern lists give is the real map, and its metadata has the real keys."""
-    import generator
     from pyckpt.formats.torch_zip import SourceFile
 
-    mc = generator.load()
+    import pyckpt.testing as mc
     tag = checkpoints["tp_s1_fp32"].tag_dir
     info = SourceFile(str(tag / "mp_rank_00_model_states.pt")).load()["universal_checkpoint_info"]
     fused = {p for spec in info["parameter_with_sub_params"] for p in spec["patterns"]}

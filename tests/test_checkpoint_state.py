@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import pytest
 
+import pyckpt.testing as mc
 import pyckpt
-from pyckpt.deepspeed.discovery import discover
-from pyckpt.deepspeed.universal_plan import build_plan, read_zero_state
-from pyckpt.deepspeed.universal_write import param_of_path, param_state_path, universal_plan
+from pyckpt.zero.discovery import discover
+from pyckpt.universal.write import build_plan
+from pyckpt.zero.read import read_zero_state
+from pyckpt.universal.write import param_of_path, param_state_path, universal_plan
 from pyckpt.errors import CheckpointFormatError
 from pyckpt.planning.state import ALL_STATES, CheckpointState
 
-import generator
 
-mc = generator.load()
 
 LAYOUTS = {
     "zero2": dict(dp=3, stage=2, layers=2, hidden=8),

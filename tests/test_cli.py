@@ -1,4 +1,4 @@
-"""The command lines: python -m pyckpt.convert (ds_to_universal.py flags too) and python -m pyckpt.inspect."""
+"""The command lines: python -m pyckpt.convert (ds_to_universal.py flags too) and python -m pyckpt.describe."""
 
 import json
 import subprocess
@@ -77,20 +77,20 @@ def test_usage_error_exits_2():
 
 def test_inspect_reports_topology(checkpoints):
     ck = checkpoints["s3_bf16_dp3"]
-    info = json.loads(run("-m", "pyckpt.inspect", str(ck.root), "--json").stdout)
+    info = json.loads(run("-m", "pyckpt.describe", str(ck.root), "--json").stdout)
     assert info["zero_stage"] == 3 and info["dp"] == 3
     assert info["master_dtype"] == "float32" and info["bf16_optimizer_files"] is True
     assert info["trainable_numel"] > 0 and info["bytes"] > 0 and info["files"] >= 6
-    text = run("-m", "pyckpt.inspect", str(ck.tag_dir)).stdout
+    text = run("-m", "pyckpt.describe", str(ck.tag_dir)).stdout
     assert "zero_stage: 3" in text and "dp: 3" in text
 
 
 def test_inspect_reports_dtypes(checkpoints):
-    info = json.loads(run("-m", "pyckpt.inspect", str(checkpoints["s2_bf16_dp2"].tag_dir), "--json").stdout)
+    info = json.loads(run("-m", "pyckpt.describe", str(checkpoints["s2_bf16_dp2"].tag_dir), "--json").stdout)
     assert list(info["model_dtypes"]) == ["bfloat16"] and info["master_dtype"] == "float32"
     assert info["zero_stage"] == 2 and info["dp"] == 2 and info["frozen_params"] == 0
 
 
 def test_inspect_error_is_one_line(tmp_path):
-    proc = run("-m", "pyckpt.inspect", str(tmp_path), check=False)
+    proc = run("-m", "pyckpt.describe", str(tmp_path), check=False)
     assert proc.returncode == 1 and "not a DeepSpeed ZeRO checkpoint" in proc.stderr

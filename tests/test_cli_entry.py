@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from pyckpt import cli, cli_common
+from pyckpt import cli
+from pyckpt.cli import common as cli_common
 from pyckpt.execution.publish import stale_entries
 
 from child_signals import default_signals
 from compare import digest
 
 SCRIPT = Path(sys.executable).with_name("pyckpt")
-MODULES = {"convert": "pyckpt.convert", "inspect": "pyckpt.inspect", "verify": "pyckpt.verify"}
+MODULES = {"convert": "pyckpt.convert", "inspect": "pyckpt.describe", "verify": "pyckpt.verify"}
 
 
 def run(*args, check=False):
@@ -262,7 +263,8 @@ def test_clean_with_nothing_to_clean(tmp_path, capsys):
 # of its IMPORTS loads (as numpy's could be), or once it runs.
 INTERRUPT_AT = textwrap.dedent("""
     import signal, sys
-    from pyckpt import cli, cli_inspect
+    from pyckpt import cli
+    from pyckpt import describe as cli_inspect
     def interrupt(*a, **k):
         signal.raise_signal(signal.SIGINT)
     where, folder = sys.argv[1:3]

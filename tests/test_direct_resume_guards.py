@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pyckpt.errors import CheckpointFormatError, UnsupportedCheckpointError
-from pyckpt.load_universal.resume import resumable_target, zero_target
+from pyckpt.deepspeed.load.resume import resumable_target, zero_target
 
 
 class _Engine:

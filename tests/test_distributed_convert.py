@@ -24,9 +24,9 @@ from pagecache import evict, resident_bytes
 from pyckpt.errors import OutputExistsError, RanksFailedError
 from pyckpt.execution.distributed import plan_digest, split_outputs
 from pyckpt.execution.executor import compile_plan, execute
-from pyckpt.export import export_hf
+from pyckpt.huggingface.export import export_hf
 from pyckpt.planning.plan import Plan
-from pyckpt.universal import convert_to_universal
+from pyckpt.universal.convert import convert_to_universal
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATOR = ROOT / "benchmarks" / "make_checkpoint.py"
@@ -46,8 +46,8 @@ def _generated(tmp_path: Path, stage: int, params: str = "2M", dp: int = 4) -> P
 
 
 def _plan_of(ckpt: Path) -> Plan:
-    from pyckpt.deepspeed.discovery import discover
-    from pyckpt.deepspeed.universal_plan import build_plan
+    from pyckpt.zero.discovery import discover
+    from pyckpt.universal.write import build_plan
 
     return build_plan(discover(ckpt), False, False, True)[0]
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from pyckpt.export import export_hf
+from pyckpt.huggingface.export import export_hf
 from pyckpt.huggingface.shards import parse_size, split
 
 TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -293,7 +293,7 @@ def test_lazy_state_dict_holds_zero_to_fp32s_tensors(checkpoints, pyckpt_univers
 def test_hostile_model_state_fields_the_export_reads_are_refused(tmp_path, key, value, problem):
     """Fields only the export reads (buffers, tied aliases, frozen fragments) are checked where the
     file is read: one error naming the file and the key, nothing else read."""
-    from pyckpt.deepspeed.model_states import read_model_states
+    from pyckpt.zero.model_states import read_model_states
     from pyckpt.errors import CheckpointFormatError
     from pyckpt.formats.torch_zip import SourceFile
 

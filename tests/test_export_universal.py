@@ -16,7 +16,7 @@ import torch
 
 from edit import rewrite
 from pyckpt.errors import CheckpointFormatError, UnsafePickleError
-from pyckpt.export import export_hf
+from pyckpt.huggingface.export import export_hf
 
 
 def _files(folder):

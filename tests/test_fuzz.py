@@ -605,7 +605,7 @@ def _plant_companion(draw, folder: str, name: str, outside: str) -> bytes:
 def test_fuzz_export_companions(e2e_seeds, data):
     from unittest import mock
 
-    import pyckpt.export as export
+    import pyckpt.huggingface.export as export
 
     with mock.patch.object(export, "COMPANION_MAX_BYTES", 4096):
         _export_with_companion(e2e_seeds["s2_bf16_dp2"], data, export)

@@ -14,7 +14,7 @@ import pytest
 import pyckpt
 from pyckpt import CheckpointFormatError
 from pyckpt.formats.torch_zip import SourceFile
-from pyckpt.deepspeed.autoep.layers import zero12_dp_ranks, zero12_param_info
+from pyckpt.zero.autoep.layers import zero12_dp_ranks, zero12_param_info
 from pyckpt.errors import AutoEPError, PyckptError
 from pyckpt.formats.pickle_read import loads
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pyckpt.formats.torch_zip import SourceFile
-from pyckpt.load_universal.gather import TensorFill
+from pyckpt.deepspeed.load.gather import TensorFill
 
 
 @pytest.fixture()
@@ -98,7 +98,7 @@ def test_a_cut_along_dim_1_gathers_as_strided_ops(tmp_path, dtype, window):
     narrowed to a ZeRO partition that starts and ends inside a row: three ops (the partial first
     row, 62 strided whole rows, the partial last row) instead of 64, filling the destination exactly
     as slicing does, in place and through staging windows that cut the strided op anywhere."""
-    from pyckpt.deepspeed.universal_slice import narrow, select_along
+    from pyckpt.universal.slice import narrow, select_along
 
     sf, ref, m = _matrix_source(tmp_path, dtype)
     runs = narrow(select_along((64, 48), 1, [(12, 24)]), 5, 64 * 12 - 5 - 7)

@@ -319,7 +319,7 @@ def _outside_secret(tmp_path):
 @pytest.mark.parametrize("layout", ["trainer", "tag"])
 def test_an_export_companion_linking_out_of_the_checkpoint_is_refused(companion, target, layout, checkpoints,
                                                                        tmp_path):
-    from pyckpt.export import export_hf
+    from pyckpt.huggingface.export import export_hf
 
     root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
     where = root if layout == "trainer" else tag  # beside the tag (HF Trainer) or in it (save glue)
@@ -340,7 +340,7 @@ def test_an_export_companion_linking_out_of_the_checkpoint_is_refused(companion,
 
 
 def test_export_companions_linked_inside_the_checkpoint_are_copied(checkpoints, tmp_path):
-    from pyckpt.export import export_hf
+    from pyckpt.huggingface.export import export_hf
 
     root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
     (root / "tok").mkdir()

@@ -1,22 +1,29 @@
-"""The package's layers import only downward (README, Development): errors, the tensor vocabulary, the native boundary,
-byte formats, plans, Hugging Face and DeepSpeed rules, execution, the capabilities, then the command lines. Only
+"""The package's floors import only downward (README, Development): the vocabulary (errors, tensors, the native
+door), byte formats, plans and the logical state, execution, then one folder per checkpoint format (reading ZeRO,
+the Universal Checkpoint layout, Hugging Face), the DeepSpeed integration, and on top the front ends. Only
 pyckpt/native.py imports the native module itself."""
 
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "pyckpt"
-LAYERS = ["errors", "tensors", "native", "formats", "planning", "huggingface", "deepspeed", "execution"]  # then capabilities, command lines
-# What a user runs (the cli* modules, and the command lines older than pyckpt/cli.py). Anything else
-# at the top level is a capability, which must not depend on how it is invoked.
-COMMAND_LINES = {"convert", "clean", "demo", "__main__"}
+VOCABULARY = ["errors", "tensors", "native"]
+FOLDERS = ["formats", "planning", "execution", "zero", "universal", "huggingface", "deepspeed",
+           "testing"]  # synthetic checkpoints for tests and benchmarks: nothing in the library imports them
+LAYERS = VOCABULARY + FOLDERS  # then the front ends
+# What a user runs: `python -m pyckpt.NAME` (argparse, then one library call) and the `pyckpt` console
+# script with its shared plumbing (pyckpt.cli).
+FRONT_ENDS = {"convert", "export", "verify", "describe", "clean", "demo", "cli", "__main__"}
 
 
 def _layer(module: str) -> int:
     top = module.split(".")[0]
     if top in LAYERS:
         return LAYERS.index(top)
-    return len(LAYERS) + (top in COMMAND_LINES or top == "cli" or top.startswith("cli_"))
+    assert top in FRONT_ENDS, f"pyckpt.{top} is neither a floor nor a front end"
+    return len(LAYERS)
 
 
 def _outside_main_stanza(text: str) -> str:
@@ -26,7 +33,10 @@ def _outside_main_stanza(text: str) -> str:
 
 
 def _imports(path: pathlib.Path, module: str):
-    package = module.rpartition(".")[0].split(".") if "." in module else []
+    if path.name == "__init__.py":
+        package = module.split(".") if module else []
+    else:
+        package = module.rpartition(".")[0].split(".") if "." in module else []
     text = _outside_main_stanza(path.read_text())
     for m in re.finditer(r"^\s*from (\.+)([A-Za-z_0-9.]*) import ([A-Za-z_0-9, ()]+)", text, re.M):
         dots, name, names = m.groups()
@@ -95,9 +105,43 @@ def test_the_cycle_finder_finds_cycles():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_command_lines_are_the_top_layer():
-    assert _layer("cli") == _layer("cli_common") == _layer("convert") == _layer("__main__") == len(LAYERS) + 1
-    assert _layer("universal") == _layer("verify") == _layer("inspect") == len(LAYERS)
+def test_the_top_level_holds_only_front_ends_and_vocabulary():
+    """A top-level module is a front end or basic vocabulary; everything else lives in a folder."""
+    top = {p.stem for p in ROOT.glob("*.py")} - {"__init__"}
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert top == (FRONT_ENDS - {"cli"}) | set(VOCABULARY)
+    assert folders == set(FOLDERS) | {"cli"}
+
+
+def test_every_folder_states_its_import_rule():
+    missing = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("__init__.py"))
+               if p.parent != ROOT and "Import rule" not in p.read_text()]
+    assert missing == []
+
+
+def test_the_load_backend_and_the_save_glue_stay_apart():
+    """Siblings on the integration floor: a load never runs save code, nor a save the load backend."""
+    crossing = [(module, target) for path, module in _modules()
+                for side, other in (("deepspeed.load", "deepspeed.save"), ("deepspeed.save", "deepspeed.load"))
+                if module.startswith(side) for target in _imports(path, module) if target.startswith(other)]
+    assert crossing == []
+
+
+def test_the_synthetic_checkpoint_writer_reads_no_checkpoint():
+    """pyckpt.testing writes DeepSpeed's files through the executor; were it to use the readers,
+    a reader's mistake could shape the very inputs that test it."""
+    readers = [(module, target) for path, module in _modules() if module.startswith("testing")
+               for target in _imports(path, module)
+               if target.split(".")[0] in ("zero", "universal", "huggingface", "deepspeed")]
+    assert readers == []
+
+
+def test_front_ends_are_the_top_layer():
+    assert _layer("cli") == _layer("cli.common") == _layer("convert") == _layer("__main__") == len(LAYERS)
+    assert _layer("export") == _layer("verify") == _layer("describe") == len(LAYERS)
+    assert _layer("universal.verify") < _layer("huggingface.export") < _layer("deepspeed.save") < len(LAYERS)
+    with pytest.raises(AssertionError):
+        _layer("universal_plan")  # a stray top-level module is neither
     # The stanza rule must not hide anything but the stanza.
     text = 'from .a import b\nif __name__ == "__main__":\n    from .c import d\n\n    main()\nfrom .e import f\n'
     assert _outside_main_stanza(text) == "from .a import b\nfrom .e import f\n"
@@ -115,7 +159,7 @@ def test_every_library_exception_lives_in_errors_and_is_exported():
 
     elsewhere = []
     for path, module in _modules():
-        if module == "errors" or _layer(module) > len(LAYERS):
+        if not module or module == "errors" or _layer(module) >= len(LAYERS):
             continue
         for m in re.finditer(r"^class ([A-Za-z]\w*Error)\(([^)]*)\):", path.read_text(), re.M):
             if re.search(r"Error|Exception", m.group(2)):

@@ -17,20 +17,20 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import dsharness
+import pyckpt.testing as mc
 import pyckpt
-import generator
 from compare import diff_folders
 from dsharness import Config
 from pyckpt.formats.torch_zip import SourceFile
-from pyckpt.inspect import describe
+from pyckpt.zero.describe import describe
 
-SCRIPT = generator.SCRIPT
-mc = generator.load()
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "make_checkpoint.py"
 
 # name -> make_checkpoint arguments; ~50k parameters, so every flat group carries padding.
 CASES = {
@@ -126,7 +126,7 @@ def test_inspect_sees_stage_dp_and_numel(generated, name):
 
 def test_inspect_command_line(generated):
     item = generated["z2_bf16_dp3"]
-    proc = subprocess.run([sys.executable, "-m", "pyckpt.inspect", "--json", str(item["tag_dir"])], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "pyckpt.describe", "--json", str(item["tag_dir"])], capture_output=True,
                           text=True, check=True, cwd=item["tag_dir"].parent)
     info = json.loads(proc.stdout)
     assert (info["zero_stage"], info["dp"]) == (2, 3)
@@ -265,7 +265,7 @@ def test_structure_matches_real_deepspeed_saves(tmp_path, monkeypatch):
     # The harness trains 3 steps at micro-batch 2 with a few extra AutoEP switches; mirror that.
     monkeypatch.setattr(mc, "GLOBAL_STEPS", made[0].config.steps)
     monkeypatch.setattr(mc, "MICRO_BATCH", 2)
-    plain = mc._Writer.ds_config
+    plain = mc.ZeroWriter.ds_config
 
     def harness_config(self):
         config = plain(self)
@@ -273,7 +273,7 @@ def test_structure_matches_real_deepspeed_saves(tmp_path, monkeypatch):
             config["expert_parallel"].update(use_grouped_mm=False, disable_triton_grouped_mm=True)
         return config
 
-    monkeypatch.setattr(mc._Writer, "ds_config", harness_config)
+    monkeypatch.setattr(mc.ZeroWriter, "ds_config", harness_config)
     problems = []
     for (name, cfg, kw), real in zip(REAL, made):
         tag_dir = mc.make_checkpoint(tmp_path / "generated" / name, params=0, model=_harness_model(cfg), **kw)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pyckpt.errors import CheckpointFormatError, UnsafePickleError
-from pyckpt.load_universal.model_state_file import MappedModelStates
-from pyckpt.load_universal.pickle_policy import allowed_globals
+from pyckpt.deepspeed.load.model_state_file import MappedModelStates
+from pyckpt.deepspeed.load.pickle_policy import allowed_globals
 
 
 class Recorder:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pyckpt.errors import UnsafePickleError
-from pyckpt.load_universal import hooks
-from pyckpt.load_universal.pickle_policy import check_universal_pickles
-from pyckpt.load_universal.unsupported import Unsupported
+from pyckpt.deepspeed.load import hooks
+from pyckpt.deepspeed.load.pickle_policy import check_universal_pickles
+from pyckpt.deepspeed.load.unsupported import Unsupported
 
 RAN = []  # what unpickling a Payload did; it must stay empty wherever pyckpt refuses the file
 

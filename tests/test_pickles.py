@@ -132,7 +132,7 @@ def test_conversion_pieces_match_tensor_float(tmp_path):
     torch.save(values, src_path)
     sf = SourceFile(src_path)
     refs = sf.load()
-    from pyckpt.deepspeed.zero12 import _as_float32
+    from pyckpt.zero.stage12 import _as_float32
     out = _write(tmp_path, {k: _as_float32(sf, k, refs[k]) for k in values})
     got = torch.load(out, weights_only=True)
     for k, v in values.items():

@@ -25,11 +25,11 @@ from pyckpt import _core
 from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.planning.plan import Segments
 from pyckpt.formats.pickle_read import ITEMSIZE, StorageRef, TensorRef
-from pyckpt.deepspeed.tp_merge import Slice, TpRules
-from pyckpt.deepspeed.optimizer_state import STATES
-from pyckpt.deepspeed.zero12 import _fragments, _state_segments
-from pyckpt.deepspeed.zero_shards import zero_shard_of
-from pyckpt.deepspeed.zero3_partition import rank_pieces
+from pyckpt.zero.tp_merge import Slice, TpRules
+from pyckpt.zero.optimizer_state import STATES
+from pyckpt.zero.stage12 import _fragments, _state_segments
+from pyckpt.zero.shards import zero_shard_of
+from pyckpt.zero.stage3_partition import rank_pieces
 
 
 def props(n):

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from deepspeed.checkpoint.universal_checkpoint import _resolve_autotp_partition
 
-from pyckpt.deepspeed.restore_meta import NotACopy, affine_runs, autotp_runs
+from pyckpt.universal.restore_meta import NotACopy, affine_runs, autotp_runs
 
 
 def _elements(runs) -> torch.Tensor:

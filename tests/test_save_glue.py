@@ -177,7 +177,7 @@ def _files(folder: Path) -> dict:
 
 def test_universal_and_export_after_the_save_equal_single_process_runs(equal_runs, tmp_path):
     from pyckpt import convert_to_universal
-    from pyckpt.export import export_hf
+    from pyckpt.huggingface.export import export_hf
 
     root, res = equal_runs["converted"]
     assert res["ok"] == [True, True]

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pyckpt.save import CollectiveCallError
-from pyckpt.save.arrival import Arrival
-from pyckpt.save.collective_save import _orphans, _preflight_problem, clean_orphans
-from pyckpt.save.companions import _plain, training_state
-from pyckpt.save.guarded_io import WriteFailures, guarded
+from pyckpt.deepspeed.save import CollectiveCallError
+from pyckpt.deepspeed.save.arrival import Arrival
+from pyckpt.deepspeed.save.collective_save import _orphans, _preflight_problem, clean_orphans
+from pyckpt.deepspeed.save.companions import _plain, training_state
+from pyckpt.deepspeed.save.guarded_io import WriteFailures, guarded
 
 
 def test_arrival_passes_when_every_rank_came_and_can_be_used_again():
@@ -72,12 +72,12 @@ class _ThreadRanks:
 def _save_on_threads(monkeypatch, save_dir, tags: dict, size: int = 2, arrival_timeout: float = 2.0) -> dict:
     """save_checkpoint called by the ranks in ``tags`` (rank -> tag) of ``size``, each on a thread, with
     an engine DeepSpeed never sees (the call must stop before saving); rank -> what it raised."""
-    from pyckpt.save import collective_save, save_checkpoint
+    from pyckpt.deepspeed.save import collective_save, save_checkpoint
 
     ranks = _ThreadRanks(size)
     store = dist.HashStore()
     monkeypatch.setattr(collective_save, "_process_group", lambda: ranks)
-    monkeypatch.setattr("pyckpt.save.arrival._default_store", lambda: store)
+    monkeypatch.setattr("pyckpt.deepspeed.save.arrival._default_store", lambda: store)
     raised = {}
 
     def call(rank: int, tag: str) -> None:
@@ -98,7 +98,7 @@ def _save_on_threads(monkeypatch, save_dir, tags: dict, size: int = 2, arrival_t
 
 
 def test_ranks_naming_different_tags_are_told_so_not_reported_absent(tmp_path, monkeypatch):
-    from pyckpt.save import SaveError
+    from pyckpt.deepspeed.save import SaveError
 
     raised = _save_on_threads(monkeypatch, tmp_path / "ck", {0: "a", 1: "b"})
     assert sorted(raised) == [0, 1]
@@ -225,7 +225,7 @@ def test_the_training_state_is_plain_json():
 
 
 def test_setups_the_glue_cannot_publish_whole_are_refused_before_anything_runs(tmp_path):
-    from pyckpt.save import save_checkpoint
+    from pyckpt.deepspeed.save import save_checkpoint
 
     decoupled = types.SimpleNamespace(is_decoupled=lambda: True)
     engine = types.SimpleNamespace(checkpoint_engine=decoupled, use_node_local_storage=lambda: False)
@@ -248,7 +248,7 @@ def test_setups_the_glue_cannot_publish_whole_are_refused_before_anything_runs(t
 @pytest.mark.parametrize("tag", [" t", "t ", "t\n", "\tt", "t\u00a0", "global_step1\x1b[2J", "a\nb"])
 def test_a_tag_latest_could_not_name_back_is_refused_before_anything_runs(tag, tmp_path):
     # DeepSpeed strips what it reads from `latest`: saved under such a tag, the checkpoint would not load
-    from pyckpt.save import save_checkpoint
+    from pyckpt.deepspeed.save import save_checkpoint
 
     engine = types.SimpleNamespace(checkpoint_engine=_FailingCheckpointEngine(), use_node_local_storage=lambda: False)
     with pytest.raises(ValueError) as err:

@@ -18,18 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from pyckpt.deepspeed.autoep import layers
-from pyckpt.deepspeed.autoep.layers import index_expert_files
-from pyckpt.deepspeed.discovery import discover
-from pyckpt.deepspeed.universal_plan import build_plan
+import pyckpt.testing as mc
+from pyckpt.zero.autoep import layers
+from pyckpt.zero.autoep.layers import index_expert_files
+from pyckpt.zero.discovery import discover
+from pyckpt.universal.write import build_plan
 from pyckpt.errors import CheckpointFormatError, MissingExpertFileError
 from pyckpt.formats import torch_zip
 from pyckpt.formats.torch_zip import SourceFile, iter_sources
 
-import generator
 from compare import digest
 
-mc = generator.load()
 
 
 def _autoep(root: Path, experts: int, dp: int = 4) -> Path:
@@ -296,7 +295,7 @@ def test_whole_row_blocks_copy_what_the_rows_hold(seed):
     any block layout; runs of whole rows become strided pieces."""
     import random
 
-    from pyckpt.deepspeed.tp_merge import _blocks
+    from pyckpt.zero.tp_merge import _blocks
     from pyckpt.planning.plan import Segments
 
     rnd = random.Random(seed)

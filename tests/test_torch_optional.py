@@ -47,7 +47,7 @@ def test_convert_inspect_verify_without_torch(tmp_path, kw):
     assert conv.returncode == 0, conv.stderr
     assert (tmp_path / "latest_universal").read_text() == "universal"
     assert os.path.isdir(out / "zero")
-    info = _without_torch(tmp_path, "pyckpt.inspect", ckpt, "--json")
+    info = _without_torch(tmp_path, "pyckpt.describe", ckpt, "--json")
     assert info.returncode == 0, info.stderr
     assert json.loads(info.stdout)["dp"] == 2
     check = _without_torch(tmp_path, "pyckpt.verify", out, "--against", ckpt, "--quiet")

@@ -12,7 +12,7 @@ import pytest
 
 import pyckpt
 from pyckpt.formats.torch_zip import SourceFile
-from pyckpt.verify import VerifyInputError, verify_universal
+from pyckpt.universal.verify import VerifyInputError, verify_universal
 
 from conftest import ALL_CONFIGS
 from edit import rewrite

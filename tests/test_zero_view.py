@@ -1,4 +1,4 @@
-"""The virtual universal view a direct resume reads (`pyckpt.load_universal.zero_view`) against the
+"""The virtual universal view a direct resume reads (`pyckpt.deepspeed.load.zero_view`) against the
 folder the conversion writes.
 
 For every parameter folder and state key of a converted checkpoint, the whole tensor is gathered
@@ -19,9 +19,9 @@ import torch
 import pyckpt
 from pyckpt.errors import CheckpointFormatError
 from pyckpt.native import KIND_SOURCE_DTYPE
-from pyckpt.load_universal.gather import TensorFill
-from pyckpt.load_universal.state_files import FolderStates
-from pyckpt.load_universal.zero_view import VirtualStateFile, ZeroView
+from pyckpt.deepspeed.load.gather import TensorFill
+from pyckpt.deepspeed.load.state_files import FolderStates
+from pyckpt.deepspeed.load.zero_view import VirtualStateFile, ZeroView
 from test_tp import LEGACY_INFO, affine_params, AFFINE_INFO, legacy_params, megatron_info, megatron_params
 from tp_builder import build
 

@@ -1,18 +1,19 @@
-"""DeepSpeed's rules: how a ZeRO checkpoint is laid out (discovery, the schema of its pickled
-metadata, parameter names), and how ZeRO-1/2, ZeRO-3, AutoTP and AutoEP state maps onto the
-Universal Checkpoint layout, expressed as plans of byte copies."""
+"""pyckpt inside a DeepSpeed job: the names DeepSpeed users import.
 
-# The public face of the load backend (``import pyckpt.deepspeed; pyckpt.deepspeed.enable()``) and
-# of the save glue, the name DeepSpeed users look for. They are capabilities above this layer, so
-# they are resolved on first use rather than imported here.
-_BACKEND = {"enable": "pyckpt.load_universal", "disable": "pyckpt.load_universal",
-            "enabled": "pyckpt.load_universal", "load_checkpoint": "pyckpt.load_universal",
-            "save_checkpoint": "pyckpt.save", "SaveError": "pyckpt.save", "CollectiveCallError": "pyckpt.save"}
+``enable()`` / ``disable()`` / ``enabled()`` route DeepSpeed's universal checkpoint loads through
+pyckpt (:mod:`.load`), ``load_checkpoint(engine, dir)`` resumes from plain ZeRO shards at any world
+size (:mod:`.load.direct`), and ``save_checkpoint(engine, dir)`` saves so that a failure costs
+nothing already saved (:mod:`.save`).
 
+Import rule: this folder is the top of the library. It may import every folder below it
+(``huggingface``, ``universal``, ``zero``, ``execution``, ``planning``, ``formats``) and the
+vocabulary (``errors``, ``tensors``, ``native``); nothing in the library imports it, only the front
+ends and users.
+"""
 
-def __getattr__(name):
-    if name in _BACKEND:
-        import importlib
+from ..errors import CollectiveCallError, RankLoadError, SaveError
+from .load import disable, enable, enabled, load_checkpoint
+from .save import save_checkpoint
 
-        return getattr(importlib.import_module(_BACKEND[name]), name)
-    raise AttributeError(f"module 'pyckpt.deepspeed' has no attribute {name!r}")
+__all__ = ["enable", "disable", "enabled", "load_checkpoint", "save_checkpoint", "SaveError", "CollectiveCallError",
+           "RankLoadError"]

@@ -20,7 +20,7 @@ import hashlib
 import heapq
 import os
 import sys
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple, Type
 
 from ..errors import PyckptError, RanksFailedError
 from ..tensors import ITEMSIZE
@@ -192,16 +192,19 @@ class Vote:
 
 def describe_failure(exc: BaseException) -> str:
     """One line for another rank's message: the exception's kind and text."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if isinstance(exc, PyckptError) else f"{type(exc).__name__}: {text}"
+    return RanksFailedError.describe(exc)
 
 
 @contextlib.contextmanager
-def agreed(ranks: Optional[TorchRanks], what: str, same: bool = False) -> Iterator[Vote]:
-    """Runs the block on every rank, then one all_gather of each rank's outcome: if the block failed
-    anywhere, every rank raises RanksFailedError naming each failed rank and its message (a failed
-    rank's own exception as the cause). Otherwise ``vote.values`` holds every rank's ``vote.value``;
-    with ``same`` they must all be equal. Without ranks the block just runs, its errors unchanged.
+def agreed(ranks: Optional[TorchRanks], what: str, same: bool = False, *,
+           error: Type[RanksFailedError] = RanksFailedError, own: bool = False) -> Iterator[Vote]:
+    """The one rank agreement of convert, export, load and save: runs the block on every rank, then
+    one all_gather of each rank's outcome. If the block failed anywhere, every rank raises ``error``
+    naming each failed rank and its message (a failed rank's own exception as the cause); with
+    ``own``, a rank that failed raises its own exception instead (noting the other failing ranks), so
+    that its type reaches the caller, and only the others raise ``error``. Otherwise ``vote.values``
+    holds every rank's ``vote.value``; with ``same`` they must all be equal. Without ranks the block
+    just runs, its errors unchanged.
 
     Only Exception is agreed on: an interrupt unwinds this rank, and the others learn of it when
     its connections close."""
@@ -215,13 +218,17 @@ def agreed(ranks: Optional[TorchRanks], what: str, same: bool = False) -> Iterat
         yield vote
     except Exception as exc:  # told to every rank below
         failure = exc
-    said = ranks.all_gather((describe_failure(failure), None) if failure is not None else (None, vote.value))
+    said = ranks.all_gather((error.describe(failure), None) if failure is not None else (None, vote.value))
     failed = {rank: message for rank, (message, _) in enumerate(said) if message is not None}
     if failed:
-        raise RanksFailedError(what, failed, ranks.size) from failure
+        if own and failure is not None:
+            if len(failed) > 1:
+                failure.add_note(f"pyckpt: {what} failed on ranks {sorted(failed)}")
+            raise failure
+        raise error(what, failed, ranks.size) from failure
     vote.values = [value for _, value in said]
     if same and any(v != vote.values[0] for v in vote.values):
         differing = {rank: f"{v!r} (rank 0: {vote.values[0]!r})" for rank, v in enumerate(vote.values)
                      if v != vote.values[0]}
-        raise RanksFailedError(f"{what} (the ranks disagree: are the inputs, pyckpt versions and arguments the "
+        raise error(f"{what} (the ranks disagree: are the inputs, pyckpt versions and arguments the "
                                "same on every node?)", differing, ranks.size)

@@ -5,7 +5,7 @@ A reader of an input format fills one: every parameter's states (``fp32``, ``exp
 ``exp_avg_sq``, ``step``), each the value a Universal Checkpoint's ``zero/<name>/<state>.pt`` holds
 (a tensor made of byte pieces of the input, or a dict of it and its merge markers, or a step
 number); the optimizer's global state; the model-state files. A writer of an output format turns it
-into a plan of byte copies (:mod:`pyckpt.deepspeed.universal_write` for the universal layout), and
+into a plan of byte copies (:mod:`pyckpt.universal.write` for the universal layout), and
 the other consumers (export, direct resume, verify) look parameters up by name. A reader told which
 states are wanted (``states``) leaves the others out: an export needs only the fp32 masters.
 """

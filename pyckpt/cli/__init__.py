@@ -1,0 +1,61 @@
+"""The ``pyckpt`` console script (and ``python -m pyckpt``): one command with subcommands.
+
+``pyckpt NAME ...`` is ``python -m pyckpt.NAME ...`` (same flags, output and exit status; ``inspect``
+is ``pyckpt.describe``, ``clean`` is ``convert --clean``); each subcommand is a front-end module as
+:mod:`pyckpt.cli.common` describes. Only the chosen subcommand's module is imported,
+and those modules load numpy and the native reader only once they run, so that parsing (and
+--help) starts fast and a Ctrl-C during start-up is one line, as for ``python -m pyckpt.convert``.
+
+Import rule: the front ends' floor (with ``convert``, ``export``, ``verify``, ``describe``, ``clean``);
+a subcommand's module is imported by name when chosen, and the library never imports this folder.
+"""
+
+import sys
+
+from . import common as cli_common
+
+# name, module (in this package), the line `pyckpt --help` shows. A new subcommand is one row here.
+COMMANDS = (
+    ("convert", "convert", "convert a ZeRO checkpoint to DeepSpeed's Universal Checkpoint layout"),
+    ("export", "export", "export a ZeRO checkpoint as Hugging Face safetensors model files (zero_to_fp32)"),
+    ("inspect", "describe", "show a ZeRO checkpoint's stage, dp degree, dtypes, parameters and files"),
+    ("verify", "verify", "check a Universal Checkpoint folder before deleting the checkpoint it came from"),
+    ("clean", "clean", "remove what killed conversions into OUTPUT left beside it"),
+)
+
+DESCRIPTION = """\
+Fast, safe conversion of DeepSpeed ZeRO checkpoints. Each command is also `python -m
+pyckpt.NAME` (`pyckpt inspect` is `python -m pyckpt.describe`; `pyckpt clean OUTPUT` is
+`python -m pyckpt.convert --clean OUTPUT`).
+"""
+EPILOG = "`pyckpt COMMAND --help` shows a command's options."
+
+
+def parse(argv, prog: str = "pyckpt"):
+    """(command module, its parser, parsed args); argparse exits on --help and usage errors."""
+    import argparse
+    import importlib
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(title="commands", dest="pyckpt_command", metavar="COMMAND", required=True)
+    # The top level has no options but --help, so the first word that is not a flag names the command.
+    word = next((a for a in argv if not a.startswith("-")), None)
+    chosen = {}
+    for name, module, summary in COMMANDS:
+        if name != word:
+            sub.add_parser(name, help=summary)  # listed, never parsed with: its module stays unloaded
+            continue
+        command = importlib.import_module(f"pyckpt.{module}")
+        chosen[name] = command, sub.add_parser(name, help=summary, **cli_common.parser_options(command))
+        command.add_arguments(chosen[name][1])
+    args = parser.parse_args(argv)
+    command, subparser = chosen[args.pyckpt_command]
+    return command, subparser, args
+
+
+def main(argv=None, prog: str = "pyckpt") -> int:
+    if argv is None:  # a program starting (not a caller in-process): Ctrl-C until the command runs is one line
+        cli_common.starting()
+        argv = sys.argv[1:]
+    command, parser, args = parse(list(argv), prog)
+    return cli_common.execute(command, parser, args)

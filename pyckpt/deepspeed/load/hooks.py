@@ -1,0 +1,245 @@
+"""Where pyckpt takes over DeepSpeed's Universal Checkpoint load, and the agreement around it.
+
+DeepSpeed reaches a universal load only through ``engine._load_zero_checkpoint``, which calls the
+optimizer's ``_load_universal_checkpoint(checkpoint_folder, load_optimizer_states,
+load_from_fp32_weights)``; replacing that method on the three optimizer classes leaves the rest of
+``load_checkpoint`` DeepSpeed's own (``latest_universal``, the model-state file, scheduler, counters,
+``client_state``, the ZeRO-3 prologue and epilogue, ``update_lp_params``).
+
+Every rank plans its load first, changing nothing; the ranks then agree with one collective (every
+rank is inside ``load_checkpoint``, a collective call, so all of them reach it). If any rank's plan
+failed, all raise, each naming the failing ranks, and none has changed its state; no rank is left
+waiting in DeepSpeed's later collectives. If any rank met a layout this backend does not load yet,
+all ranks hand the call to DeepSpeed's own method, with a warning, once every rank has found each
+file that method may unpickle parsable by pyckpt's allowlist reader (:mod:`.pickle_policy`; skipped
+for a checkpoint the user trusts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+from ...errors import RankLoadError, UnsafePickleError, UnsupportedCheckpointError
+from ...execution.distributed import TorchRanks, agreed
+from . import model_state_file
+from . import pickle_policy
+from . import resume
+from . import stage3_restore as zero3
+from . import stage12_restore as zero12
+from . import zero_view
+from .unsupported import Unsupported
+
+logger = logging.getLogger("pyckpt")
+
+# The DeepSpeed versions whose load path these hooks were proven against (tests/test_load_backend.py).
+PROVEN_VERSIONS = ("0.19.8", )
+
+# (module, class) -> the planner for that optimizer class
+_TARGETS: Dict[Tuple[str, str], Callable] = {
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
+        lambda opt, folder, los, lfp32, states: zero12.plan(opt, "bit16_groups", states, folder),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer"):
+        lambda opt, folder, los, lfp32, states: zero12.plan(opt, "bf16_groups", states, folder),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"):
+        lambda opt, folder, los, lfp32, states: zero3.plan(opt, folder, los, lfp32, states),
+}
+_ORIGINALS: Dict[type, Callable] = {}
+_ENGINE_ORIGINAL: Dict[type, Callable] = {}
+# What the last load through pyckpt did on this rank, for tests and benchmarks.
+last_load: Dict[str, object] = {}
+# enable(trust_pickles=...): whether files pyckpt's allowlist refuses may go to DeepSpeed's readers
+_settings = {"trust_pickles": False}
+
+
+def trust_pickles(value: Optional[bool] = None) -> bool:
+    """The current setting; with ``value``, set it and return the previous one."""
+    previous = _settings["trust_pickles"]
+    if value is not None:
+        _settings["trust_pickles"] = bool(value)
+    return previous
+
+
+def _ranks() -> Optional[TorchRanks]:
+    """The job's ranks to agree with, or None alone (no process group, or a group of one)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return None
+    return TorchRanks()
+
+
+def agreed_step(what: str, step: Callable):
+    """``step()`` on every rank, then one agreement: a failure on any rank raises on every rank before
+    any of them goes on (where a rank raised alone, the others would wait in the next collective
+    until the process group's timeout). Every rank must call it, in the same order."""
+    with agreed(_ranks(), what, error=RankLoadError, own=True) as vote:
+        vote.value = step()
+    return vote.value
+
+
+def _load(planner: Callable, original: Callable):
+    def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
+        t0 = time.perf_counter()
+        apply = None
+        direct = zero_view.registered(checkpoint_folder)
+        ranks = _ranks()
+        with agreed(ranks, "the universal load", error=RankLoadError, own=True) as vote:
+            try:
+                # a ZeRO checkpoint read as its universal view (zero_view), or the universal folder
+                apply = planner(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights,
+                                zero_view.lookup(checkpoint_folder))
+            except Unsupported as exc:
+                if direct:  # there is no universal folder for DeepSpeed's loader to fall back on
+                    raise UnsupportedCheckpointError(
+                        f"{checkpoint_folder}: {exc}; resuming straight from the ZeRO checkpoint does not serve "
+                        "this yet: convert it with `python -m pyckpt.convert` and load the universal folder") from None
+                vote.value = str(exc)  # this rank's reason to hand the load back to DeepSpeed
+        unsupported_all = [(rank, reason) for rank, reason in enumerate(vote.values) if reason]
+        if unsupported_all:
+            rank, reason = unsupported_all[0]
+            if not _settings["trust_pickles"]:
+                # DeepSpeed unpickles with torch.load(weights_only=False): every rank checks the files
+                # first, and all stop together if any was refused, before DeepSpeed reads one
+                with agreed(ranks, "checking the universal folder's pickles", error=RankLoadError,
+                            own=True) as check:
+                    check.value = pickle_policy.check_universal_pickles(checkpoint_folder)
+                refusals = [(r, message) for r, message in enumerate(check.values) if message]
+                if refusals:
+                    where, message = refusals[0]
+                    raise UnsafePickleError(f"pyckpt: DeepSpeed's own loader would take this universal load "
+                                            f"(rank {rank}: {reason}), but rank {where} refused a file: {message}")
+            logger.warning("pyckpt: DeepSpeed's own loader takes this universal load (rank %d: %s)", rank, reason)
+            last_load.clear()
+            last_load.update(backend="deepspeed", reason=reason)
+            return original(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
+        t1 = time.perf_counter()
+        nbytes = apply()
+        t2 = time.perf_counter()
+        last_load.clear()
+        # started/gathered: perf_counter stamps of the planning start and the gather's end
+        last_load.update(backend="pyckpt", bytes_read=nbytes, plan_s=t1 - t0, gather_s=t2 - t1, started=t0,
+                         gathered=t2, direct=direct)
+
+    _load_universal_checkpoint.__wrapped__ = original
+    _load_universal_checkpoint.__pyckpt__ = True
+    return _load_universal_checkpoint
+
+
+def _with_mapped_model_states(original: Callable) -> Callable:
+    """``original`` (DeepSpeed's ``load_checkpoint``) with the model-state file mapped once."""
+
+    def call(self, load_dir, tag=None, *args, **kwargs):
+        if not model_state_file.applies_to(self.checkpoint_engine):
+            return original(self, load_dir, tag, *args, **kwargs)
+        last_load.clear()
+        inner = self.checkpoint_engine
+        wrapper = model_state_file.MappedModelStates(inner, _settings["trust_pickles"])
+        # DeepSpeed reads these files before the optimizer load, the first step pyckpt agrees on: a
+        # file that fails on one rank only would leave the others waiting there.
+        tag = agreed_step("reading the model-state file",
+                          lambda: model_state_file.read_ahead(self, wrapper, load_dir, tag))
+        self.checkpoint_engine = wrapper
+        saved = _counters(self)
+        try:
+            return original(self, load_dir, tag, *args, **kwargs)
+        except BaseException:
+            # DeepSpeed sets these from the model-state file before the optimizer load; a load that
+            # fails there (pyckpt's refusals included) leaves them as they were before the call
+            _restore_counters(self, saved)
+            raise
+        finally:
+            self.checkpoint_engine = inner
+            last_load["model_states_mapped"] = list(wrapper.mapped)
+            last_load["model_states_refused"] = list(wrapper.refused)
+
+    return call
+
+
+# What DeepSpeed's _load_checkpoint assigns on the engine before the optimizer load begins.
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "loaded_checkpoint_dp_world_size",
+             "loaded_checkpoint_mp_world_size", "_curr_ckpt_path")
+_SCHEDULERS = ("lr_scheduler", "random_ltd_scheduler")
+
+
+def _counters(engine) -> tuple:
+    import copy
+
+    fields = {k: getattr(engine, k) for k in _COUNTERS if hasattr(engine, k)}
+    missing = [k for k in _COUNTERS if not hasattr(engine, k)]
+    schedulers = {k: copy.deepcopy(getattr(engine, k).state_dict()) for k in _SCHEDULERS
+                  if hasattr(getattr(engine, k, None), "state_dict")}
+    return fields, missing, schedulers
+
+
+def _restore_counters(engine, saved: tuple) -> None:
+    fields, missing, schedulers = saved
+    for k, v in fields.items():
+        setattr(engine, k, v)
+    for k in missing:
+        engine.__dict__.pop(k, None)
+    for k, state in schedulers.items():
+        getattr(engine, k).load_state_dict(state)
+
+
+def _engine_load(original: Callable):
+    """``DeepSpeedEngine.load_checkpoint`` under ``enable()``: a universal load maps the model-state
+    file once, and one that names a plain ZeRO checkpoint resumes from it directly (:mod:`.resume`)."""
+    mapped = _with_mapped_model_states(original)
+
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        if not self.load_universal_checkpoint():
+            return original(self, load_dir, tag, *args, **kwargs)
+        target = agreed_step("finding the checkpoint", lambda: resume.resumable_target(self, load_dir, tag))
+        if target is not None:
+            return resume.load_zero(self, *target, mapped, *args, **kwargs)
+        return mapped(self, load_dir, tag, *args, **kwargs)
+
+    load_checkpoint.__wrapped__ = original
+    load_checkpoint.__pyckpt__ = True
+    return load_checkpoint
+
+
+def universal_load(engine_cls) -> Callable:
+    """DeepSpeed's own ``load_checkpoint`` with the model-state file mapped (hooks installed)."""
+    return _with_mapped_model_states(_ENGINE_ORIGINAL[engine_cls])
+
+
+def install() -> bool:
+    """Replace the three optimizers' universal load; False (and DeepSpeed untouched) on a DeepSpeed
+    version these hooks were not proven against."""
+    import importlib
+
+    import deepspeed
+
+    if deepspeed.__version__ not in PROVEN_VERSIONS:
+        logger.warning("pyckpt: the accelerated universal load is proven against DeepSpeed %s, not %s; DeepSpeed's "
+                       "own loader stays in place", ", ".join(PROVEN_VERSIONS), deepspeed.__version__)
+        return False
+    for (module, name), planner in _TARGETS.items():
+        cls = getattr(importlib.import_module(module), name)
+        if cls in _ORIGINALS:
+            continue
+        original = cls.__dict__["_load_universal_checkpoint"]
+        _ORIGINALS[cls] = original
+        cls._load_universal_checkpoint = _load(planner, original)
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if DeepSpeedEngine not in _ENGINE_ORIGINAL:
+        _ENGINE_ORIGINAL[DeepSpeedEngine] = DeepSpeedEngine.__dict__["load_checkpoint"]
+        DeepSpeedEngine.load_checkpoint = _engine_load(_ENGINE_ORIGINAL[DeepSpeedEngine])
+    return True
+
+
+def uninstall() -> None:
+    for cls, original in _ORIGINALS.items():
+        cls._load_universal_checkpoint = original
+    _ORIGINALS.clear()
+    for cls, original in _ENGINE_ORIGINAL.items():
+        cls.load_checkpoint = original
+    _ENGINE_ORIGINAL.clear()
+
+
+def installed() -> bool:
+    return bool(_ORIGINALS)

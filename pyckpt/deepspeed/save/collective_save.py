@@ -1,0 +1,295 @@
+"""``save_checkpoint``: DeepSpeed's save, called on every rank, complete or invisible.
+
+The order of one call (every rank):
+
+1. **Arrival** (:mod:`.arrival`): every rank must be here; a call on some ranks fails fast, naming
+   the missing ones, instead of hanging in DeepSpeed's first barrier. Calls naming different
+   folders or tags meet here too: the preflight names that disagreement.
+2. **Preflight**, one all-gather: rank 0 makes the save folder, removes what killed saves left, and
+   takes the tag's staging folder (a hidden sibling, under the output lock of
+   :mod:`pyckpt.execution.publish`); every rank estimates its bytes (:mod:`.space`). All ranks then
+   agree on the tag, the staging name and whether the filesystem has room, before anything is written.
+3. **DeepSpeed's save** into the staging tag, with ``save_latest=False`` and every file write
+   guarded (:mod:`.guarded_io`) so that a failing rank still reaches DeepSpeed's collectives. Rank 0
+   also writes the tokenizer, the model config and ``training_state.json`` (:mod:`.companions`).
+4. **Agreement**, one all-gather of every rank's outcome.
+5. **Publication** by rank 0 when all succeeded: the staging folder is renamed to the tag (an atomic
+   exchange if the tag exists), then ``latest`` is replaced atomically. On any failure the staging
+   folder is removed and ``latest`` and earlier checkpoints stay as they were. Rank 0 broadcasts the
+   outcome, so every rank returns (or raises) the same.
+6. Optionally the ranks convert the published checkpoint together: to a Universal Checkpoint
+   (``universal=True``) and/or a Hugging Face folder (``export="hf"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from typing import Any, List, Optional
+
+from ...errors import SaveError
+from ...execution.distributed import TorchRanks, describe_failure
+from ...execution.publish import (LOCK, OLD, POINTER_TMP, STAGING, OutputLock, OutputLockError, Publisher, clean,
+                                 pointer_name_problem)
+from .arrival import Arrival
+from .companions import write_model_config, write_tokenizer, write_training_state
+from .guarded_io import WriteFailures, guarded
+from .space import estimate_rank_bytes, free_bytes, human
+
+log = logging.getLogger("pyckpt")
+
+WHAT = "pyckpt.deepspeed.save_checkpoint"
+
+
+def _orphans(save_dir: str) -> List[str]:
+    """Output names beside which killed pyckpt runs left staging, swap, pointer or lock entries."""
+    pattern = re.compile(r"\.(.+)\.(?:(?:%s|%s|%s)-.+|%s)" % (STAGING, OLD, POINTER_TMP, LOCK))
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return []
+    return sorted({m.group(1) for m in map(pattern.fullmatch, names) if m})
+
+
+def clean_orphans(save_dir: str) -> List[str]:
+    """Removes what killed saves (and conversions) into ``save_dir`` left, for every tag whose lock
+    is free: a held lock means a live run owns that staging folder, and it is left alone. Returns
+    the names removed (a lock file, removed on release, is not listed)."""
+    removed = []
+    for base in _orphans(save_dir):
+        output = os.path.join(save_dir, base)
+        try:
+            lock = OutputLock(output, wait=False)
+        except OutputLockError:
+            raise
+        except OSError:  # its lock file cannot be opened here: nothing of it is ours to judge
+            continue
+        if not lock.held:
+            continue
+        try:
+            removed += clean(output, lock=False)
+        finally:
+            lock.release()
+    return removed
+
+
+def _check_tag(tag: str) -> str:
+    if tag in ("", ".", "..") or "/" in tag or "\x00" in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be one folder name not starting with '.' "
+                         "(hidden names beside the checkpoints are pyckpt's staging)")
+    # `latest` would name a checkpoint that DeepSpeed's load_checkpoint cannot find (a bare AssertionError)
+    problem = pointer_name_problem(tag)
+    if problem:
+        raise ValueError(f"checkpoint tag {tag!r} {problem}: a tag must have no whitespace at either end and no "
+                         "control characters, so that `latest` can name it; nothing was written")
+    return tag
+
+
+def _failed_ranks(outcomes: List[Optional[str]]) -> str:
+    bad = [(r, m) for r, m in enumerate(outcomes) if m]
+    return "; ".join(f"rank {r}: {m}" for r, m in bad)
+
+
+def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=None,
+                    client_state: Optional[dict] = None, on_error: str = "raise", universal: bool = False,
+                    export: Optional[str] = None, exclude_frozen_parameters: bool = False,
+                    arrival_timeout: float = 300.0, fsync: bool = False) -> bool:
+    """Save ``engine``'s training checkpoint as ``save_dir/<tag>``; call it on **every** rank.
+
+    What DeepSpeed writes is DeepSpeed's own ``save_checkpoint`` output (the same files, bit for
+    bit); around it, rank 0 adds ``tokenizer`` (via ``save_pretrained``), ``model_config`` (a
+    transformers config or a dict, as ``config.json``) and ``training_state.json`` (step, samples,
+    learning rates, scheduler, topology, versions) to the same folder. ``tag`` defaults to
+    ``global_step<N>`` as in DeepSpeed; a tag is one folder name, not hidden, with no whitespace at
+    either end and no control characters (``latest`` must name it so that DeepSpeed finds it again).
+
+    The checkpoint is complete or invisible: it is written under a hidden staging name, every
+    rank's success is agreed, and only then does rank 0 rename it into place and replace
+    ``latest`` (atomically). If any rank fails, nothing is published, ``latest`` and earlier
+    checkpoints are untouched, the staging files are removed, and no rank is left waiting:
+    ``on_error="raise"`` raises :class:`SaveError` on every rank with every failing rank's
+    message; ``"warn"`` logs it once (rank 0, logger ``pyckpt``) and returns False on every rank,
+    so training can go on. The free space is checked first, from the state's sizes.
+
+    A call on only some ranks (e.g. under ``if rank == 0:``) raises :class:`~.arrival.CollectiveCallError`
+    naming the missing ranks after ``arrival_timeout`` seconds instead of hanging.
+
+    ``universal=True`` then converts the new checkpoint on all ranks together to
+    ``save_dir/<tag>_universal`` (``latest_universal`` names it), so the run can be resumed at
+    any topology at once; ``export="hf"`` writes the Hugging Face export to ``save_dir/<tag>_hf``.
+    Returns True when everything asked for is in place.
+    """
+    if on_error not in ("raise", "warn"):
+        raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+    if export not in (None, "hf"):
+        raise ValueError(f"export must be None or 'hf', not {export!r}")
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
+    ckpt_engine = engine.checkpoint_engine
+    if getattr(ckpt_engine, "is_decoupled", lambda: False)():
+        raise ValueError(f"{WHAT}: the checkpoint engine {type(ckpt_engine).__name__} writes after the call returns "
+                         "(decoupled); pyckpt can only publish a checkpoint whose files are written when the save "
+                         "returns. Use DeepSpeed's default checkpoint engine")
+    if getattr(engine, "use_node_local_storage", lambda: False)():
+        raise ValueError(f"{WHAT}: checkpoint.use_node_local_storage is not supported: the checkpoint must be on one "
+                         "filesystem all ranks share, so that rank 0 can publish it whole")
+    save_dir = os.path.abspath(os.fspath(save_dir))
+    tag = _check_tag(str(tag if tag is not None else f"global_step{engine.global_steps}"))
+    group = _process_group()
+    rank = group.rank
+
+    # One name for every save, whatever its folder and tag: ranks that disagree on those must still
+    # meet here, so that the preflight names the disagreement instead of calling the others absent.
+    arrival = Arrival("save", rank, group.size)
+    arrival.wait(arrival_timeout, WHAT)
+
+    stack = contextlib.ExitStack()
+    publisher: Optional[Publisher] = None
+    local_error = None
+    if rank == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            for name in clean_orphans(save_dir):
+                log.info("pyckpt: removed %s, left in %s by a save that did not finish", name, save_dir)
+            publisher = stack.enter_context(Publisher(os.path.join(save_dir, tag), overwrite=True, fsync=fsync,
+                                                      pointer="latest"))
+        except Exception as exc:
+            local_error = f"preparing {save_dir}: {describe_failure(exc)}"
+    with stack:
+        try:
+            need = estimate_rank_bytes(engine)
+            free = free_bytes(save_dir)
+        except Exception as exc:
+            need, free = 0, None
+            local_error = local_error or f"estimating the checkpoint's size: {describe_failure(exc)}"
+        staging_tag = os.path.basename(publisher.staging) if publisher else None
+        pre = group.all_gather({"tag": tag, "dir": save_dir, "need": need, "free": free, "error": local_error,
+                                "staging": staging_tag})
+        arrival.done()
+        problem = _preflight_problem(pre, save_dir, tag)
+        if problem:
+            return _fail(problem, on_error, rank, published=False)
+        staging_tag = pre[0]["staging"]
+
+        failures = WriteFailures()
+        t0 = time.perf_counter()
+        with guarded(engine, failures):
+            try:
+                engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state or {}, save_latest=False,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+            except Exception as exc:  # not a write (those are caught where they happen): report it all the same
+                failures.record("DeepSpeed's save_checkpoint raised", None, exc)
+        if rank == 0 and not failures:
+            _write_companions(engine, publisher.staging, tag, group.size, tokenizer, model_config, failures)
+        outcomes = group.all_gather(failures.first())
+
+        result = None
+        if rank == 0:
+            result = _publish(publisher, outcomes, save_dir, tag)
+        ok, message = group.broadcast(result)
+    if not ok:
+        return _fail(message, on_error, rank, published=False)
+    if rank == 0:
+        log.info("pyckpt: saved %s in %.2f s", os.path.join(save_dir, tag), time.perf_counter() - t0)
+    return _convert(save_dir, tag, universal, export, on_error, rank)
+
+
+def _process_group() -> TorchRanks:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{WHAT} needs torch.distributed to be initialised (deepspeed.initialize does it)")
+    return TorchRanks()
+
+
+def _preflight_problem(pre: List[dict], save_dir: str, tag: str) -> Optional[str]:
+    tags = {p["tag"] for p in pre}
+    dirs = {p["dir"] for p in pre}
+    if len(tags) > 1 or len(dirs) > 1:
+        return (f"the ranks name different checkpoints ({', '.join(sorted(tags))} in {', '.join(sorted(dirs))}); "
+                "save_dir and tag must be the same on every rank; nothing was written")
+    errors = [p["error"] for p in pre]
+    if any(errors):
+        return f"could not start saving {tag} in {save_dir}: {_failed_ranks(errors)}; nothing was written"
+    need = sum(p["need"] for p in pre)
+    frees = [p["free"] for p in pre if p["free"] is not None]
+    free = min(frees) if frees else None
+    if free is not None and need > free:
+        biggest = max(range(len(pre)), key=lambda r: pre[r]["need"])
+        return (f"not enough free space for checkpoint {tag} in {save_dir}: it needs about {human(need)} "
+                f"({len(pre)} ranks, the most {human(pre[biggest]['need'])} on rank {biggest}) and {human(free)} is "
+                "free; nothing was written")
+    return None
+
+
+def _write_companions(engine, folder: str, tag: str, world_size: int, tokenizer, model_config,
+                      failures: WriteFailures) -> None:
+    steps = [("writing the tokenizer into", lambda: tokenizer is not None and write_tokenizer(tokenizer, folder)),
+             ("writing the model config into",
+              lambda: model_config is not None and write_model_config(model_config, folder)),
+             ("writing training_state.json into", lambda: write_training_state(engine, tag, world_size, folder))]
+    for action, step in steps:
+        try:
+            step()
+        except Exception as exc:
+            failures.record(action, folder, exc)
+            return
+
+
+def _publish(publisher: Publisher, outcomes: List[Optional[str]], save_dir: str, tag: str):
+    """Rank 0: (True, None) once published, else (False, why). The staging folder goes either way
+    (renamed into place, or removed when the publisher is left)."""
+    if any(outcomes):
+        latest = _read_latest(save_dir)
+        kept = f"latest still names {latest}" if latest else "there is no latest file"
+        return False, (f"checkpoint {tag} was not saved in {save_dir}: {_failed_ranks(outcomes)}. Nothing was "
+                       f"published ({kept}); the partial files were removed")
+    try:
+        publisher.publish()
+    except Exception as exc:
+        where = "" if not publisher.published else f" (the folder {publisher.output} is in place, latest was not updated)"
+        return False, f"publishing checkpoint {tag} in {save_dir} failed{where}: {describe_failure(exc)}"
+    return True, None
+
+
+def _read_latest(save_dir: str) -> Optional[str]:
+    try:
+        with open(os.path.join(save_dir, "latest"), encoding="utf-8", errors="replace") as f:
+            return f.read(256).strip() or None
+    except OSError:
+        return None
+
+
+def _fail(message: str, on_error: str, rank: int, published: bool) -> bool:
+    if on_error == "raise":
+        raise SaveError(message, published=published)
+    if rank == 0:
+        log.warning("pyckpt: %s", message)
+    return False
+
+
+def _convert(save_dir: str, tag: str, universal: bool, export: Optional[str], on_error: str, rank: int) -> bool:
+    """The optional conversions of the published checkpoint, by all ranks together."""
+    if not universal and not export:
+        return True
+    ranks = TorchRanks()
+    source = os.path.join(save_dir, tag)
+    jobs: List[Any] = []
+    if universal:
+        from ...universal.convert import convert_to_universal
+
+        jobs.append(("a Universal Checkpoint", os.path.join(save_dir, f"{tag}_universal"), convert_to_universal, {}))
+    if export == "hf":
+        from ...huggingface.export import export_hf
+
+        jobs.append(("a Hugging Face export", os.path.join(save_dir, f"{tag}_hf"), export_hf, {}))
+    for what, output, run, kwargs in jobs:
+        try:
+            run(source, output, overwrite=True, ranks=ranks, **kwargs)
+        except Exception as exc:
+            return _fail(f"checkpoint {tag} was saved in {save_dir} (latest names it), but converting it to {what} "
+                         f"at {output} failed: {describe_failure(exc)}", on_error, rank, published=True)
+    return True

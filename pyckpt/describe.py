@@ -1,0 +1,50 @@
+"""Command line: ``pyckpt inspect CKPT`` and ``python -m pyckpt.describe CKPT``.
+
+The module is not named ``inspect``, the standard library's name; the subcommand keeps the word users
+type.
+"""
+
+import json
+import sys
+
+# Light (os, signal, sys): nothing slow runs before the handler below is in place.
+from .cli.common import starting
+
+if __name__ == "__main__":
+    starting()
+
+from .cli import common as cli_common  # noqa: E402  (after the start-up handler on purpose)
+from .cli.common import add_common_flags
+
+DESCRIPTION = ("Show a DeepSpeed ZeRO checkpoint's stage, dp degree, dtypes, parameter count, bytes and files. "
+               "Reads only the pickled metadata; runs no code from it.")
+IMPORTS = ("pyckpt.zero.describe",)  # numpy and the native module: loaded as part of start-up
+
+
+def add_arguments(p) -> None:
+    p.add_argument("checkpoint", help="tag folder, or the folder holding `latest`")
+    add_common_flags(p, json="machine-readable output")
+
+
+def run(args) -> int:
+    from .zero.describe import describe
+    info = describe(args.checkpoint)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    for key, value in info.items():
+        if key == "file_sizes":
+            print("files:")
+            for name, size in value.items():
+                print(f"  {size:>14,d}  {name}")
+        else:
+            print(f"{key}: {value}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return cli_common.main(sys.modules[__name__], "python -m pyckpt.describe", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
