@@ -31,7 +31,7 @@ from pyckpt.formats.torch_zip import SourceFile  # noqa: E402
 from pyckpt.execution.executor import execute  # noqa: E402
 from pyckpt.native import CONVERT_TO_F32  # noqa: E402
 from pyckpt.planning.plan import Piece, Plan  # noqa: E402
-from pyckpt.formats.pickle_write import NewTensor  # noqa: E402
+from pyckpt.tensors import NewTensor  # noqa: E402
 
 MIB = int(os.environ.get("PYCKPT_BENCH_MIB", "1024"))
 MANY = 5000  # members of the "many members" shard: a ZeRO-3 shard of a deep model has thousands

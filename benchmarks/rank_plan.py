@@ -30,7 +30,7 @@ EXPERT = re.compile(r"\.experts\.w[123]$")
 
 def rank_params(shapes, world: int, rank: int):
     """The parameters rank `rank` of `world` holds: its slice of the dense ones, all expert ones."""
-    from pyckpt.formats.pickle_read import numel
+    from pyckpt.tensors import numel
 
     dense = [(n, numel(s)) for n, s in shapes.items() if not EXPERT.search(n)]
     total = sum(n for _, n in dense)

@@ -1,7 +1,7 @@
 """Command line: ``python -m pyckpt.verify OUTPUT [--against INPUT]`` and ``pyckpt verify ...``.
 
-Apart from verify.py so that the pyckpt console script can parse its arguments without loading
-the reader (and numpy) that the checks need.
+The checks are :mod:`pyckpt.universal.verify`, imported only when the command runs, so that the
+pyckpt console script parses its arguments without loading the reader (and numpy).
 """
 
 import argparse
@@ -66,7 +66,7 @@ def run(args) -> int:
     # The byte counter draws only on a terminal; elsewhere making one would only cost a walk of the
     # folder and a tqdm whose half-made instance prints a traceback if a Ctrl-C lands in its making.
     progress = not args.quiet and not args.json and getattr(sys.stderr, "isatty", lambda: False)()
-    report = verify_universal(args.output, args.against, dense_only=args.dense_only, content=args.content,
+    report = verify_universal(args.output, against=args.against, dense_only=args.dense_only, content=args.content,
                               progress=progress)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -1,5 +1,5 @@
 """Resuming straight from a ZeRO checkpoint refuses, before DeepSpeed runs, what it cannot do right
-(pyckpt/load_universal/resume.py: resumable_target, which every rank runs in an agreed step before
+(pyckpt/deepspeed/load/resume.py: resumable_target, which every rank runs in an agreed step before
 load_zero hands the load to DeepSpeed): the universal flag makes DeepSpeed skip the module weights, so an
 engine that would not reach the optimizer-state load would silently keep its own weights."""
 

@@ -1,4 +1,4 @@
-"""The load backend's gather into live tensors (pyckpt/load_universal/gather.py): in place on CPU, and
+"""The load backend's gather into live tensors (pyckpt/deepspeed/load/gather.py): in place on CPU, and
 through two host staging windows for device tensors. The staged path runs on CPU tensors here (the
 same windows, cuts and copies; only pinning and asynchrony are CUDA's), against the in-place path:
 casts, zero runs, runs cut at every window edge, and bytes no run covers keeping their values."""

@@ -263,8 +263,8 @@ def _harness_model(cfg):
 def test_structure_matches_real_deepspeed_saves(tmp_path, monkeypatch):
     made = dsharness.make_checkpoints([(cfg, tmp_path / "real" / name) for name, cfg, _ in REAL])
     # The harness trains 3 steps at micro-batch 2 with a few extra AutoEP switches; mirror that.
-    monkeypatch.setattr(mc, "GLOBAL_STEPS", made[0].config.steps)
-    monkeypatch.setattr(mc, "MICRO_BATCH", 2)
+    monkeypatch.setattr(mc.records, "GLOBAL_STEPS", made[0].config.steps)
+    monkeypatch.setattr(mc.records, "MICRO_BATCH", 2)
     plain = mc.ZeroWriter.ds_config
 
     def harness_config(self):

@@ -1,4 +1,4 @@
-"""The universal load's model-state file reader (pyckpt/load_universal/model_state_file.py): one
+"""The universal load's model-state file reader (pyckpt/deepspeed/load/model_state_file.py): one
 weights-only memory-mapped read per path with pyckpt's allowlist, a refusal naming the file for
 anything else (DeepSpeed's own reader only for a trusted checkpoint), other files untouched; the
 check before a universal load goes back to DeepSpeed's unpickling loader (pickle_policy, hooks); and

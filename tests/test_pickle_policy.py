@@ -1,5 +1,5 @@
 """What a load through pyckpt lets DeepSpeed's own unpickling loader read
-(pyckpt/load_universal/pickle_policy.py, hooks.py): when the backend hands a universal load back to
+(pyckpt/deepspeed/load/pickle_policy.py, hooks.py): when the backend hands a universal load back to
 DeepSpeed (a layout it does not serve), every file that loader may unpickle must first parse with
 pyckpt's allowlist reader, or the load stops naming the file before anything in it runs; a trusted
 checkpoint goes to DeepSpeed as without pyckpt."""

@@ -12,7 +12,7 @@ from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.execution.executor import execute
 from pyckpt.planning.plan import Piece, Plan
 from pyckpt.formats.pickle_read import GlobalName, Opaque, TensorRef, loads
-from pyckpt.formats.pickle_write import NewTensor
+from pyckpt.tensors import NewTensor
 
 
 class _RunsCode:

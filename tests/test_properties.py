@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from pyckpt import _core
 from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.planning.plan import Segments
-from pyckpt.formats.pickle_read import ITEMSIZE, StorageRef, TensorRef
+from pyckpt.formats.pickle_read import StorageRef, TensorRef
+from pyckpt.tensors import ITEMSIZE
 from pyckpt.zero.tp_merge import Slice, TpRules
 from pyckpt.zero.optimizer_state import STATES
 from pyckpt.zero.stage12 import _fragments, _state_segments

@@ -1,4 +1,4 @@
-"""The element runs of pyckpt/deepspeed/restore_meta.py against DeepSpeed 0.19.8's own slicing.
+"""The element runs of pyckpt/universal/restore_meta.py against DeepSpeed 0.19.8's own slicing.
 
 DeepSpeed's affine maps and AutoTP resolver are applied to an index tensor (element i holds i), so
 what they return is the list of file elements they pick, in order; pyckpt's runs must list exactly

@@ -1,16 +1,14 @@
-"""pyckpt's safetensors layout is byte-identical to safetensors.torch.save_file's, and its header
-reader refuses files whose entries leave the file or overlap."""
-
-import struct
+"""pyckpt's safetensors layout is byte-identical to safetensors.torch.save_file's (pyckpt writes the
+format and never reads it back: the reference reader checks what it wrote)."""
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from pyckpt.errors import CheckpointFormatError
-from pyckpt.formats.safetensors import DTYPES, TensorEntry, layout, read_header
+from pyckpt.formats.safetensors import DTYPES, TensorEntry, layout
 
 TORCH = {name: getattr(torch, name) for name in DTYPES}
 
@@ -48,34 +46,9 @@ def test_layout_is_byte_identical_to_save_file(tmp_path_factory, spec, with_meta
     assert (tmp / "ours.safetensors").read_bytes() == (tmp / "ref.safetensors").read_bytes()
     back = load_file(str(tmp / "ours.safetensors"))
     assert set(back) == set(tensors)
-    meta, stored = read_header("f", (tmp / "ours.safetensors").read_bytes(), lay.file_size)
-    assert meta == (metadata or {})
-    assert {t.name: (t.dtype, t.shape, t.offset) for t in stored} == {
-        n: (d, tuple(s), lay.offsets[n]) for n, (d, s) in spec.items()}
-
-
-def _header(obj, pad=b""):
-    text = __import__("json").dumps(obj).encode() + pad
-    return struct.pack("<Q", len(text)) + text
-
-
-@pytest.mark.parametrize("data,problem", [
-    (b"\x01\x02", "too short"),
-    (struct.pack("<Q", 1 << 40), "does not fit"),
-    (_header([1, 2]), "not a JSON object"),
-    (struct.pack("<Q", 3) + b"{x}", "not JSON"),
-    (_header({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}) + bytes(8), "do not hold"),
-    (_header({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}) + bytes(4), "do not hold"),
-    (_header({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}) + bytes(8), "malformed"),
-    (_header({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}) + bytes(8), "malformed"),
-    (_header({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-              "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}) + bytes(12), "overlap"),
-    (_header({"__metadata__": {"format": 1}}), "__metadata__"),
-])
-def test_read_header_refuses(data, problem):
-    with pytest.raises(CheckpointFormatError, match=problem) as ei:
-        read_header("bad.safetensors", data, len(data))
-    assert str(ei.value).startswith("bad.safetensors: ")
+    assert all(torch.equal(back[n], tensors[n]) for n in tensors)
+    with safe_open(str(tmp / "ours.safetensors"), "pt") as f:
+        assert (f.metadata() or {}) == (metadata or {})
 
 
 def test_dtype_table_matches_torch_item_sizes():

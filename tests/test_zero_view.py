@@ -99,7 +99,7 @@ def test_the_view_of_a_tensor_parallel_checkpoint_equals_its_conversion(name, tm
 
 
 def test_a_computed_tensor_is_served_from_its_bytes_in_any_slice():
-    from pyckpt.formats.pickle_write import NewTensor
+    from pyckpt.tensors import NewTensor
 
     values = torch.arange(10, dtype=torch.float32)
     t = NewTensor("float32", (10, ), [])
@@ -114,7 +114,7 @@ def test_a_computed_tensor_is_served_from_its_bytes_in_any_slice():
 
 
 def test_a_planned_tensor_with_a_hole_is_refused():
-    from pyckpt.formats.pickle_write import NewTensor
+    from pyckpt.tensors import NewTensor
 
     t = NewTensor("float32", (10, ), [])
     t.data = bytes(36)

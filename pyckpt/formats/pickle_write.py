@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
-from ..tensors import NewTensor, numel
+from ..tensors import NewTensor
 from .pickle_read import DTYPE_STORAGE, GlobalName, Opaque, TensorRef, TorchSize
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from ..formats.pickle_read import TensorRef
 from ..planning.plan import Piece
 from ..tensors import NewTensor
-from .records import GLOBAL_STEPS
+from . import records
 
 
 def _is_prime(n: int) -> bool:
@@ -65,7 +65,7 @@ class Noise:
             # bf16 is the upper half of a float32; truncating finite values in [-1, 1] stays finite.
             lambda: (signed(nb).view(np.uint32) >> 16).astype(np.uint16),
             lambda: np.zeros(self.ZERO_BYTES, np.uint8),
-            lambda: np.array([float(GLOBAL_STEPS)], dtype=np.float32),
+            lambda: np.array([float(records.GLOBAL_STEPS)], dtype=np.float32),
         ]
         offsets = [0]
         with open(path, "wb") as f:

@@ -9,6 +9,8 @@ from ..formats.pickle_read import Opaque, OpaqueEnum
 
 
 DS_VERSION = "0.19.8"
+# The run the files describe: one step at micro-batch 1. Read at use time (records.GLOBAL_STEPS), so
+# that a test mirroring another run's counters can set them here.
 GLOBAL_STEPS = 1
 MICRO_BATCH = 1
 LR = 1e-2

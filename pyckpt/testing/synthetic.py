@@ -14,7 +14,7 @@ from ..execution.executor import execute
 from ..planning.plan import Plan
 from .models import FAMILY_EXPERTS, Model, size_model
 from .noise import Noise
-from .records import GLOBAL_STEPS
+from . import records
 from .zero_writer import Topology, ZeroWriter
 
 
@@ -56,7 +56,7 @@ def build_plan(model: Model, *, dp: int, stage: int, dtype: str = "fp32", ep: in
                noise: Noise, tag: Optional[str] = None) -> Plan:
     """The Plan writing ``tag/`` for an explicit model (relative paths; ``latest`` is not in it)."""
     check_topology(model, dp=dp, stage=stage, dtype=dtype, ep=ep, sub_group_size=sub_group_size)
-    tag = tag or f"global_step{GLOBAL_STEPS}"
+    tag = tag or f"global_step{records.GLOBAL_STEPS}"
     return _write(ZeroWriter(model, Topology(dp, ep, data_before_expert), stage, dtype, sub_group_size, noise, seed, tag))
 
 
@@ -106,7 +106,7 @@ def make_checkpoint(out, *, params="1B", dp: int, stage: int, dtype: str = "fp32
         model = size_model(parse_count(params), layers, hidden, experts, ep, moe_layers, tp, family, heads=heads,
                            kv_heads=kv_heads, dense_layers=dense_layers, vocab=vocab)
     check_topology(model, dp=dp, stage=stage, dtype=dtype, ep=ep, sub_group_size=sub_group_size)
-    tag = f"global_step{GLOBAL_STEPS}"
+    tag = f"global_step{records.GLOBAL_STEPS}"
     tag_dir = out / tag
     if tag_dir.exists():
         if not overwrite:

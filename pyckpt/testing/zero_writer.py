@@ -16,8 +16,8 @@ from ..planning.plan import Piece, Plan
 from ..tensors import NewTensor
 from .models import AUTOEP_PRESET, WEIGHTS, Model, MoELayer, ceil_to
 from .noise import Flat, FlatStorage, Noise, Region, contiguous_stride, tensor, view
-from .records import (DS_VERSION, GLOBAL_STEPS, LR, MICRO_BATCH, adam_param_group, fragment_address, loss_scaler,
-                      zero_stage_enum)
+from . import records
+from .records import DS_VERSION, LR, adam_param_group, fragment_address, loss_scaler, zero_stage_enum
 
 
 @dataclass
@@ -197,9 +197,9 @@ class ZeroWriter:
         if self.stage == 3 and self.sub_group_size is not None:
             zero["sub_group_size"] = self.sub_group_size
         config = {
-            "train_micro_batch_size_per_gpu": MICRO_BATCH,
+            "train_micro_batch_size_per_gpu": records.MICRO_BATCH,
             "gradient_accumulation_steps": 1,
-            "train_batch_size": MICRO_BATCH * self.topo.dp,
+            "train_batch_size": records.MICRO_BATCH * self.topo.dp,
             "optimizer": {"type": "Adam", "params": {"lr": LR, "torch_adam": True, "adam_w_mode": False}},
             "zero_optimization": zero,
             "steps_per_print": 1_000_000,
@@ -283,8 +283,8 @@ class ZeroWriter:
             "data_sampler": None,
             "random_ltd": None,
             "skipped_steps": 0,
-            "global_steps": GLOBAL_STEPS,
-            "global_samples": GLOBAL_STEPS * MICRO_BATCH * self.topo.dp,
+            "global_steps": records.GLOBAL_STEPS,
+            "global_samples": records.GLOBAL_STEPS * records.MICRO_BATCH * self.topo.dp,
             "dp_world_size": self.topo.dp,
             "mp_world_size": self.m.tp,
             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": self.m.tp},

@@ -34,7 +34,7 @@ from .report import Problem, Progress, VerifyReport
 __all__ = ["verify_universal", "VerifyReport", "Problem", "resolve_universal_folder", "VerifyInputError"]
 
 
-def verify_universal(output, against=None, *, inject_missing_state: bool = True, dense_only: bool = False,
+def verify_universal(output, *, against=None, inject_missing_state: bool = True, dense_only: bool = False,
                      content: bool = True, progress: bool = False) -> VerifyReport:
     """Check a Universal Checkpoint folder (or the folder holding ``latest_universal``).
 
