@@ -37,7 +37,9 @@ def run(args) -> int:
             print("files:")
             for name, size in value.items():
                 print(f"  {size:>14,d}  {name}")
-        else:
+        elif key == "resumable_at":
+            print(f"resumable at: {value}")
+        elif key != "resumable":  # the same in words above
             print(f"{key}: {value}")
     return 0
 

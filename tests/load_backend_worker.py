@@ -327,12 +327,15 @@ def _failing(task: dict, world_size: int, how: str = "pyckpt", rank: int = 0) ->
 
     cfg = task["cfg"]
     root = task.get("rank_roots", {}).get(str(rank), task["root"])
-    engine = W.make_engine(cfg, world_size, load_universal=how != "direct")
+    engine = W.make_engine(cfg, world_size, load_universal=how not in ("direct", "plain", "plain_off"))
     before = snapshot(engine)
     error = None
     try:
         if how == "direct":
             pyckpt.deepspeed.load_checkpoint(engine, root)
+        elif how in ("plain", "plain_off"):  # enable() and the load a training script makes, no load_universal
+            with pyckpt.deepspeed.enable(reshard=how == "plain"):
+                engine.load_checkpoint(root)
         elif how == "stock":
             engine.load_checkpoint(root, tag=task["tag"])
         else:
@@ -340,8 +343,8 @@ def _failing(task: dict, world_size: int, how: str = "pyckpt", rank: int = 0) ->
                 engine.load_checkpoint(root, tag=task["tag"])
     except Exception as exc:  # noqa: BLE001  (reported to the test)
         error = (type(exc).__name__, str(exc))
-    changed = diff(before, snapshot(engine), skip=("global_steps", "global_samples", "scheduler") if how == "stock"
-                   else ())
+    changed = diff(before, snapshot(engine), skip=("global_steps", "global_samples", "scheduler")
+                   if how in ("stock", "plain_off") else ())
     engine.destroy()
     return {"error": error, "changed": changed}
 
@@ -360,15 +363,43 @@ def failing_each_way(task: dict, rank: int, world_size: int) -> dict:
     return {"ranks": _everyone({how: _failing(task, world_size, how, rank) for how in task["ways"]})}
 
 
+class PyckptLog:
+    """The lines logged under the "pyckpt" logger while in the block."""
+
+    def __enter__(self):
+        import logging
+
+        self.lines = []
+        self._handler = logging.Handler()
+        self._handler.emit = lambda record: self.lines.append(record.getMessage())
+        logging.getLogger("pyckpt").addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        import logging
+
+        logging.getLogger("pyckpt").removeHandler(self._handler)
+
+
 def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
     """Resume from the plain ZeRO checkpoint in `root` (its `latest`): through
-    pyckpt.deepspeed.load_checkpoint on an engine without load_universal ("api"), or through
+    pyckpt.deepspeed.load_checkpoint on an engine without load_universal ("api"), through
     engine.load_checkpoint(root, tag) with load_universal and pyckpt enabled ("enable"; tag None
-    where no latest_universal lies in root)."""
+    where no latest_universal lies in root), or through a plain engine.load_checkpoint(root) under
+    enable() on an engine as configured for training, no load_universal ("reshard": the checkpoint
+    was saved at another topology)."""
     import pyckpt.deepspeed
     from pyckpt.deepspeed.load import hooks
 
-    if how == "api":
+    log = []
+    if how == "reshard":
+        engine = W.make_engine(cfg, world_size)
+        poison_optimizer_state(engine)
+        with pyckpt.deepspeed.enable(), ModelStateReads() as reads, PyckptLog() as logged:
+            path, client = engine.load_checkpoint(root)
+        assert not engine.load_universal_checkpoint(), "the engine's flag is restored"
+        log = logged.lines
+    elif how == "api":
         engine = W.make_engine(cfg, world_size)
         poison_optimizer_state(engine)
         with ModelStateReads() as reads:
@@ -384,7 +415,7 @@ def _load_direct(cfg, world_size: int, rank: int, root: str, how: str):
         tag = open(os.path.join(root, "latest")).read().strip() if has_universal else None
         with pyckpt.deepspeed.enable(), ModelStateReads() as reads:
             path, client = engine.load_checkpoint(root, tag=tag)
-    return _observe(engine, cfg, rank, client, dict(hooks.last_load, path=path), reads.reads)
+    return _observe(engine, cfg, rank, client, dict(hooks.last_load, path=path, log=log), reads.reads)
 
 
 def direct(task: dict, rank: int, world_size: int) -> dict:
@@ -394,7 +425,7 @@ def direct(task: dict, rank: int, world_size: int) -> dict:
     skip = tuple(task.get("skip", ()))
     u = _load(cfg, world_size, rank, task["root"], task["tag"], True)
     out = {}
-    for how in ("api", "enable"):
+    for how in ("api", "enable", "reshard"):
         d = _load_direct(cfg, world_size, rank, task.get("direct_root", task["root"]), how)
         u_client = u["client"]
         if "direct_root" in task:  # saved without universal_checkpoint_info: the one key it lacks
@@ -409,6 +440,30 @@ def direct(task: dict, rank: int, world_size: int) -> dict:
                     "client_diff": sorted({c.split(":", 1)[0].split("/", 1)[0] for c in client}),
                     "client": client, "client_keys": len(d["client"]), "keys": len(u["before"])}
     return {"ranks": _everyone(out)}
+
+
+def plain_same(task: dict, rank: int, world_size: int) -> dict:
+    """A plain engine.load_checkpoint(root) at the topology the checkpoint was saved at, without and
+    with enable(): the state before and after one more step must be the same, and pyckpt must have
+    left the load to DeepSpeed (no load of its own recorded, nothing logged)."""
+    import pyckpt.deepspeed
+    from pyckpt.deepspeed.load import hooks
+
+    cfg = task["cfg"]
+    out = {}
+    for how in ("stock", "enabled"):
+        engine = W.make_engine(cfg, world_size)
+        hooks.last_load.clear()
+        with PyckptLog() as logged:
+            if how == "enabled":
+                with pyckpt.deepspeed.enable():
+                    path, client = engine.load_checkpoint(task["root"])
+            else:
+                path, client = engine.load_checkpoint(task["root"])
+        out[how] = _observe(engine, cfg, rank, client, dict(hooks.last_load, log=logged.lines, path=path), [])
+    s, p = out["stock"], out["enabled"]
+    return {"ranks": _everyone({"before": diff(s["before"], p["before"]), "after": diff(s["after"], p["after"]),
+                                "loss": (s["loss"], p["loss"]), "info": p["info"]})}
 
 
 def pages(task: dict, rank: int, world_size: int) -> dict:

@@ -1,10 +1,11 @@
-"""The command lines: python -m pyckpt.convert (ds_to_universal.py flags too) and python -m pyckpt.describe."""
+"""The command lines: python -m pyckpt.convert (ds_to_universal.py flags too) and pyckpt inspect (python -m pyckpt.describe)."""
 
 import json
 import subprocess
 import sys
 import tempfile
 
+import dsharness
 from compare import diff_folders
 
 
@@ -89,6 +90,30 @@ def test_inspect_reports_dtypes(checkpoints):
     info = json.loads(run("-m", "pyckpt.describe", str(checkpoints["s2_bf16_dp2"].tag_dir), "--json").stdout)
     assert list(info["model_dtypes"]) == ["bfloat16"] and info["master_dtype"] == "float32"
     assert info["zero_stage"] == 2 and info["dp"] == 2 and info["frozen_params"] == 0
+
+
+def test_inspect_says_at_which_topologies_a_checkpoint_resumes(checkpoints):
+    """The topologies its metadata allows a resume at: any data-parallel size; ZeRO-1/2 alike or
+    ZeRO-3; other tensor-parallel sizes only where AutoTP's merge rules are recorded; AutoEP sizes
+    that divide every layer's experts (DeepSpeed's rule), the data-parallel size a multiple of it."""
+    def info(name):
+        return json.loads(run("-m", "pyckpt.describe", str(checkpoints[name].root), "--json").stdout)
+
+    dense = info("s2_bf16_dp2")
+    assert dense["resumable"] == {"zero_stages": [1, 2], "data_parallel": "any", "tensor_parallel": [1],
+                                  "expert_parallel": None}
+    assert dense["resumable_at"] == ("ZeRO-1 or 2; any data-parallel size; tensor-parallel 1 only (no "
+                                     "tensor-parallel merge rules recorded)")
+    assert info("s3_bf16_dp3")["resumable"]["zero_stages"] == [3]
+    autotp = info("tp_s2_bf16")["resumable"]
+    assert autotp["tensor_parallel"] == "any" and autotp["expert_parallel"] is None
+    moe = info("ep_s2_bf16")
+    n = dsharness.MOE_NUM_EXPERTS
+    assert moe["resumable"]["expert_parallel"] == [e for e in range(1, n + 1) if n % e == 0]
+    assert moe["resumable_at"].endswith("; expert-parallel " + ", ".join(str(e) for e in range(1, n + 1) if n % e == 0))
+    assert "any data-parallel size that the expert-parallel size divides" in moe["resumable_at"]
+    text = run("-m", "pyckpt.describe", str(checkpoints["s2_bf16_dp2"].tag_dir)).stdout
+    assert "\nresumable at: ZeRO-1 or 2; any data-parallel size;" in text and "resumable:" not in text
 
 
 def test_inspect_error_is_one_line(tmp_path):

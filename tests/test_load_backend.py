@@ -488,14 +488,21 @@ def direct_loads(universal, tmp_path_factory):
 @pytest.mark.parametrize("name,target", DIRECT, ids=DIRECT_IDS)
 def test_resuming_from_the_zero_checkpoint_equals_convert_then_load(direct_loads, name, target):
     """No universal folder: pyckpt.deepspeed.load_checkpoint(engine, dir) on an engine without
-    load_universal, and engine.load_checkpoint(dir, tag) with load_universal and the backend enabled,
-    restore the state the converted folder gives, field by field, before and after one more step;
-    each rank gathers exactly its share, from the ZeRO shards."""
+    load_universal, engine.load_checkpoint(dir, tag) with load_universal and the backend enabled, and
+    a plain engine.load_checkpoint(dir) under enable() on the engine as configured for training (the
+    topology differs from the saved one, so it reshards, saying so once on rank 0) restore the state
+    the converted folder gives, field by field, before and after one more step; each rank gathers
+    exactly its share, from the ZeRO shards."""
     ranks = direct_loads[name, _tid(target)]
     cfg = CASES[name.removesuffix("-nouc")][0]
     assert len(ranks) == _target(cfg, target).world_size
     for rank, r in enumerate(ranks):
-        for how in ("api", "enable"):
+        log = r["reshard"]["info"]["log"]
+        if rank == 0:
+            assert len(log) == 1 and log[0].startswith("pyckpt: resharding ") and "/global_step3 from ZeRO-" in log[0], log
+        else:
+            assert log == [], (rank, log)
+        for how in ("api", "enable", "reshard"):
             x = r[how]
             assert x["info"]["backend"] == "pyckpt", (rank, how, x["info"])
             assert x["info"]["optimizer"] == _optimizer(name), (rank, how, x["info"])
@@ -512,6 +519,43 @@ def test_resuming_from_the_zero_checkpoint_equals_convert_then_load(direct_loads
             _check_model_state_reads(x["info"], (rank, how))
             assert x["info"]["bytes_read"] == x["info"]["own_bytes"], (rank, how, x["info"])
             assert "/global_step3/" in x["info"]["path"] and "universal" not in x["info"]["path"], x["info"]["path"]
+
+
+def test_a_plain_load_at_the_saved_topology_stays_deepspeeds_own(universal):
+    """Under enable(), a plain engine.load_checkpoint(dir) at the topology the checkpoint was saved at is
+    DeepSpeed's own load: the same state before and after one more step as without pyckpt, no load of
+    pyckpt's recorded, nothing logged."""
+    cases = ["z2-bf16", "z3-bf16"]
+    tasks = [_call("plain_same", CASES[name][0], root=str(universal[name].root), tag=None) for name in cases]
+    for name, res in zip(cases, _launch(2, tasks, None, "plain load at the saved topology", 300)):
+        for rank, x in enumerate(res["ranks"]):
+            assert x["before"] == [] and x["after"] == [], (name, rank, x["before"], x["after"])
+            assert x["loss"][0] == x["loss"][1], (name, rank, x["loss"])
+            assert "backend" not in x["info"] and x["info"]["log"] == [], (name, rank, x["info"])
+
+
+def test_a_topology_change_that_cannot_be_served_fails_every_rank_naming_both(universal):
+    """A plain load under enable() of a ZeRO-2 checkpoint (saved at data-parallel 2) into a ZeRO-3
+    engine at 3 ranks: every rank raises UnsupportedCheckpointError naming the saved and the current
+    topology and what would serve it, before any state changed. With enable(reshard=False) the same
+    load at ZeRO-2 is DeepSpeed's own, which refuses the new data-parallel size itself."""
+    name = "z2-bf16"
+    root = str(universal[name].root)
+    z3 = dataclasses.replace(CASES[name][0], stage=3, world_size=3)
+    z2 = dataclasses.replace(CASES[name][0], world_size=3)
+    tasks = [_call("failing_each_way", z3, root=root, tag=None, ways=["plain"]),
+             _call("failing_each_way", z2, root=root, tag=None, ways=["plain_off"])]
+    stage_change, opted_out = _launch(3, tasks, None, "topology refusals", 300)
+    for rank, x in enumerate(stage_change["ranks"]):
+        kind, message = x["plain"]["error"]
+        assert kind == "UnsupportedCheckpointError", (rank, x)
+        assert "was saved at ZeRO-2, data-parallel 2, tensor-parallel 1" in message, message
+        assert "this engine runs ZeRO-3, data-parallel 3, tensor-parallel 1" in message, message
+        assert "run with ZeRO-2" in message, message
+        assert x["plain"]["changed"] == [], (rank, x["plain"]["changed"])
+    for rank, x in enumerate(opted_out["ranks"]):
+        kind, message = x["plain_off"]["error"]
+        assert kind == "ZeRORuntimeException" and "DP world size of 2" in message, (rank, x)
 
 
 def test_a_broken_zero_checkpoint_fails_every_rank_and_changes_nothing(universal, tmp_path):

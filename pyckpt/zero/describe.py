@@ -7,6 +7,7 @@ import os
 from collections import Counter
 
 from .discovery import discover
+from .tp_merge import PATTERN_KEYS
 
 
 def describe(path) -> dict:
@@ -17,6 +18,7 @@ def describe(path) -> dict:
     groups = ck.optim[0].groups
     files = sorted(os.listdir(ck.folder))
     sizes = {f: os.path.getsize(os.path.join(ck.folder, f)) for f in files}
+    resumable = resumable_topologies(ck.stage, ck.tp, model)
     return {
         "folder": ck.folder,
         "zero_stage": ck.stage,
@@ -34,8 +36,40 @@ def describe(path) -> dict:
         "ds_version": model.ds_version,
         "global_steps": model.global_steps,
         "has_universal_checkpoint_info": model.universal_info is not None,
+        "resumable": resumable,
+        "resumable_at": _say(resumable),
         "files": len(files),
         "bytes": sum(sizes.values()),
         "file_sizes": sizes,
     }
 
+
+def resumable_topologies(stage: int, tp: int, model) -> dict:
+    """The topologies a DeepSpeed engine can resume this checkpoint at through the universal load
+    (``pyckpt.deepspeed.enable()``, or a conversion), as its metadata allows them: any data-parallel
+    size (a multiple of the expert-parallel size under AutoEP); ZeRO-1 and ZeRO-2 interchangeably,
+    ZeRO-3 as saved; tensor-parallel sizes other than the saved one only where the merge rules are
+    recorded (AutoTP's or Megatron's patterns); expert-parallel sizes dividing every MoE layer's
+    expert count (DeepSpeed's AutoEP rule)."""
+    layers = model.autoep_layers if isinstance(model.autoep_layers, (list, tuple)) else []
+    counts = [layer.get("num_experts") for layer in layers if isinstance(layer, dict)]
+    counts = [n for n in counts if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    ep = None
+    if counts:
+        g = math.gcd(*counts)
+        ep = [e for e in range(1, g + 1) if g % e == 0]
+    info = model.universal_info or {}
+    tp_rules = any(info.get(k) for k in PATTERN_KEYS) or bool(info.get("affine_map"))
+    return {"zero_stages": [3] if stage == 3 else [1, 2], "data_parallel": "any", "tensor_parallel": "any" if tp_rules
+            else [tp], "expert_parallel": ep}
+
+
+def _say(r: dict) -> str:
+    parts = ["ZeRO-3" if r["zero_stages"] == [3] else "ZeRO-1 or 2", "any data-parallel size" +
+             (" that the expert-parallel size divides" if r["expert_parallel"] else "")]
+    parts.append("any tensor-parallel size that divides its split dimensions (merge rules recorded)"
+                 if r["tensor_parallel"] == "any" else
+                 f"tensor-parallel {r['tensor_parallel'][0]} only (no tensor-parallel merge rules recorded)")
+    if r["expert_parallel"]:
+        parts.append(f"expert-parallel {', '.join(map(str, r['expert_parallel']))}")
+    return "; ".join(parts)

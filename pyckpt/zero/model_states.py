@@ -45,6 +45,9 @@ class ModelStates:
     frozen_fragments: "OrderedDict[str, TensorRef]" = field(default_factory=OrderedDict)
     ds_version: Any = None
     global_steps: Any = None
+    # the data- and model-parallel world sizes the engine saved at, as written (checked by their users)
+    dp_world_size: Any = None
+    mp_world_size: Any = None
     _shapes: Optional["OrderedDict[str, Shape]"] = field(default=None, repr=False)
 
     @property
@@ -113,6 +116,8 @@ def read_model_states(sf: SourceFile) -> ModelStates:
         frozen_fragments=OrderedDict(fragments),
         ds_version=obj.get("ds_version"),
         global_steps=obj.get("global_steps"),
+        dp_world_size=obj.get("dp_world_size"),
+        mp_world_size=obj.get("mp_world_size"),
     )
 
 

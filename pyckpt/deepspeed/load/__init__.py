@@ -18,12 +18,13 @@ from __future__ import annotations
 
 class _Enabled:
     """What ``enable()`` returns: truthy when the hooks are in place; as a context manager, it
-    removes them again on exit if this call installed them, and restores the trust setting."""
+    removes them again on exit if this call installed them, and restores the settings it changed."""
 
-    def __init__(self, active: bool, installed_here: bool, trust_before: bool):
+    def __init__(self, active: bool, installed_here: bool, trust_before: bool, reshard_before: bool):
         self.active = active
         self._installed_here = installed_here
         self._trust_before = trust_before
+        self._reshard_before = reshard_before
 
     def __bool__(self) -> bool:
         return self.active
@@ -35,6 +36,7 @@ class _Enabled:
         from . import hooks
 
         hooks.trust_pickles(self._trust_before)
+        hooks.reshard(self._reshard_before)
         if self._installed_here:
             disable()
 
@@ -42,9 +44,15 @@ class _Enabled:
         return f"<pyckpt accelerated universal load: {'enabled' if self.active else 'not enabled'}>"
 
 
-def enable(trust_pickles: bool = False) -> _Enabled:
+def enable(trust_pickles: bool = False, *, reshard: bool = True) -> _Enabled:
     """Route DeepSpeed's universal checkpoint loads through pyckpt. Returns a falsy handle (and
     leaves DeepSpeed alone, with a warning) on a DeepSpeed version pyckpt was not proven against.
+
+    With ``reshard`` (the default), ``engine.load_checkpoint(dir, tag)`` of a plain ZeRO checkpoint
+    saved at another topology (data-parallel, tensor-parallel or AutoEP size) resumes straight from
+    its shards, as ``load_checkpoint`` below does, with one line logged on rank 0; at the topology it
+    was saved at the load stays DeepSpeed's own. A change it cannot serve fails on every rank before
+    any state changes, naming both topologies. ``reshard=False`` leaves every plain load to DeepSpeed.
 
     pyckpt unpickles nothing its allowlist of checkpoint types refuses: a model-state file whose
     ``client_state`` holds other objects, or a universal folder this backend hands back to DeepSpeed
@@ -55,7 +63,9 @@ def enable(trust_pickles: bool = False) -> _Enabled:
     already = hooks.installed()
     active = hooks.install()
     before = hooks.trust_pickles(trust_pickles if active else None)
-    return _Enabled(active, installed_here=active and not already, trust_before=before)
+    reshard_before = hooks.reshard(reshard if active else None)
+    return _Enabled(active, installed_here=active and not already, trust_before=before,
+                    reshard_before=reshard_before)
 
 
 def disable() -> None:

@@ -18,6 +18,7 @@ for a checkpoint the user trusts).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable, Dict, Optional, Tuple
 
@@ -50,14 +51,24 @@ _ENGINE_ORIGINAL: Dict[type, Callable] = {}
 # What the last load through pyckpt did on this rank, for tests and benchmarks.
 last_load: Dict[str, object] = {}
 # enable(trust_pickles=...): whether files pyckpt's allowlist refuses may go to DeepSpeed's readers
-_settings = {"trust_pickles": False}
+_settings = {"trust_pickles": False, "reshard": True}
 
 
 def trust_pickles(value: Optional[bool] = None) -> bool:
     """The current setting; with ``value``, set it and return the previous one."""
-    previous = _settings["trust_pickles"]
+    return _setting("trust_pickles", value)
+
+
+def reshard(value: Optional[bool] = None) -> bool:
+    """Whether a plain load of a ZeRO checkpoint saved at another topology reshards (the current
+    setting; with ``value``, set it and return the previous one)."""
+    return _setting("reshard", value)
+
+
+def _setting(key: str, value: Optional[bool]) -> bool:
+    previous = _settings[key]
     if value is not None:
-        _settings["trust_pickles"] = bool(value)
+        _settings[key] = bool(value)
     return previous
 
 
@@ -185,12 +196,25 @@ def _restore_counters(engine, saved: tuple) -> None:
 
 def _engine_load(original: Callable):
     """``DeepSpeedEngine.load_checkpoint`` under ``enable()``: a universal load maps the model-state
-    file once, and one that names a plain ZeRO checkpoint resumes from it directly (:mod:`.resume`)."""
+    file once, and one that names a plain ZeRO checkpoint resumes from it directly (:mod:`.resume`);
+    so does a plain load of a ZeRO checkpoint saved at another topology, which DeepSpeed's own load
+    refuses (``enable(reshard=False)`` leaves that to DeepSpeed)."""
     mapped = _with_mapped_model_states(original)
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         if not self.load_universal_checkpoint():
-            return original(self, load_dir, tag, *args, **kwargs)
+            if not _settings["reshard"] or kwargs.get("load_module_only"):
+                return original(self, load_dir, tag, *args, **kwargs)
+            found = agreed_step("comparing the checkpoint's topology with the engine's",
+                                lambda: resume.reshard_target(self, load_dir, tag))
+            if found is None:  # the topology it was saved at: DeepSpeed's own load
+                return original(self, load_dir, tag, *args, **kwargs)
+            folder, tag_found, was, now = found
+            if _rank() == 0:
+                logger.warning("pyckpt: resharding %s from %s to %s, straight from the ZeRO shards "
+                               "(pyckpt.deepspeed.enable(reshard=False) leaves such loads to DeepSpeed)",
+                               os.path.join(folder, tag_found), was, now)
+            return resume.load_zero(self, folder, tag_found, mapped, *args, **kwargs)
         target = agreed_step("finding the checkpoint", lambda: resume.resumable_target(self, load_dir, tag))
         if target is not None:
             return resume.load_zero(self, *target, mapped, *args, **kwargs)
@@ -199,6 +223,12 @@ def _engine_load(original: Callable):
     load_checkpoint.__wrapped__ = original
     load_checkpoint.__pyckpt__ = True
     return load_checkpoint
+
+
+def _rank() -> int:
+    import torch.distributed as tdist
+
+    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
 
 
 def universal_load(engine_cls) -> Callable:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 from typing import Optional, Tuple
 
+from ...errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError
 from ...zero.discovery import follow_pointer
-from ...errors import CheckpointFormatError, UnsupportedCheckpointError
-from . import zero_view
+from . import topology, zero_view
 from .model_state_file import MODEL_STATES_SUFFIX
 
 
@@ -50,6 +50,46 @@ def resumable_target(engine, load_dir: str, tag: Optional[str]) -> Optional[Tupl
     if target is not None:
         check_resumable(engine, os.path.join(*target))
     return target
+
+
+def plain_target(load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str]]:
+    """(load_dir, tag) of the ZeRO checkpoint a load without the universal flag reads (``latest``'s
+    tag when None, as DeepSpeed reads it), or None where that is not a plain ZeRO tag folder (DeepSpeed's
+    own load then says what is wrong)."""
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        if not os.path.lexists(os.path.join(load_dir, "latest")):
+            return None
+        tag = os.path.basename(follow_pointer(load_dir, "latest"))
+    return (load_dir, str(tag)) if is_zero_tag_folder(os.path.join(load_dir, str(tag))) else None
+
+
+def reshard_target(engine, load_dir: str, tag: Optional[str]):
+    """For a load without the universal flag: ``(load_dir, tag, saved, current)`` when it names a plain
+    ZeRO checkpoint saved at another topology than ``engine`` runs at, checked to be one the direct
+    resume serves; None where DeepSpeed's own load applies (the same topology, or no ZeRO checkpoint).
+    A topology change it cannot serve raises, naming both topologies and what would serve it."""
+    target = plain_target(load_dir, tag)
+    if target is None:
+        return None
+    folder = os.path.join(*target)
+    try:
+        was = topology.saved(folder)
+    except UnsafePickleError:
+        return None  # metadata pyckpt's reader refuses to unpickle: DeepSpeed's own load, as without pyckpt
+    now = topology.current(engine)
+    if was.partitioned_like(now):
+        return None
+    change = f"{folder} was saved at {was}; this engine runs {now}"
+    if (was.stage == 3) != (now.stage == 3) and was.stage is not None:
+        raise UnsupportedCheckpointError(f"{change}: resharding between ZeRO-3 and ZeRO-1/2 is not served; run "
+                                         f"with ZeRO-{was.stage} (any data-parallel size), or convert the checkpoint "
+                                         "with `pyckpt convert` and load the universal folder")
+    try:
+        check_resumable(engine, folder)
+    except UnsupportedCheckpointError as exc:
+        raise UnsupportedCheckpointError(f"{change}: {str(exc).split(': ', 1)[-1]}") from None
+    return target + (was, now)
 
 
 def check_resumable(engine, folder: str) -> None:
