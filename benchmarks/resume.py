@@ -7,7 +7,9 @@ The model is a LlamaForCausalLM of about --params parameters, trained one step b
 ZeRO-2 (fp32 weights, Adam) and saved as ``OUT/checkpoint-1``. Each measurement is one torchrun
 launch at the new world size whose ranks build the same Trainer and call
 ``trainer.train(resume_from_checkpoint=...)``; the figure is the seconds from that call to the start
-of the first training step after it (the slowest rank's, as every rank waits for it), with:
+of the first training step after it (the slowest rank's, as every rank waits for it; the window holds
+the Trainer's own set-up of the DeepSpeed engine, which ``train()`` does), and the load's own part of it
+(``DeepSpeedEngine.load_checkpoint`` as the run calls it, plus the conversion for ``stock``), with:
 
 - ``pyckpt``: ``pyckpt.deepspeed.enable()`` and the DeepSpeed config the run was saved with;
 - ``stock``: DeepSpeed's own road to another world size: ``ds_to_universal.py --inject_missing_state``
@@ -60,7 +62,7 @@ def ds_config(universal: bool) -> dict:
     return cfg
 
 
-def trainer(out: str, params: int, steps: int, universal: bool, save: bool):
+def trainer(out: str, params: int, steps: int, universal: bool, save: bool, cpu: bool = True):
     import torch
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -69,7 +71,7 @@ def trainer(out: str, params: int, steps: int, universal: bool, save: bool):
     rows = [{"input_ids": torch.arange(16) + i, "labels": torch.arange(16) + i} for i in range(64)]
     args = TrainingArguments(output_dir=out, deepspeed=ds_config(universal), per_device_train_batch_size=1,
                              max_steps=steps, save_strategy="steps" if save else "no", save_steps=1, report_to=[],
-                             use_cpu=True, seed=0, disable_tqdm=True, logging_steps=1000)
+                             use_cpu=cpu, seed=0, disable_tqdm=True, logging_steps=1000, learning_rate=1e-4)
     return Trainer(model=model, args=args, train_dataset=rows)
 
 
@@ -90,8 +92,23 @@ def rank_main(args) -> int:
             from pyckpt.deepspeed.load import topology
 
             topology.Topology.partitioned_like = lambda self, other: False
-    t = trainer(os.path.join(args.out, f"resume-{args.way}"), params, 2, args.way == "stock", False)
+    # The load's own part of the window: DeepSpeed's load_checkpoint as the run calls it (pyckpt's
+    # hooked one where enabled), timed from outside.
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    load = DeepSpeedEngine.load_checkpoint
     stamps = {}
+
+    def timed_load(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return load(self, *a, **kw)
+        finally:
+            stamps["load"] = time.perf_counter() - t
+
+    DeepSpeedEngine.load_checkpoint = timed_load
+    t = trainer(os.path.join(args.out, f"resume-{args.way}"), params, 2, args.way == "stock", False,
+                cpu=args.device == "cpu")
 
     class FirstStep(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
@@ -104,10 +121,10 @@ def rank_main(args) -> int:
     t0 = time.perf_counter()
     t.train(resume_from_checkpoint=source)
     seconds = [None] * dist.get_world_size()
-    dist.all_gather_object(seconds, stamps["step"] - t0)
+    dist.all_gather_object(seconds, (stamps["step"] - t0, stamps["load"]))
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
-            json.dump({"seconds": max(seconds)}, f)
+            json.dump({"seconds": max(s for s, _ in seconds), "load_seconds": max(x for _, x in seconds)}, f)
     return 0
 
 
@@ -148,6 +165,8 @@ def main() -> int:
     p.add_argument("--world", type=int, default=4, help="--make: the world size to save at")
     p.add_argument("--moves", default="4:2,2:4,4:4", help="saved:resumed world sizes (the saved must be --world's)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the resumed runs train (the save is made on CPU ranks either way)")
     p.add_argument("--json")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--way", help=argparse.SUPPRESS)
@@ -159,6 +178,7 @@ def main() -> int:
 
         leave_and_exit(rank_main(args))
     env = dict(os.environ, DS_ACCELERATOR="cpu")
+    resume_env = dict(env) if args.device == "cpu" else {k: v for k, v in env.items() if k != "DS_ACCELERATOR"}
     out = os.path.abspath(args.out)
     if args.make:
         launch(args.world, [out, "--make", "--params", args.params], env)
@@ -173,13 +193,17 @@ def main() -> int:
             for way in (ways if r % 2 == 0 else ways[::-1]):
                 convert = convert_stock(out) if way == "stock" else 0.0
                 result = os.path.join(out, f"result-{way}.json")
-                launch(world, [out, "--params", args.params, "--way", way, "--result", result]
-                       + (["--from-dir", os.path.join(out, "stock")] if way == "stock" else []), env)
+                launch(world, [out, "--params", args.params, "--way", way, "--result", result, "--device", args.device]
+                       + (["--from-dir", os.path.join(out, "stock")] if way == "stock" else []), resume_env)
                 with open(result) as f:
-                    row[way] = convert + json.load(f)["seconds"]
+                    got = json.load(f)
+                row[way] = convert + got["seconds"]
                 row[f"{way}_convert"] = convert
+                row[f"{way}_load"] = got["load_seconds"]
             other = "plain" if saved == world else "stock"
             row["ratio"] = row[other] / row["pyckpt"]
+            # the load's own part: the conversion (stock) and load_checkpoint, without the engine's set-up
+            row["load_ratio"] = (row[f"{other}_convert"] + row[f"{other}_load"]) / row["pyckpt_load"]
             if "direct" in row:
                 row["plain/direct"] = row["plain"] / row["direct"]
             print(json.dumps(row), flush=True)
@@ -188,6 +212,7 @@ def main() -> int:
     for move in args.moves.split(","):
         rows = [r for r in results if r["move"] == move]
         summary[move] = statistics.median(r["ratio"] for r in rows)
+        summary[move + " load part"] = statistics.median(r["load_ratio"] for r in rows)
         if rows and "plain/direct" in rows[0]:
             summary[move + " plain/direct"] = statistics.median(r["plain/direct"] for r in rows)
     print("median ratio (stock or plain / pyckpt) by move:", json.dumps(summary))

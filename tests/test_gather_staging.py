@@ -75,11 +75,37 @@ def test_windows_cut_rows_on_element_boundaries(sources):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA destinations need a GPU")
-def test_a_cuda_tensor_is_filled_through_pinned_windows(sources):
+@pytest.mark.parametrize("window", [4, 36, 4096, 1 << 20])
+def test_a_cuda_tensor_is_filled_through_pinned_windows(sources, window):
     n = 1300
     dest = torch.full((n, ), 7.5, device="cuda")
-    _fill(dest, sources).run(staging=4096)
+    _fill(dest, sources).run(staging=window)
     assert torch.equal(dest.cpu(), _expected(sources, n))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA destinations need a GPU")
+@pytest.mark.parametrize("window", [36, 4096, 1 << 16])
+def test_a_large_cuda_fill_overlaps_windows_and_matches_the_host_fill(tmp_path, window):
+    """Many windows in flight in turn (8 MiB of float32 through windows of 36 B to 64 KiB, the
+    next gathered while the last is copied): the device tensor equals the same fill done in place
+    on the host, bit for bit, bf16 widened on the way."""
+    torch.manual_seed(2)
+    src = torch.randn(1 << 21, dtype=torch.bfloat16)
+    path = os.fspath(tmp_path / "big.pt")
+    torch.save({"param": src}, path)
+    sf = SourceFile(path)
+    ref = sf.load()["param"]
+    runs = [(0, 700_001), (800_000, 1_000_000), (1_900_000, 197_151)]
+    n = sum(length for _, length in runs) + 5
+    host = torch.full((n, ), 3.25)
+    device = torch.full((n, ), 3.25, device="cuda")
+    for dest, staging in ((host, None), (device, window)):
+        fill = TensorFill(dest)
+        fill.add(sf, ref, runs, 0)
+        fill.run(staging=staging)
+    torch.cuda.synchronize()
+    assert torch.equal(device.cpu(), host)
+    assert torch.equal(host[:700_001], src[:700_001].float()) and host[-5:].eq(3.25).all()
 
 
 def _matrix_source(tmp_path, dtype):
