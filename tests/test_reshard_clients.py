@@ -45,20 +45,26 @@ def _saved_tag_folder(client: str, saved: Path) -> Path:
     return saved / "checkpoint-2" / "global_step2" if client == "trainer" else saved / "state" / "pytorch_model"
 
 
-def _stock_copy(client: str, saved: Path, stock: Path) -> None:
-    """DeepSpeed's own road: the saved run's folder with the checkpoint converted by ds_to_universal
-    where a load_universal load of the same call finds it (the Trainer: global_step2_universal and
-    latest_universal beside the tag; accelerate, which names its tag: in the tag folder's place).
-    Neither client saves universal_checkpoint_info, so the converter needs --inject_missing_state."""
-    shutil.copytree(saved, stock)
-    tag = _saved_tag_folder(client, stock)
-    if client == "trainer":
-        dsharness.run_ds_to_universal(tag, tag.parent / "global_step2_universal", "--inject_missing_state")
-    else:
-        converted = tag.parent / "converted"
-        dsharness.run_ds_to_universal(tag, converted, "--inject_missing_state")
+def _stock_copies(saved_runs: list, root: Path) -> None:
+    """DeepSpeed's own road for each (client, saved folder): a copy of the saved run's folder with the
+    checkpoint converted by ds_to_universal where a load_universal load of the same call finds it (the
+    Trainer: global_step2_universal and latest_universal beside the tag; accelerate, which names its
+    tag: in the tag folder's place). Neither client saves universal_checkpoint_info, so the converter
+    needs --inject_missing_state. One converter process for all of them."""
+    jobs, renames = [], []
+    for client, saved in saved_runs:
+        stock = root / f"{saved.name}-stock"
+        shutil.copytree(saved, stock)
+        tag = _saved_tag_folder(client, stock)
+        if client == "trainer":
+            jobs.append((tag, tag.parent / "global_step2_universal"))
+        else:
+            jobs.append((tag, tag.parent / "converted"))
+            renames.append(tag)
+    dsharness.run_ds_to_universal_many(jobs, "--inject_missing_state")
+    for tag in renames:
         shutil.rmtree(tag)
-        converted.rename(tag)
+        (tag.parent / "converted").rename(tag)
 
 
 @pytest.fixture(scope="session")
@@ -85,13 +91,9 @@ def resumed(ds_root, ds_environ) -> dict:
 
     logs = {}
     _launch(2, save_jobs(2), root, ds_environ)
-    for (c, s, w), saved in saves.items():
-        if w == 2:
-            _stock_copy(c, saved, root / f"{saved.name}-stock")
+    _stock_copies([(c, saved) for (c, s, w), saved in saves.items() if w == 2], root)
     logs[2, 3] = _launch(3, save_jobs(3) + resume_jobs(2, 3), root, ds_environ)
-    for (c, s, w), saved in saves.items():
-        if w == 3:
-            _stock_copy(c, saved, root / f"{saved.name}-stock")
+    _stock_copies([(c, saved) for (c, s, w), saved in saves.items() if w == 3], root)
     logs[3, 2] = _launch(2, resume_jobs(3, 2), root, ds_environ)
     out = {}
     for c in CLIENTS:
