@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import CheckpointFormatError
+from ...formats.confined import inside
 from ...formats.torch_zip import SourceFile
 from ...zero.model_states import ModelStates, read_model_states
 
@@ -48,7 +49,7 @@ def first_model_states(folder: str) -> ModelStates:
     names = set(os.listdir(folder))
     for name in FIRST_MODEL_STATES:
         if name in names:
-            return read_model_states(SourceFile(os.path.join(folder, name)))
+            return read_model_states(SourceFile(inside(folder, name)))  # a link out of the folder is refused
     raise CheckpointFormatError(f"{folder}: no {' or '.join(FIRST_MODEL_STATES)}")
 
 
