@@ -33,13 +33,9 @@ import subprocess
 import sys
 import time
 
+from pyckpt.testing import parse_count
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def parse_count(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9}.get(text[-1], 1)
-    return int(float(text[:-1] if scale != 1 else text) * scale)
 
 
 def llama_config(params: int):

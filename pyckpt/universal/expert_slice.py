@@ -4,16 +4,12 @@ reads only their bytes (torch is imported here only, when a tensor is asked for)
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ..errors import CheckpointFormatError
 from ..tensors import numel
 from ..formats.pickle_read import TensorRef
-from ..zero.autoep.layers import WEIGHTS, positive_int
-
-
-def valid_ep_sizes(num_experts: int, stage_size: Optional[int] = None) -> List[int]:
-    return [e for e in range(1, num_experts + 1) if num_experts % e == 0 and (stage_size is None or stage_size % e == 0)]
+from ..zero.autoep.layers import WEIGHTS, positive_int, valid_ep_sizes
 
 
 def check_load_topology(layers: Sequence[dict], autoep_size: int, world_size: int, *, pp_size: int = 1,

@@ -7,6 +7,7 @@ import os
 from collections import Counter
 
 from .discovery import discover
+from .autoep.layers import positive_int, valid_ep_sizes
 from .tp_merge import PATTERN_KEYS
 
 
@@ -53,11 +54,8 @@ def resumable_topologies(stage: int, tp: int, model) -> dict:
     expert count (DeepSpeed's AutoEP rule)."""
     layers = model.autoep_layers if isinstance(model.autoep_layers, (list, tuple)) else []
     counts = [layer.get("num_experts") for layer in layers if isinstance(layer, dict)]
-    counts = [n for n in counts if isinstance(n, int) and not isinstance(n, bool) and n > 0]
-    ep = None
-    if counts:
-        g = math.gcd(*counts)
-        ep = [e for e in range(1, g + 1) if g % e == 0]
+    counts = [n for n in counts if positive_int(n)]
+    ep = valid_ep_sizes(math.gcd(*counts)) if counts else None
     info = model.universal_info or {}
     tp_rules = any(info.get(k) for k in PATTERN_KEYS) or bool(info.get("affine_map"))
     return {"zero_stages": [3] if stage == 3 else [1, 2], "data_parallel": "any", "tensor_parallel": "any" if tp_rules

@@ -210,7 +210,8 @@ def _engine_load(original: Callable):
             if found is None:  # the topology it was saved at: DeepSpeed's own load
                 return original(self, load_dir, tag, *args, **kwargs)
             folder, tag_found, was, now = found
-            if _rank() == 0:
+            ranks = _ranks()
+            if ranks is None or ranks.rank == 0:
                 logger.warning("pyckpt: resharding %s from %s to %s, straight from the ZeRO shards "
                                "(pyckpt.deepspeed.enable(reshard=False) leaves such loads to DeepSpeed)",
                                os.path.join(folder, tag_found), was, now)
@@ -223,12 +224,6 @@ def _engine_load(original: Callable):
     load_checkpoint.__wrapped__ = original
     load_checkpoint.__pyckpt__ = True
     return load_checkpoint
-
-
-def _rank() -> int:
-    import torch.distributed as tdist
-
-    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
 
 
 def universal_load(engine_cls) -> Callable:

@@ -33,14 +33,9 @@ def zero_target(load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str]]:
     """(load_dir, tag) when this load names a plain ZeRO checkpoint rather than a universal one:
     ``tag`` given and its folder holds ZeRO shards and no ``zero/``; or no tag, no
     ``latest_universal`` and a ``latest`` naming such a folder. None otherwise."""
-    load_dir = os.fspath(load_dir)
-    if tag is not None:
-        return (load_dir, str(tag)) if is_zero_tag_folder(os.path.join(load_dir, str(tag))) else None
-    if os.path.lexists(os.path.join(load_dir, "latest_universal")) or \
-            not os.path.lexists(os.path.join(load_dir, "latest")):
+    if tag is None and os.path.lexists(os.path.join(os.fspath(load_dir), "latest_universal")):
         return None
-    folder = follow_pointer(load_dir, "latest")
-    return (load_dir, os.path.basename(folder)) if is_zero_tag_folder(folder) else None
+    return plain_target(load_dir, tag)
 
 
 def resumable_target(engine, load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str]]:

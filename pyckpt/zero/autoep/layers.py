@@ -50,6 +50,11 @@ def positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def valid_ep_sizes(num_experts: int, stage_size: Optional[int] = None) -> List[int]:
+    """The AutoEP sizes DeepSpeed accepts for ``num_experts`` experts (and a stage of ``stage_size`` ranks)."""
+    return [e for e in range(1, num_experts + 1) if num_experts % e == 0 and (stage_size is None or stage_size % e == 0)]
+
+
 
 def aggregate_zero12(model_files: List[ModelStates]) -> Tuple[Optional[list], bool]:
     """DeepSpeed's ``_aggregate_autoep_zero12_metadata`` over the mp_rank files: the layer entries
