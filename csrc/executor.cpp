@@ -131,6 +131,7 @@ struct WriteJob {
     std::vector<Target> targets;
     std::vector<uint64_t> output_first_target;  // size outputs+1
     std::vector<zip::ArchiveLayout> layouts;
+    std::vector<std::vector<zip::SeriesPart>> series;  // per output; empty unless a series
     std::vector<std::vector<std::string>> names;  // full member names per output
     std::vector<Piece> pieces;
     WindowPlan plan;
@@ -186,12 +187,29 @@ void validate_outputs(const std::vector<OutputSpec>& outputs, const std::string&
                             escape_bytes(root) + "'");
         if (!paths.insert(out.path).second)
             throw PlanError("output '" + out.path + "' is listed more than once");
-        if (out.container == Container::TorchZip && out.archive_name.empty())
+        if (out.container != Container::Raw && out.archive_name.empty())
             throw PlanError("output '" + out.path + "': archive_name must not be empty");
         if (out.container == Container::Raw && !out.archive_name.empty())
             throw PlanError("output '" + out.path + "': a raw file has no archive_name");
+        const bool series = out.container == Container::TorchZipSeries;
+        if (!series && !out.archive_starts.empty())
+            throw PlanError("output '" + out.path + "': only a series of archives has archive starts");
+        if (series) {
+            const auto& st = out.archive_starts;
+            bool ok = out.records.empty() ? st.empty() : !st.empty() && st[0] == 0 && st.back() < out.records.size();
+            for (std::size_t i = 1; ok && i < st.size(); ++i) ok = st[i] > st[i - 1];
+            if (!ok)
+                throw PlanError("output '" + out.path +
+                                "': archive starts must ascend from record 0, each archive holding a record");
+        }
         std::unordered_set<std::string> names;
-        for (const RecordSpec& r : out.records) {
+        std::size_t next_start = 0;
+        for (std::size_t i = 0; i < out.records.size(); ++i) {
+            const RecordSpec& r = out.records[i];
+            if (series && next_start < out.archive_starts.size() && out.archive_starts[next_start] == i) {
+                names.clear();  // names are an archive's own
+                ++next_start;
+            }
             if (r.name.empty()) throw PlanError("output '" + out.path + "': empty record name");
             if (!names.insert(r.name).second)
                 throw PlanError("output '" + out.path + "': record '" + r.name + "' is listed more than once");
@@ -244,6 +262,7 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
     job.output_first_target.assign(outputs.size() + 1, 0);
     job.layouts.reserve(outputs.size());
     job.names.resize(outputs.size());
+    job.series.resize(outputs.size());
     WriteStats stats;
     for (std::size_t o = 0; o < outputs.size(); ++o) {
         const OutputSpec& out = outputs[o];
@@ -252,9 +271,16 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
             job.names[o].push_back(out.archive_name + "/" + r.name);
             sizes.push_back(r.size);
         }
-        job.layouts.push_back(out.container == Container::TorchZip ? zip::plan_archive(job.names[o], sizes,
-                                                                                        options.force_zip64)
-                                                                   : raw_layout(sizes));
+        if (out.container == Container::TorchZipSeries) {
+            zip::ArchiveLayout whole;
+            job.series[o] = zip::plan_series(job.names[o], sizes, out.archive_starts, options.force_zip64, whole);
+            if (whole.file_size > UINT64_MAX / 2) throw PlanError("output '" + out.path + "' larger than 2^63 bytes");
+            job.layouts.push_back(std::move(whole));
+        } else {
+            job.layouts.push_back(out.container == Container::TorchZip
+                                      ? zip::plan_archive(job.names[o], sizes, options.force_zip64)
+                                      : raw_layout(sizes));
+        }
         for (std::size_t r = 0; r < out.records.size(); ++r) {
             Target t;
             t.base = job.layouts[o].entries[r].data_offset;
@@ -290,7 +316,8 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
     job.window_crc.assign(job.plan.windows.size(), 0);
     job.windows_left = std::make_unique<std::atomic<uint64_t>[]>(outputs.size());
     std::unique_ptr<Destination> files =
-        make_file_destination(outputs, options, job.layouts, job.names, job.output_first_target, job.plan);
+        make_file_destination(outputs, options, job.layouts, job.series, job.names, job.output_first_target,
+                              job.plan);
     Destination& dest = *files;
     job.dest = &dest;
     job.total = stats.bytes_written;

@@ -32,6 +32,11 @@ enum class Container : uint8_t {
     // The records back to back from offset 0, in order, nothing else (a safetensors file is its
     // header as an inline record, then the tensors). archive_name must be empty.
     Raw,
+    // Several torch.save ZIP archives back to back, each self-contained (its offsets count from
+    // its own first byte, which lies on a 64-byte boundary of the file) and all named
+    // archive_name: torch.distributed.checkpoint's data files hold one archive per tensor chunk
+    // and load each from its (offset, length) slice. archive_starts says where each begins.
+    TorchZipSeries,
 };
 
 struct OutputSpec {
@@ -39,6 +44,9 @@ struct OutputSpec {
     std::string archive_name;
     std::vector<RecordSpec> records;
     Container container = Container::TorchZip;
+    // TorchZipSeries only: the index of each archive's first record, ascending from 0; record
+    // names are unique within an archive, not across the series.
+    std::vector<std::size_t> archive_starts;
 };
 
 struct WriteOptions {

@@ -51,18 +51,20 @@ class FileDestination final : public Destination {
 public:
     FileDestination(const std::vector<OutputSpec>& outputs, const WriteOptions& options,
                           const std::vector<zip::ArchiveLayout>& layouts,
+                          const std::vector<std::vector<zip::SeriesPart>>& series,
                           const std::vector<std::vector<std::string>>& names,
                           const std::vector<uint64_t>& output_first_target, const WindowPlan& plan)
         : outputs_(outputs),
           options_(options),
           layouts_(layouts),
+          series_(series),
           names_(names),
           output_first_target_(output_first_target),
           plan_(plan),
           state_(std::make_unique<OutputState[]>(outputs.size())),
           in_kernel_copy_(options.copy_in_kernel) {}
 
-    bool wants_crc(std::size_t o) const noexcept override { return outputs_[o].container == Container::TorchZip; }
+    bool wants_crc(std::size_t o) const noexcept override { return outputs_[o].container != Container::Raw; }
     void prepare(std::size_t o) override { open_output(o); }
     uint8_t* memory(std::size_t, uint64_t, uint64_t) override { return nullptr; }
     void write(std::size_t o, const uint8_t* p, uint64_t len, uint64_t offset) override {
@@ -137,12 +139,31 @@ public:
                         crc = crc32_combine(crc, window_crc[w], plan_.windows[w].end - plan_.windows[w].begin);
                 }
                 crcs[r] = crc;
-                place(L.entries[r].header_offset);
-                zip::append_local_header(chunk, names_[o][r], L.entries[r], crc);
-                if (rec.has_inline) chunk.append(rec.inline_bytes);
             }
-            place(L.cd_offset);
-            chunk.append(zip::build_central_directory(names_[o], L, crcs));
+            if (out.container == Container::TorchZip) {
+                for (std::size_t r = 0; r < out.records.size(); ++r) {
+                    place(L.entries[r].header_offset);
+                    zip::append_local_header(chunk, names_[o][r], L.entries[r], crcs[r]);
+                    if (out.records[r].has_inline) chunk.append(out.records[r].inline_bytes);
+                }
+                place(L.cd_offset);
+                chunk.append(zip::build_central_directory(names_[o], L, crcs));
+            } else {
+                const auto& parts = series_[o];
+                for (std::size_t k = 0; k < parts.size(); ++k) {
+                    const zip::SeriesPart& part = parts[k];
+                    const std::size_t end = k + 1 < parts.size() ? parts[k + 1].first : out.records.size();
+                    for (std::size_t r = part.first; r < end; ++r) {
+                        place(part.base + part.local.entries[r - part.first].header_offset);
+                        zip::append_local_header(chunk, names_[o][r], part.local.entries[r - part.first], crcs[r]);
+                        if (out.records[r].has_inline) chunk.append(out.records[r].inline_bytes);
+                    }
+                    place(part.base + part.local.cd_offset);
+                    const std::vector<std::string> part_names(names_[o].begin() + part.first, names_[o].begin() + end);
+                    const std::vector<uint32_t> part_crcs(crcs.begin() + part.first, crcs.begin() + end);
+                    chunk.append(zip::build_central_directory(part_names, part.local, part_crcs));
+                }
+            }
         }
         flush();
         if (options_.fsync) {
@@ -196,6 +217,7 @@ private:
     const std::vector<OutputSpec>& outputs_;
     const WriteOptions& options_;
     const std::vector<zip::ArchiveLayout>& layouts_;
+    const std::vector<std::vector<zip::SeriesPart>>& series_;
     const std::vector<std::vector<std::string>>& names_;
     const std::vector<uint64_t>& output_first_target_;
     const WindowPlan& plan_;
@@ -208,10 +230,11 @@ private:
 std::unique_ptr<Destination> make_file_destination(const std::vector<OutputSpec>& outputs,
                                                    const WriteOptions& options,
                                                    const std::vector<zip::ArchiveLayout>& layouts,
+                                                   const std::vector<std::vector<zip::SeriesPart>>& series,
                                                    const std::vector<std::vector<std::string>>& names,
                                                    const std::vector<uint64_t>& output_first_target,
                                                    const WindowPlan& plan) {
-    return std::make_unique<FileDestination>(outputs, options, layouts, names, output_first_target, plan);
+    return std::make_unique<FileDestination>(outputs, options, layouts, series, names, output_first_target, plan);
 }
 
 }  // namespace pyckpt

@@ -24,6 +24,7 @@ namespace pyckpt {
 std::unique_ptr<Destination> make_file_destination(const std::vector<OutputSpec>& outputs,
                                                    const WriteOptions& options,
                                                    const std::vector<zip::ArchiveLayout>& layouts,
+                                                   const std::vector<std::vector<zip::SeriesPart>>& series,
                                                    const std::vector<std::vector<std::string>>& names,
                                                    const std::vector<uint64_t>& output_first_target,
                                                    const WindowPlan& plan);

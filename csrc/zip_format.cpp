@@ -68,6 +68,34 @@ ArchiveLayout plan_archive(const std::vector<std::string>& names, const std::vec
     return L;
 }
 
+std::vector<SeriesPart> plan_series(const std::vector<std::string>& names, const std::vector<uint64_t>& sizes,
+                                    const std::vector<std::size_t>& starts, bool force_zip64, ArchiveLayout& whole) {
+    if (names.size() != sizes.size()) throw std::invalid_argument("plan_series: names/sizes mismatch");
+    std::vector<SeriesPart> parts(starts.size());
+    whole = ArchiveLayout{};
+    whole.entries.resize(names.size());
+    uint64_t at = 0;
+    for (std::size_t k = 0; k < parts.size(); ++k) {
+        const std::size_t first = starts[k];
+        const std::size_t end = k + 1 < parts.size() ? starts[k + 1] : names.size();
+        if (first >= end || end > names.size()) throw std::invalid_argument("plan_series: starts must ascend");
+        parts[k].first = first;
+        parts[k].base = (at + kAlignment - 1) / kAlignment * kAlignment;
+        parts[k].local = plan_archive(std::vector<std::string>(names.begin() + first, names.begin() + end),
+                                      std::vector<uint64_t>(sizes.begin() + first, sizes.begin() + end), force_zip64);
+        for (std::size_t r = first; r < end; ++r) {
+            whole.entries[r] = parts[k].local.entries[r - first];
+            whole.entries[r].header_offset += parts[k].base;
+            whole.entries[r].data_offset += parts[k].base;
+        }
+        if (parts[k].local.file_size > UINT64_MAX / 4 || parts[k].base > UINT64_MAX / 4)
+            throw std::invalid_argument("plan_series: a series larger than 2^62 bytes");
+        at = parts[k].base + parts[k].local.file_size;
+    }
+    whole.file_size = at;
+    return parts;
+}
+
 void append_local_header(std::string& out, const std::string& name, const EntryLayout& e,
                          uint32_t crc) {
     put32(out, kLocalSig);

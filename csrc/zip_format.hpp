@@ -56,10 +56,24 @@ struct ArchiveLayout {
     bool force_zip64 = false;
 };
 
+// One archive of a series written back to back into one file (Container::TorchZipSeries):
+// `local` counts from the archive's first byte, which is `base` in the file.
+struct SeriesPart {
+    uint64_t base = 0;
+    std::size_t first = 0;  // index of its first record in the output
+    ArchiveLayout local;
+};
+
 // Computes where every header and data block goes. `names` are full member names.
 // Throws std::invalid_argument for names longer than the format allows.
 ArchiveLayout plan_archive(const std::vector<std::string>& names, const std::vector<uint64_t>& sizes,
                            bool force_zip64);
+
+// The archives of a series (each starting at a record of `starts`, ascending from 0), each laid
+// out on its own and placed after the previous one on a kAlignment boundary. `whole` gets every
+// record's absolute offsets and the file's size.
+std::vector<SeriesPart> plan_series(const std::vector<std::string>& names, const std::vector<uint64_t>& sizes,
+                                    const std::vector<std::size_t>& starts, bool force_zip64, ArchiveLayout& whole);
 
 // Appends the local header (signature through padding) of one entry.
 void append_local_header(std::string& out, const std::string& name, const EntryLayout& e,

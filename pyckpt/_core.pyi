@@ -1,6 +1,6 @@
 # Type stub of the native module built from csrc/ (csrc/bindings/module.cpp is the authority).
 from os import PathLike
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -89,11 +89,13 @@ def scan_pickle(data: _Buffer) -> PickleScan: ...
 # ops: a C-contiguous int64 buffer of shape (N, 10) or (N, 9) (a 2-D memoryview or numpy array; an empty 1-D
 # one for no rows; other integer numpy arrays are converted), columns [src, src_off, out, rec, dst_off, nbytes,
 # kind, rows, stride, src_stride]; without the last, every op's rows follow each other in the source.
-# outputs: [(path, archive_name, [(record_name, size, inline_bytes_or_None), ...]), ...].
-def write_archives(sources: Sequence[_Path], outputs: Iterable[Tuple[_Path, Optional[str], Sequence[Tuple[str, int, Optional[_Buffer]]]]],
+# outputs: [(path, archive_name, [(record_name, size, inline_bytes_or_None), ...][, archive_starts]), ...]; with
+# archive_starts (the record index each archive begins at) the output is several archives back to back.
+def write_archives(sources: Sequence[_Path], outputs: Iterable[Tuple[Any, ...]],
                    ops: _Buffer, workers: Optional[int] = 0, fsync: bool = False, progress: _Progress = None, *,
                    force_zip64: bool = False, window_bytes: int = 0, root: Optional[_Path] = None,
                    copy_in_kernel: bool = True) -> dict: ...
+def series_layout(archive_name: str, records: Sequence[Tuple[str, int]], starts: Sequence[int]) -> List[Tuple[int, int]]: ...
 def execute_into(sources: Sequence[_Path], ops: _Buffer, dst: _Buffer, workers: Optional[int] = 0,
                  progress: _Progress = None, *, window_bytes: int = 0) -> int: ...
 def rename_exchange(a: _Path, b: _Path) -> None: ...

@@ -118,6 +118,12 @@ def write_archives(sources, outputs, ops, *, root: str, workers: int = 0, fsync:
         return _core.write_archives(sources, outputs, ops, workers or 0, fsync, progress, root=root)
 
 
+def series_layout(archive_name: str, records, starts) -> list:
+    """(offset, length) of each archive of a file write_archives writes as a series (an output with
+    archive starts): records (name, size) in order, ``starts`` the index of each archive's first."""
+    return _core.series_layout(archive_name, records, starts)
+
+
 def execute_into(sources, ops, dst, workers: int = 0, *, root: str = "") -> int:
     """Runs an op table over ``sources`` into the writable buffer ``dst``; pyckpt errors on refusal."""
     with native_errors(root):

@@ -1,6 +1,7 @@
 """Tests of the native core (pyckpt._core) against torch.save / torch.load and zipfile."""
 
 import filecmp
+import io
 import os
 import random
 import struct
@@ -793,6 +794,55 @@ def test_raw_files_take_no_archive_name_and_keep_the_checks(tmp_path):
     with pytest.raises(_core.PlanError, match=r"record .a.: gap: bytes \[4, 8\) are not covered"):
         _core.write_archives([str(src)], [(out, None, [("a", 8, None)])], ops_array([[0, 0, 0, 0, 0, 4, 0, 1, 0]]), 1)
     assert not os.path.exists(out)
+
+
+def test_a_series_is_archives_back_to_back_each_readable_from_its_slice(tmp_path):
+    """An output with archive starts: one self-contained ZIP per group of records, each starting on a
+    64-byte boundary where series_layout says, its offsets its own (zipfile and torch.load read it from
+    its slice alone, CRCs checked); record names repeat across archives, not within one."""
+    src = tmp_path / "src.bin"
+    payload = np.arange(1000, dtype=np.float32)
+    src.write_bytes(payload.tobytes())
+    out = tmp_path / "f.distcp"
+    records, starts, rows = [], [], []
+    sizes = [3, 700, 0, 17]
+    at = 0
+    for k, n in enumerate(sizes):
+        starts.append(len(records))
+        records += [("head", 5, b"hello"), ("data/0", 4 * n, None), ("tail", 1, bytes([k]))]
+        if n:
+            rows.append([0, 4 * at, 0, len(records) - 2, 0, 4 * n, 0, 1, 0])
+        at += n
+    stats = _core.write_archives([str(src)], [(str(out), "archive", records, starts)], ops_array(rows), 2,
+                                 window_bytes=1000)
+    assert stats["files"] == 1 and stats["records"] == len(records)
+    where = _core.series_layout("archive", [(n, size) for n, size, _ in records], starts)
+    data = out.read_bytes()
+    assert where[-1][0] + where[-1][1] == len(data)
+    assert all(off % 64 == 0 for off, _ in where)
+    at = 0
+    for k, ((off, length), n) in enumerate(zip(where, sizes)):
+        with zipfile.ZipFile(io.BytesIO(data[off:off + length])) as zf:
+            assert zf.testzip() is None
+            assert zf.read("archive/head") == b"hello" and zf.read("archive/tail") == bytes([k])
+            assert zf.read("archive/data/0") == payload[at:at + n].tobytes()
+        at += n
+
+
+def test_a_series_refuses_bad_archive_starts(tmp_path):
+    out = str(tmp_path / "f")
+    recs = [("a", 1, b"x"), ("a", 1, b"y")]
+    for starts, problem in (([1], "ascend from record 0"), ([0, 0], "ascend"), ([0, 2], "ascend"), ([], "ascend")):
+        with pytest.raises(_core.PlanError, match=problem):
+            _core.write_archives([], [(out, "archive", recs, starts)], ops_array([]), 1)
+    with pytest.raises(_core.PlanError, match="is listed more than once"):
+        _core.write_archives([], [(out, "archive", recs, [0])], ops_array([]), 1)
+    with pytest.raises(ValueError, match="raw file"):
+        _core.write_archives([], [(out, None, recs, [0, 1])], ops_array([]), 1)
+    assert not os.path.exists(out)
+    _core.write_archives([], [(out, "archive", recs, [0, 1])], ops_array([]), 1)
+    with pytest.raises(ValueError, match="ascend"):
+        _core.series_layout("archive", [("a", 1)], [1])
 
 
 def test_kind_constants():

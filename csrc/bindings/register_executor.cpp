@@ -3,6 +3,7 @@
 
 #include "../dtype_kernels.hpp"
 #include "../executor.hpp"
+#include "../zip_format.hpp"
 
 namespace pyckpt::bindings {
 
@@ -14,7 +15,8 @@ std::vector<OutputSpec> convert_outputs(const py::handle& seq) {
     std::vector<OutputSpec> outs;
     for (auto item : seq.cast<py::sequence>()) {
         auto t = item.cast<py::sequence>();
-        if (t.size() != 3) throw py::value_error("each output must be (path, archive_name, records)");
+        if (t.size() != 3 && t.size() != 4)
+            throw py::value_error("each output must be (path, archive_name, records[, archive_starts])");
         OutputSpec o;
         o.path = fspath(t[0]);
         if (t[1].is_none())
@@ -36,6 +38,16 @@ std::vector<OutputSpec> convert_outputs(const py::handle& seq) {
                 rec.inline_bytes.assign(reinterpret_cast<const char*>(bv.data()), bv.size());
             }
             o.records.push_back(std::move(rec));
+        }
+        if (t.size() == 4) {
+            // a series of archives, one per chunk (torch.distributed.checkpoint's data files)
+            if (o.container == Container::Raw) throw py::value_error("a raw file is not a series of archives");
+            o.container = Container::TorchZipSeries;
+            for (auto start : t[3].cast<py::sequence>()) {
+                int64_t v = start.cast<int64_t>();
+                if (v < 0) throw py::value_error("archive starts must not be negative");
+                o.archive_starts.push_back(static_cast<std::size_t>(v));
+            }
         }
         outs.push_back(std::move(o));
     }
@@ -86,12 +98,47 @@ void register_executor(py::module_& m) {
         py::arg("progress") = py::none(), py::kw_only(), py::arg("force_zip64") = false,
         py::arg("window_bytes") = 0, py::arg("root") = py::none(), py::arg("copy_in_kernel") = true,
         "Write new files whose op-filled records are gathered from `sources`: a torch-loadable ZIP archive per "
-        "output with an archive_name, a raw file (its records back to back) per output whose archive_name is None. Outputs are "
+        "output with an archive_name, a raw file (its records back to back) per output whose archive_name is None, "
+        "several archives back to back where an output has a fourth item (the record index each archive starts at). Outputs are "
         "created new (O_EXCL|O_NOFOLLOW); with `root`, every output path must lie strictly below it. Plain runs of "
         "a source into a raw file whose offsets lie at the same place within a page are copied in the kernel "
         "(copy_file_range) unless copy_in_kernel is False. Raises "
         "PlanError for a bad table, OSError naming the file for I/O errors, SourceChangedError if a source shrank "
         "while read; outputs created by a failed call are removed.");
+
+    m.def(
+        "series_layout",
+        [](const std::string& archive_name, const py::object& records, const py::object& starts) {
+            std::vector<std::string> names;
+            std::vector<uint64_t> sizes;
+            for (auto r : records.cast<py::sequence>()) {
+                auto rt = r.cast<py::sequence>();
+                if (rt.size() != 2) throw py::value_error("each record must be (name, size)");
+                int64_t size = rt[1].cast<int64_t>();
+                if (size < 0) throw py::value_error("record sizes must not be negative");
+                names.push_back(archive_name + "/" + rt[0].cast<std::string>());
+                sizes.push_back(static_cast<uint64_t>(size));
+            }
+            std::vector<std::size_t> st;
+            for (auto v : starts.cast<py::sequence>()) {
+                int64_t i = v.cast<int64_t>();
+                if (i < 0) throw py::value_error("archive starts must not be negative");
+                st.push_back(static_cast<std::size_t>(i));
+            }
+            zip::ArchiveLayout whole;
+            std::vector<zip::SeriesPart> parts;
+            try {
+                parts = zip::plan_series(names, sizes, st, false, whole);
+            } catch (const std::invalid_argument& e) {
+                throw py::value_error(e.what());
+            }
+            py::list out;
+            for (const zip::SeriesPart& p : parts) out.append(py::make_tuple(p.base, p.local.file_size));
+            return out;
+        },
+        py::arg("archive_name"), py::arg("records"), py::arg("starts"),
+        "(offset, length) of each archive of a series as write_archives lays it out: records (name, size) in "
+        "order, `starts` the index of each archive's first record.");
 
     m.def(
         "execute_into",

@@ -144,6 +144,12 @@ def output_sizes(plan: Plan) -> List[Tuple[str, str, int]]:
         out.append(("raw", raw.relpath, len(raw.head) + sum(t.numel() * ITEMSIZE[t.dtype] for _, t in raw.tensors)))
     for c in plan.copies:
         out.append(("copy", c.relpath, int(c.src.size)))
+    for ser in plan.series:
+        nbytes = 0
+        for obj in ser.members:
+            pkl, storages = dumps(obj)
+            nbytes += len(pkl) + sum(st.numel * ITEMSIZE[st.dtype] for st in storages)
+        out.append(("series", ser.relpath, nbytes))
     return out
 
 
@@ -163,8 +169,8 @@ def split_outputs(plan: Plan, size: int) -> List[Plan]:
     above an even share. Each share keeps the plan's order and notes."""
     if size < 1:
         raise ValueError(f"cannot share a plan among {size} ranks")
-    # output_sizes lists archives, raw files and copies in this order too
-    outputs = [(attr, out) for attr in ("archives", "raw_files", "copies") for out in getattr(plan, attr)]
+    # output_sizes lists archives, raw files, copies and series in this order too
+    outputs = [(attr, out) for attr in ("archives", "raw_files", "copies", "series") for out in getattr(plan, attr)]
     sizes = [nbytes for _, _, nbytes in output_sizes(plan)]
     order = sorted(range(len(outputs)), key=lambda j: (-sizes[j], outputs[j][1].relpath))
     loads = [(0, rank) for rank in range(size)]  # already a heap

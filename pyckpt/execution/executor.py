@@ -20,9 +20,14 @@ from ..tensors import ITEMSIZE, NewTensor
 from ..formats.pickle_read import StorageRef
 from ..formats.pickle_write import dumps
 from ..formats.torch_zip import open_regular
-from ..native import execute_into, op_table, write_archives
+from ..native import execute_into, op_table, series_layout, write_archives
 from ..planning.plan import Plan
 from ..planning.collector import pauses_collector
+
+
+# The top folder of each archive in a series: what torch.save names it when writing to a stream
+# (torch.distributed.checkpoint's data files hold such archives).
+SERIES_ARCHIVE_NAME = "archive"
 
 
 def copy_checked(src, dst: str, fsync: bool = False) -> None:
@@ -77,6 +82,28 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def _archive_records(obj):
+    """What a torch.save archive of ``obj`` holds, as torch.save lays it out: the records before its
+    storages (name, size, bytes), the storages (one ``data/<key>`` record each), the records after."""
+    pkl, storages = dumps(obj)
+    head = [("data.pkl", len(pkl), pkl), (".format_version", 1, b"1"), (".storage_alignment", 2, b"64"),
+            ("byteorder", 6, b"little")]
+    return head, storages, [("version", 2, b"3\n")]
+
+
+def series_locations(members) -> List[Tuple[int, int]]:
+    """(offset, length) of each archive of a file of ``members`` (Plan.add_archive_series), as the
+    executor will write it."""
+    records, starts = [], []
+    for obj in members:
+        starts.append(len(records))
+        head, storages, tail = _archive_records(obj)
+        records += [(name, size) for name, size, _ in head]
+        records += [(f"data/{st.key}", st.numel * ITEMSIZE[st.dtype]) for st in storages]
+        records += [(name, size) for name, size, _ in tail]
+    return [tuple(x) for x in series_layout(SERIES_ARCHIVE_NAME, records, starts)]
+
+
 @pauses_collector
 def compile_plan(plan: Plan, root: str):
     """(sources, outputs, op table, tensor bytes) for :func:`pyckpt.native.write_archives`."""
@@ -94,11 +121,12 @@ def compile_plan(plan: Plan, root: str):
             sources.append(sf.path)
         return i
 
-    for out_idx, arc in enumerate(plan.archives):
-        pkl, storages = dumps(arc.obj)
-        name = os.path.splitext(os.path.basename(arc.relpath))[0]
-        records = [("data.pkl", len(pkl), pkl), (".format_version", 1, b"1"), (".storage_alignment", 2, b"64"),
-                   ("byteorder", 6, b"little")]
+    def add_members(relpath: str, out_idx: int, obj, records: list) -> None:
+        """The records of one torch.save archive of ``obj`` appended to ``records``, and the ops
+        that fill its tensors."""
+        nonlocal tensor_bytes
+        head, storages, tail = _archive_records(obj)
+        records += head
         for st in storages:
             rec = len(records)
             nbytes = st.numel * ITEMSIZE[st.dtype]
@@ -106,7 +134,7 @@ def compile_plan(plan: Plan, root: str):
             src = st.source
             if isinstance(src, NewTensor) and src.data is not None:
                 if len(src.data) != nbytes:
-                    raise ValueError(f"{arc.relpath}: computed tensor holds {len(src.data)} bytes, expected {nbytes}")
+                    raise ValueError(f"{relpath}: computed tensor holds {len(src.data)} bytes, expected {nbytes}")
                 records.append((f"data/{st.key}", nbytes, src.data))
                 continue
             records.append((f"data/{st.key}", nbytes, None))
@@ -115,12 +143,22 @@ def compile_plan(plan: Plan, root: str):
                 ops.append((src_id(sf), sf.storage_offset(src), out_idx, rec, 0, nbytes, 0, 1, 0))
             elif isinstance(src, NewTensor):
                 for p in src.pieces:
-                    ops.append((src_id(p.src), p.src_off, out_idx, rec, p.dst_off, p.nbytes, p.kind, p.rows,
-                                p.stride))
+                    ops.append((src_id(p.src) if p.src is not None else -1, p.src_off, out_idx, rec, p.dst_off,
+                                p.nbytes, p.kind, p.rows, p.stride))
             else:  # pragma: no cover - torch_pickle only produces the two kinds above
                 raise TypeError(type(src))
-        records.append(("version", 2, b"3\n"))
-        outputs.append((os.path.join(root, arc.relpath), name, records))
+        records += tail
+
+    for arc in plan.archives:
+        records = []
+        add_members(arc.relpath, len(outputs), arc.obj, records)
+        outputs.append((os.path.join(root, arc.relpath), os.path.splitext(os.path.basename(arc.relpath))[0], records))
+    for ser in plan.series:
+        records, starts = [], []
+        for obj in ser.members:
+            starts.append(len(records))
+            add_members(ser.relpath, len(outputs), obj, records)
+        outputs.append((os.path.join(root, ser.relpath), SERIES_ARCHIVE_NAME, records, starts))
     for raw in plan.raw_files:
         out_idx = len(outputs)
         records = [("head", len(raw.head), raw.head)] if raw.head else []
@@ -150,6 +188,7 @@ def execute(plan: Plan, root: str, workers: Optional[int] = None, progress: bool
     dirs = {os.path.dirname(os.path.join(root, a.relpath)) for a in plan.archives}
     dirs |= {os.path.dirname(os.path.join(root, c.relpath)) for c in plan.copies}
     dirs |= {os.path.dirname(os.path.join(root, r.relpath)) for r in plan.raw_files}
+    dirs |= {os.path.dirname(os.path.join(root, r.relpath)) for r in plan.series}
     for d in sorted(dirs):
         os.makedirs(d, exist_ok=True)
     # Whole-file copies (model-state files) go through the kernel's copy path in a thread, so they

@@ -98,6 +98,16 @@ class ArchiveOut:
 
 
 @dataclass
+class ArchiveSeriesOut:
+    """A file of several torch.save archives back to back, each holding one object and readable on
+    its own from its (offset, length) slice, which :func:`pyckpt.native.series_layout` gives: the
+    data files of torch.distributed.checkpoint."""
+
+    relpath: str
+    members: List[Any] = field(default_factory=list)
+
+
+@dataclass
 class FileCopy:
     src: Any  # pyckpt.formats.torch_zip.SourceFile, parsed and checked like every file pyckpt reads
     relpath: str
@@ -118,6 +128,7 @@ class Plan:
     archives: List[ArchiveOut] = field(default_factory=list)
     copies: List[FileCopy] = field(default_factory=list)
     raw_files: List[RawFileOut] = field(default_factory=list)
+    series: List[ArchiveSeriesOut] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)  # what a --dry-run should tell besides the files
 
     _relpaths: set = field(default_factory=set, repr=False)
@@ -137,6 +148,9 @@ class Plan:
 
     def add_raw_file(self, relpath: str, head: bytes, tensors: List[Tuple[str, NewTensor]] = ()) -> None:
         self.raw_files.append(RawFileOut(self._claim(relpath), bytes(head), list(tensors)))
+
+    def add_archive_series(self, relpath: str, members: List[Any]) -> None:
+        self.series.append(ArchiveSeriesOut(self._claim(relpath), list(members)))
 
     def add_copy(self, src, relpath: str) -> None:
         src.load()  # a file copied verbatim passes the same checks as one pyckpt parses
@@ -161,8 +175,17 @@ class Plan:
             nbytes = sum(ITEMSIZE[t.dtype] * t.numel() for _, t in raw.tensors)
             total += nbytes
             lines.append(f"  {raw.relpath}: {len(raw.head)} header bytes, {len(raw.tensors)} tensor(s), {nbytes} bytes")
+        for ser in self.series:
+            nbytes = 0
+            for obj in ser.members:
+                _, storages = dumps(obj)
+                nbytes += sum(st.numel * ITEMSIZE[st.dtype] for st in storages)
+            total += nbytes
+            if len(lines) < limit:
+                lines.append(f"  {ser.relpath}: {len(ser.members)} archive(s) back to back, {nbytes} tensor bytes")
         for c in self.copies:
             lines.append(f"  {c.relpath}: copy of {c.src.path}")
         raw = f", {len(self.raw_files)} other file(s)" if self.raw_files else ""
+        raw += f", {len(self.series)} file(s) of archives" if self.series else ""
         head = [f"{len(self.archives)} archive(s){raw}, {total} tensor bytes; {len(self.copies)} file copies"]
         return "\n".join(head + self.notes + lines)
