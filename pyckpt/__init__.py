@@ -24,10 +24,12 @@ _LAZY = {
     "export_hf": "huggingface.export",
     "ExportReport": "huggingface.export",
     "state_dict": "huggingface.state_dict",
+    "export_dcp": "dcp.export",
+    "DcpReport": "dcp.export",
 }
 
 __all__ = [
-    "convert_to_universal", "ConversionReport", "export_hf", "ExportReport", "state_dict", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
+    "convert_to_universal", "ConversionReport", "export_hf", "ExportReport", "export_dcp", "DcpReport", "state_dict", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
     # every exception pyckpt raises on purpose (pyckpt.errors), all PyckptError
     "PyckptError", "CheckpointFormatError", "UnsafePickleError", "OutputExistsError", "UnsupportedCheckpointError",
     "AutoEPError", "MissingExpertFileError", "InputChangedError", "PlanCheckError", "RanksFailedError",

@@ -44,9 +44,23 @@ process's. A failure on any process publishes nothing and every process exits 1;
 prints (progress, the closing line, --json, --dry-run, the error).
 """
 
+DCP = """\
+With --format dcp, OUTPUT is a torch.distributed.checkpoint folder (.metadata and __K_0.distcp data
+files) for a job moving to PyTorch FSDP2 or torchtitan, holding what get_state_dict(model,
+optimizer) gives there: {"model": the state dict above in --dtype, "optim": {"state": {name:
+{step, exp_avg, exp_avg_sq}}, "param_groups": DeepSpeed's groups with their hyper-parameters and
+parameter names}}, the Adam moments fp32 from the ZeRO partitions. Load it with
+dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=OUTPUT) and set_state_dict, at any
+world size. --model-key/--optim-key rename the two entries (--model-key '' puts the model at the top
+level, as a model-only DCP checkpoint has it); --no-optimizer writes the model alone.
+"""
+DESCRIPTION += "\n" + DCP
+
 EPILOG = """\
 zero_to_fp32.py flags are accepted: --max_shard_size, --safe_serialization (the default),
 -t/--tag, --exclude_frozen_parameters.
+
+--format dcp: see above; --max_shard_size, --torch-bin and --safe_serialization do not apply.
 
 exit status: 0 done, 1 export failed (one line on stderr; --debug for a traceback), 2 usage.
 """
@@ -73,6 +87,18 @@ def add_arguments(p) -> None:
     p.add_argument("--torch-bin", "--torch_bin", dest="torch_bin", action="store_true",
                    help="write pytorch_model*.bin (torch.save files; tied aliases kept as shared storage) instead of "
                    "safetensors, as zero_to_fp32.py does without --safe_serialization")
+    p.add_argument("--format", default="hf", choices=("hf", "dcp"),
+                   help="hf: Hugging Face model files (default); dcp: a torch.distributed.checkpoint folder with the "
+                   "optimizer state, for FSDP2 / torchtitan")
+    p.add_argument("--model-key", "--model_key", dest="model_key", default="model",
+                   help="--format dcp: the top-level key of the model's entries ('' for none; default: model)")
+    p.add_argument("--optim-key", "--optim_key", dest="optim_key", default="optim",
+                   help="--format dcp: the top-level key of the optimizer state (default: optim)")
+    p.add_argument("--no-optimizer", "--no_optimizer", dest="optimizer", action="store_false",
+                   help="--format dcp: write the model's entries alone")
+    p.add_argument("--chunk-mb", "--chunk_mb", dest="chunk_mb", type=float, default=16.0,
+                   help="--format dcp: tensors are cut along their first dimension into chunks of about this many "
+                   "MiB, so that a load at any world size reads little beyond its own rows (default: 16)")
     p.add_argument("--exclude_frozen_parameters", "--exclude-frozen-parameters", action="store_true",
                    help="leave frozen (requires_grad=False) parameters out")
     p.add_argument("--workers", "-j", type=int, default=None,
@@ -93,8 +119,27 @@ def run(args) -> int:
         raise UsageError("--workers must be 0 (one per core) or more")
     if args.torch_bin and args.safe_serialization:
         raise UsageError("--torch-bin and --safe_serialization ask for different formats: choose one")
+    dcp = args.format == "dcp"
+    if dcp and (args.torch_bin or args.safe_serialization or args.max_shard_size != "5GB"):
+        raise UsageError("--max_shard_size, --torch-bin and --safe_serialization are for Hugging Face files, not "
+                         "--format dcp")
+    if dcp and args.dtype == "auto":
+        raise UsageError("--format dcp takes --dtype fp32, bf16 or fp16")
+    if dcp and not args.chunk_mb > 0:
+        raise UsageError("--chunk-mb must be positive")
+    if not dcp and (args.model_key != "model" or args.optim_key != "optim" or not args.optimizer):
+        raise UsageError("--model-key, --optim-key and --no-optimizer are for --format dcp")
     with cli_common.among_processes() as (ranks, lead):
         workers = args.workers if args.workers is not None or ranks is None else default_workers()
+        if dcp:
+            from .dcp.export import export_dcp
+            report = export_dcp(args.input, args.output, tag=args.tag, dtype=args.dtype, optimizer=args.optimizer,
+                                model_key=args.model_key, optim_key=args.optim_key,
+                                chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
+                                exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,
+                                dry_run=args.dry_run, workers=workers, progress=lead and not args.quiet,
+                                fsync=args.fsync, notify=note if lead and not args.quiet else None, ranks=ranks)
+            return report_done(args, report) if lead else 0
         report = export_hf(args.input, args.output, tag=args.tag, dtype=args.dtype,
                            max_shard_size=args.max_shard_size, torch_bin=args.torch_bin,
                            exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,

@@ -17,7 +17,7 @@ from . import common as cli_common
 # name, module (in this package), the line `pyckpt --help` shows. A new subcommand is one row here.
 COMMANDS = (
     ("convert", "convert", "convert a ZeRO checkpoint to DeepSpeed's Universal Checkpoint layout"),
-    ("export", "export", "export a ZeRO checkpoint as Hugging Face safetensors model files (zero_to_fp32)"),
+    ("export", "export", "export as Hugging Face safetensors (zero_to_fp32) or torch DCP (with the optimizer)"),
     ("inspect", "describe", "show a ZeRO checkpoint's stage, dp degree, dtypes, parameters and files"),
     ("verify", "verify", "check a Universal Checkpoint folder before deleting the checkpoint it came from"),
     ("clean", "clean", "remove what killed conversions into OUTPUT left beside it"),

@@ -27,6 +27,19 @@ class StorageOut:
     source: Any  # StorageRef (copied whole) or NewTensor (assembled)
 
 
+@dataclass(eq=False)  # hashed by identity: it may be a dict key (DCP's MetadataIndex)
+class Constructed:
+    """An object of a class pyckpt does not import, written as its pickle builds it: the class by
+    name, called with ``args`` (``how``: "newobj" creates it without __init__, as pickle does for a
+    plain class; "reduce" calls it), then BUILD with ``state`` unless that is None."""
+
+    module: str
+    name: str
+    args: tuple = ()
+    how: str = "newobj"
+    state: Any = None
+
+
 def _contiguous_stride(shape):
     stride, acc = [], 1
     for d in reversed(shape):
@@ -188,6 +201,13 @@ class _Emitter:
             self._global(obj.module, obj.name)
         elif isinstance(obj, Opaque):
             self._opaque(obj)
+        elif isinstance(obj, Constructed):
+            self._global(obj.module, obj.name)
+            self._tuple(list(obj.args))
+            self.out += b"\x81" if obj.how == "newobj" else b"R"
+            if obj.state is not None:
+                self.dump(obj.state)
+                self.out += b"b"
         else:
             raise TypeError(f"cannot write {type(obj).__name__} into a checkpoint pickle")
 

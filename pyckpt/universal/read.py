@@ -32,6 +32,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from ..errors import CheckpointFormatError
 from ..formats.confined import check_links_inside, inside
 from ..tensors import NewTensor, numel
+from ..formats.pickle_read import TensorRef
 from ..formats.torch_zip import SourceFile
 from ..planning.plan import Piece
 from ..planning.collector import pauses_collector
@@ -146,19 +147,20 @@ def consolidate_universal(uck: UniversalCheckpoint, exclude_frozen: bool = False
     return assemble(uck, lambda: _trainable(uck, dense_only), exclude_frozen)
 
 
-def _trainable(uck: UniversalCheckpoint, dense_only: bool) -> Iterator[Tuple[str, NewTensor]]:
+def _trainable(uck: UniversalCheckpoint, dense_only: bool, state: str = "fp32") -> Iterator[Tuple[str, NewTensor]]:
+    """Every trainable parameter's ``state`` (fp32, exp_avg, exp_avg_sq) from its zero/<name>/ file."""
     local = local_shapes(uck)
     in_module = {name for ms in uck.model for name in ms.module}
     for name, shape in trainable_shapes(uck).items():
         # read_model_states checked every param_shapes key to be one legal folder name
-        path = os.path.join(uck.folder, "zero", name, "fp32.pt")
+        path = os.path.join(uck.folder, "zero", name, f"{state}.pt")
         if not os.path.lexists(path):
             if dense_only and uck.stage != 3 and name not in in_module:
                 continue  # what the ZeRO export leaves out with dense_only; the conversion wrote nothing
             lister = next(ms for ms in uck.model if name in ms.shapes)
             raise CheckpointFormatError(f"{path}: missing: {os.path.basename(lister.path)} lists {name!r} as "
-                                        "trainable (param_shapes), and its exported value is this fp32 master")
-        sf = SourceFile(inside(uck.folder, os.path.join("zero", name, "fp32.pt")))
+                                        f"trainable (param_shapes), and its {state} state is this file")
+        sf = SourceFile(inside(uck.folder, os.path.join("zero", name, f"{state}.pt")))
         obj = sf.load()
         tensor, meta, problems = read_state(obj, uck.stage)
         raw = not isinstance(obj, dict)
@@ -177,6 +179,30 @@ def _trainable(uck: UniversalCheckpoint, dense_only: bool) -> Iterator[Tuple[str
         off, nbytes = sf.tensor_byte_range(tensor)
         yield name, NewTensor("float32", shape if whole else full, [Piece(sf, off, nbytes, 0)] if nbytes else [],
                               tensor.requires_grad)
+
+
+def universal_optimizer_states(uck: UniversalCheckpoint, trainable) -> Tuple[Dict[str, Dict[str, object]], list]:
+    """(name -> {exp_avg, exp_avg_sq, step}, param groups) of the parameters in ``trainable``: the
+    moments as their fp32 masters are read (``_trainable``), the step as ``step.pt`` holds it (a 0-d
+    tensor, or a number), the groups from ``zero/optimizer_state.pt``."""
+    out: Dict[str, Dict[str, object]] = {name: {} for name in trainable}
+    for state in ("exp_avg", "exp_avg_sq"):
+        for name, t in _trainable(uck, False, state):
+            if name in out:
+                out[name][state] = t
+    for name in out:
+        sf = SourceFile(inside(uck.folder, os.path.join("zero", name, "step.pt")))
+        step = sf.load()
+        if isinstance(step, TensorRef):
+            off, nbytes = sf.tensor_byte_range(step)
+            step = NewTensor(step.dtype, tuple(step.shape), [Piece(sf, off, nbytes, 0)] if nbytes else [])
+        out[name]["step"] = step
+    sf = SourceFile(inside(uck.folder, os.path.join("zero", "optimizer_state.pt")))
+    opt = sf.load()
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    if not isinstance(groups, list):
+        raise CheckpointFormatError(f"{sf.path}: holds no list of param_groups")
+    return out, groups
 
 
 def local_shapes(uck: UniversalCheckpoint) -> Dict[str, Dict[int, tuple]]:

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 # though DeepSpeed never reads them back (see NOTES.md).
 INIT_SEED = 1234
 MICRO_BATCH = 2
+# The second param group of Config.groups: settings unlike the config's Adam defaults.
+BIAS_GROUP = {"lr": 3e-3, "betas": (0.8, 0.95), "weight_decay": 0.05}
 
 
 class Tiny(nn.Module):

@@ -376,8 +376,7 @@ def check_autoep_start(engine, cfg: dict, sources: dict, world_size: int) -> Non
                 raise RuntimeError(f"rank {rank}: {name}.experts.{w} does not hold source experts [{lo}, {hi})")
 
 
-# The second param group of Config.groups: settings unlike the config's Adam defaults.
-BIAS_GROUP = {"lr": 3e-3, "betas": (0.8, 0.95), "weight_decay": 0.05}
+BIAS_GROUP = models.BIAS_GROUP
 
 
 def make_engine(cfg: dict, world_size: int, load_universal: bool = False):

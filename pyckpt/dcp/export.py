@@ -1,0 +1,270 @@
+"""Export to torch.distributed.checkpoint: a DeepSpeed checkpoint -> a DCP folder that
+``torch.distributed.checkpoint.load`` reads into an FSDP2 model and a torch Adam/AdamW optimizer,
+weights and optimizer state together, complete or absent.
+
+The content is what ``get_state_dict(model, optimizer)`` gives for the same model under FSDP2,
+nested as ``{model_key: model state dict, optim_key: {"state": ..., "param_groups": ...}}``:
+- the model's entries are the consolidated state dict an export writes (buffers, frozen parameters,
+  trainable parameters from their fp32 masters; a tied parameter under each of its names, the second
+  sharing the first one's chunks), in ``dtype``;
+- ``state.<fqn>.{step, exp_avg, exp_avg_sq}`` for every trainable parameter, the fp32 moments of the
+  ZeRO partitions (the Universal Checkpoint's own bytes) and torch's float32 step;
+- ``param_groups``: DeepSpeed's groups in order, each with its own hyper-parameters and its
+  parameters by name.
+Nothing is assembled in memory: each chunk is a torch.save archive whose tensor bytes the native
+executor gathers from the mapped shards (:mod:`.layout` says how tensors are cut), and the
+``.metadata`` is pickled by pyckpt (:mod:`.metadata`).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional
+
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
+from ..execution.distributed import agreed, plan_digest, several
+from ..execution.executor import series_locations
+from ..execution.publish import check_apart, write_published
+from ..huggingface.export import read_consolidated, resolve_dtype
+from ..planning.collector import pauses_collector
+from ..planning.plan import Plan
+from ..tensors import FLOATING, ITEMSIZE, NewTensor, numel
+from ..universal.read import UniversalCheckpoint, universal_optimizer_states
+from ..zero.consolidated import cast
+from ..zero.optimizer_state import agreed_step
+from ..zero.read import read_zero_state
+from ..zero.shards import Step
+from .layout import (DEFAULT_CHUNK_BYTES, MODEL_KEY, OPTIM_KEY, BytesEntry, Layout, TensorEntry, assign_files,
+                     chunk_tensor, data_file_name)
+from .metadata import metadata_bytes
+
+METADATA_NAME = ".metadata"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# The keys of a torch Adam/AdamW param group that DeepSpeed's own optimizers (FusedAdam, CPUAdam) do
+# not keep, with torch's defaults: a load into torch's optimizer needs every key its groups have.
+TORCH_ADAM_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                       "differentiable": False, "fused": None}
+
+
+@dataclass
+class DcpReport:
+    input: str
+    output: str
+    dtype: str
+    entries: int
+    chunks: int
+    files: int
+    total_size: int
+    bytes_written: int = 0
+    seconds: float = 0.0
+    plan_text: str = ""
+
+    def summary(self) -> str:
+        rate = self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+        return (f"exported {self.entries} entries ({self.dtype} model, {self.chunks} chunks) to {self.output} as a "
+                f"torch.distributed.checkpoint: {self.files} files, {self.bytes_written / 1e9:.3f} GB in "
+                f"{self.seconds:.2f} s ({rate:.2f} GB/s)")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("plan_text")
+        return d
+
+
+def _param_value(value) -> NewTensor:
+    """A universal state's tensor: the value itself, or the 'param' of its dict with merge markers."""
+    return value["param"] if isinstance(value, dict) else value
+
+
+def _as_float32_step(name: str, step) -> NewTensor:
+    """torch Adam's step: a 0-d float32 tensor (a number DeepSpeed's own Adam keeps becomes one)."""
+    if isinstance(step, NewTensor):
+        if numel(step.shape) != 1 or step.dtype not in FLOATING:
+            raise CheckpointFormatError(f"the Adam step of {name!r} is a {step.dtype} tensor of shape "
+                                        f"{list(step.shape)}, not one number")
+        step = cast(step, "float32")
+        return NewTensor("float32", (), step.pieces, False, step.data)
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        raise CheckpointFormatError(f"the Adam step of {name!r} is a {type(step).__name__}, not a number")
+    return NewTensor("float32", (), [], False, struct.pack("<f", float(step)))
+
+
+def _zero3_step(ck) -> NewTensor:
+    """ZeRO-3 keeps one step per flat sub-group partition: every rank and sub-group must agree on it,
+    as torch's Adam steps every parameter at once."""
+    found = [Step(shard.file, g.state["step"]) for shard in ck.optim for g in shard.groups if "step" in g.state]
+    step = agreed_step(found, lambda _: CheckpointFormatError(
+        f"{ck.folder}: the ZeRO-3 partitions disagree on the Adam step (one step per sub-group and rank), so no one "
+        "step per parameter can be told"))
+    if step is None:
+        raise CheckpointFormatError(f"{ck.folder}: no Adam step in the optimizer state: the optimizer never stepped")
+    return step.output()
+
+
+def _param_groups(ck, groups: List[dict], trainable: Dict[str, tuple]) -> List[dict]:
+    """DeepSpeed's param groups as torch's optimizer keeps them, each with its parameters by name.
+
+    DeepSpeed's saved groups are its torch optimizer's, whose 'params' are the indices of the flat
+    partitions that group holds: one per group under ZeRO-1/2, one per sub-group under ZeRO-3.
+    ``param_shapes`` of the model states lists each flat partition's parameters in order (the same
+    index, across pipeline stages and tensor ranks)."""
+    out, seen = [], set()
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise CheckpointFormatError(f"{ck.folder}: param group {i} of the optimizer state is a "
+                                        f"{type(group).__name__}, not a dict")
+        flats = group.get("params")
+        if (not isinstance(flats, list) or any(isinstance(j, bool) or not isinstance(j, int) or j < 0 for j in flats)):
+            raise CheckpointFormatError(f"{ck.folder}: param group {i} of the optimizer state has no list of flat "
+                                        "partition indices under 'params'")
+        names = []
+        for ms in ck.model:
+            for j in flats:
+                if j >= len(ms.groups):
+                    raise CheckpointFormatError(f"{ms.path}: param group {i} holds flat partition {j}, but "
+                                                f"param_shapes lists {len(ms.groups)}")
+                for name in ms.groups[j]:
+                    if name in trainable and name not in seen:
+                        seen.add(name)
+                        names.append(name)
+        g = {k: v for k, v in group.items() if k != "params"}
+        if "adam_w_mode" in g and "decoupled_weight_decay" not in g:
+            g["decoupled_weight_decay"] = bool(g["adam_w_mode"])  # DeepSpeed's Adam in AdamW mode
+        for k, v in TORCH_ADAM_DEFAULTS.items():
+            g.setdefault(k, v)
+        g.setdefault("decoupled_weight_decay", False)
+        g["params"] = names
+        out.append(g)
+    lost = [name for name in trainable if name not in seen]
+    if lost:
+        raise CheckpointFormatError(f"{ck.folder}: the trainable parameter {lost[0]!r} is in none of the optimizer's "
+                                    "param groups")
+    return out
+
+
+@pauses_collector
+def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer: bool = True,
+             model_key: str = MODEL_KEY, optim_key: str = OPTIM_KEY, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+             exclude_frozen: bool = False, min_files: int = 1, save_id: str = ""):
+    """(checkpoint, plan, layout, dtype) of a DCP export, nothing written."""
+    if optimizer and not optim_key:
+        raise ValueError("the optimizer state needs a key of its own (optim_key)")
+    if optimizer and model_key == optim_key:
+        raise ValueError(f"model_key and optim_key must differ (both {model_key!r})")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
+    ck, cstate = read_consolidated(input, tag, exclude_frozen)
+    target = resolve_dtype(dtype)
+    layout = Layout()
+    prefix = (model_key,) if model_key else ()
+    holders: Dict[str, TensorEntry] = {}
+    for name, t in cstate.tensors.items():
+        t = cast(t, target) if t.dtype in FLOATING else t
+        entry = TensorEntry(prefix + (name,), t.dtype, tuple(t.shape), chunk_tensor(t, chunk_bytes))
+        holders[name] = entry
+        layout.tensors.append(entry)
+    for alias, holder in cstate.aliases.items():
+        h = holders[holder]
+        layout.tensors.append(TensorEntry(prefix + (alias,), h.dtype, h.shape, [], same_as=h))
+    if optimizer:
+        _add_optimizer(ck, cstate, layout, (optim_key,), chunk_bytes)
+    assign_files(layout, min_files)
+    names = [data_file_name(i) for i in range(len(layout.files))]
+    plan = Plan()
+    locations = []
+    for fname, items in zip(names, layout.files):
+        members = [i.tensor if hasattr(i, "tensor") else i.value for i in items]
+        plan.add_archive_series(fname, members)
+        locations.append(series_locations(members))
+    plan.add_raw_file(METADATA_NAME, metadata_bytes(layout, locations, names, save_id))
+    plan.notes.append(f"  torch.distributed.checkpoint: {len(layout.tensors)} tensors, {len(layout.objects)} other "
+                      f"values, {sum(len(f) for f in layout.files)} archives in {len(names)} data files")
+    return ck, plan, layout, target
+
+
+def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int) -> None:
+    skip = set(cstate.buffers) | set(cstate.frozen)
+    trainable = {name: tuple(t.shape) for name, t in cstate.tensors.items() if name not in skip}
+    with metadata_errors(ck.folder):
+        if isinstance(ck, UniversalCheckpoint):
+            states, groups = universal_optimizer_states(ck, trainable)
+        else:
+            zstate, _ = read_zero_state(ck, states=MOMENTS + ("step",))
+            states = zstate.params
+            groups = ck.optim[0].param_groups
+            if ck.stage == 3:
+                step = _zero3_step(ck)
+                states = {name: dict(held, step=step) for name, held in states.items()}
+    if not isinstance(groups, list) or not groups:
+        raise CheckpointFormatError(f"{ck.folder}: the optimizer state holds no param groups")
+    for name, shape in trainable.items():
+        held = states.get(name)
+        if held is None or any(s not in held for s in MOMENTS + ("step",)):
+            missing = [s for s in MOMENTS + ("step",) if not held or s not in held]
+            raise UnsupportedCheckpointError(f"{ck.folder}: no {'/'.join(missing)} state for the trainable parameter "
+                                             f"{name!r}: only Adam/AdamW optimizer state exports to DCP")
+        for s in MOMENTS:
+            t = _param_value(held[s])
+            if numel(t.shape) != numel(shape) or t.dtype != "float32":
+                raise UnsupportedCheckpointError(f"{ck.folder}: the {s} of {name!r} is {t.dtype} {list(t.shape)}, "
+                                                 f"not the parameter's float32 {list(shape)}")
+            t = NewTensor(t.dtype, shape, t.pieces, False, t.data)
+            layout.tensors.append(TensorEntry(prefix + ("state", name, s), "float32", shape,
+                                              chunk_tensor(t, chunk_bytes)))
+        step = _as_float32_step(name, held["step"])
+        layout.tensors.append(TensorEntry(prefix + ("state", name, "step"), "float32", (), chunk_tensor(step)))
+    extra = sorted(set(states) - set(trainable))
+    if extra:
+        raise CheckpointFormatError(f"{ck.folder}: optimizer state for {extra[0]!r}, which the model states do not "
+                                    "list as a trainable parameter")
+    for i, group in enumerate(_param_groups(ck, groups, trainable)):
+        for key, value in group.items():
+            layout.objects.append(BytesEntry(prefix + ("param_groups", i, key), value))
+
+
+def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer: bool = True,
+               model_key: str = MODEL_KEY, optim_key: str = OPTIM_KEY, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               exclude_frozen_parameters: bool = False, overwrite: bool = False, dry_run: bool = False,
+               workers: Optional[int] = None, progress: bool = False, fsync: bool = False,
+               notify: Optional[Callable[[str], None]] = None, ranks=None) -> DcpReport:
+    """Export a DeepSpeed checkpoint (ZeRO tag folder, the folder holding ``latest`` such as the Hugging
+    Face Trainer's ``checkpoint-N/``, or a Universal Checkpoint folder) as a torch.distributed.checkpoint
+    folder ``output`` that ``dcp.load`` reads into an FSDP2 model and torch Adam/AdamW optimizer.
+
+    ``dtype`` (fp32, bf16, fp16) is the model entries' (the optimizer state stays fp32);
+    ``optimizer=False`` writes the model alone. ``model_key``/``optim_key`` name the top-level entries
+    (``{"model": ..., "optim": ...}`` by default; ``model_key=""`` puts the model's entries at the top
+    level). ``chunk_bytes``: tensors are cut along dimension 0 into chunks of about this size, so a load
+    at any world size reads little beyond its own rows. ``ranks`` shares the data files among the
+    processes of a torch launch. The output is complete or absent; an existing ``output`` is replaced
+    only with ``overwrite=True``."""
+    t0 = time.perf_counter()
+    ranks = several(ranks)
+    output = os.path.abspath(os.fspath(output))
+    # one save id for every rank's plan: the .metadata is the same file wherever it is planned
+    save_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"pyckpt-dcp:{output}:{os.fspath(input)}"))
+    with agreed(ranks, "planning the DCP export", same=True) as vote:
+        ck, plan, layout, target = plan_dcp(input, tag=tag, dtype=dtype, optimizer=optimizer, model_key=model_key,
+                                            optim_key=optim_key, chunk_bytes=chunk_bytes,
+                                            exclude_frozen=exclude_frozen_parameters,
+                                            min_files=ranks.size if ranks else 1, save_id=save_id)
+        if not dry_run:
+            check_apart(input, ck.folder, output)
+        if ranks:
+            vote.value = plan_digest(plan)
+    chunks = sum(len(f) for f in layout.files)
+    total = sum(numel(c.sizes) * ITEMSIZE[c.tensor.dtype] for f in layout.files for c in f if hasattr(c, "tensor"))
+    report = DcpReport(ck.folder, output, target, len(layout.tensors) + len(layout.objects), chunks,
+                       len(plan.series) + len(plan.raw_files), total)
+    if dry_run:
+        report.plan_text = plan.describe()
+        return report
+    stats = write_published(plan, output, overwrite=overwrite, fsync=fsync, pointer=None, workers=workers,
+                            progress=progress, notify=notify, ranks=ranks)
+    report.bytes_written = stats["bytes_written"]
+    report.seconds = time.perf_counter() - t0
+    return report

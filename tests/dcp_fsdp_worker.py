@@ -1,0 +1,89 @@
+"""An FSDP2 job resuming from pyckpt's DCP export of a DeepSpeed checkpoint (run by torchrun).
+
+Every rank builds the harness model in fp32, shards it with ``fully_shard``, makes torch Adam with
+DeepSpeed's param groups, and loads the export the way FSDP2 scripts do:
+``get_state_dict`` -> ``dcp.load({"model": ..., "optim": ...})`` -> ``set_state_dict``. Rank 0 then
+writes what was loaded (every parameter and Adam state gathered with ``full_tensor()``, the groups'
+hyper-parameters) and the losses of a few more training steps, each on the same batch on every rank.
+
+    torchrun --nproc_per_node W tests/dcp_fsdp_worker.py MODEL EXPORT OUT.pt [--groups] [--steps N]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dsharness import models  # noqa: E402
+
+LR = 1e-2  # the harness's DeepSpeed config
+
+
+def param_groups(model, groups: bool):
+    """DeepSpeed's groups in the harness: one, or the weights and the biases (models.BIAS_GROUP)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not groups:
+        return [{"params": [p for _, p in named]}]
+    return [{"params": [p for n, p in named if not n.endswith(".bias")]},
+            {"params": [p for n, p in named if n.endswith(".bias")], **models.BIAS_GROUP}]
+
+
+def next_batch(name: str, step: int):
+    """One batch, the same on every rank: the concatenation of the harness's two dp ranks' batches."""
+    parts = [models.batch(name, r, step, torch.float32) for r in range(2)]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
+
+
+def full(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("export")
+    ap.add_argument("out")
+    ap.add_argument("--groups", action="store_true")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--first-step", type=int, default=3)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    model = models.build_model(args.model)
+    # one FSDP unit: the harness models tie weights across their submodules
+    fully_shard(model)
+    opt = torch.optim.Adam(param_groups(model, args.groups), lr=LR)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=args.export)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    names = {p: n for n, p in model.named_parameters()}
+    loaded = {
+        "params": {n: full(p) for n, p in model.named_parameters()},
+        "buffers": {n: full(b) for n, b in model.named_buffers()},
+        "state": {names[p]: {k: full(v) for k, v in s.items()} for p, s in opt.state.items()},
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "group_names": [[names[p] for p in g["params"]] for g in opt.param_groups],
+    }
+    losses = []
+    model.train()
+    for k in range(args.steps):
+        opt.zero_grad()
+        loss = model(*next_batch(args.model, args.first_step + k))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    loaded["losses"] = losses
+    if dist.get_rank() == 0:
+        torch.save(loaded, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
