@@ -15,7 +15,7 @@ if __name__ == "__main__":
     starting()
 
 from .cli import common as cli_common  # noqa: E402  (after the start-up handler on purpose)
-from .cli.common import add_common_flags
+from .cli.common import UsageError, add_common_flags
 
 DESCRIPTION = """\
 Check that a Universal Checkpoint folder is complete and well-formed, before deleting the ZeRO
@@ -38,6 +38,13 @@ Checked:
   * with --against INPUT: the conversion of INPUT is planned again (nothing written) and every
     planned file must exist with the planned tensors' dtypes, shapes and byte counts and no other
     file; tensor bytes are compared by CRC-32 with the input's (--no-content to skip this).
+
+OUTPUT may also be a torch.distributed.checkpoint folder made by `pyckpt export --format dcp`,
+checked --against the checkpoint it was exported from: the export is planned again with the options
+it recorded (.pyckpt-export.json); the .metadata must be the planned one byte for byte (every entry,
+chunk and location), the data files their planned sizes, every chunk's archive where the metadata
+says with the planned members and pickle, each member matching its CRC-32, and each chunk's bytes
+the input's (CRC-32).
 """
 
 EPILOG = """\
@@ -62,12 +69,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from .dcp.verify import is_dcp_folder, verify_dcp
     from .universal.verify import verify_universal
+    if is_dcp_folder(args.output):
+        if not args.against:
+            raise UsageError(f"{args.output} is a torch.distributed.checkpoint folder: pyckpt verifies one it exported "
+                             "against its input (--against INPUT)")
+        report = verify_dcp(args.output, against=args.against, content=args.content)
+        return _print(args, report)
     # The byte counter draws only on a terminal; elsewhere making one would only cost a walk of the
     # folder and a tqdm whose half-made instance prints a traceback if a Ctrl-C lands in its making.
     progress = not args.quiet and not args.json and getattr(sys.stderr, "isatty", lambda: False)()
     report = verify_universal(args.output, against=args.against, dense_only=args.dense_only, content=args.content,
                               progress=progress)
+    return _print(args, report)
+
+
+def _print(args, report) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -5,7 +5,10 @@ which then train on from where DeepSpeed stopped."""
 
 from __future__ import annotations
 
+import io
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +20,10 @@ import dsharness as h
 from dsharness import models
 
 import pyckpt
+from edit import rewrite
 from pyckpt.dcp.layout import chunk_tensor, narrow_bytes
+from pyckpt.errors import CheckpointFormatError, UnsafePickleError
+from pyckpt.formats.pickle_read import GlobalName
 from pyckpt.planning.plan import Piece
 from pyckpt.tensors import NewTensor
 
@@ -32,7 +38,9 @@ GROUPED = {
 # The suite's checkpoints read back here: every stage, bf16 masters, BF16_Optimizer, tied and frozen
 # parameters with buffers, ZeRO-3 sub-groups.
 SUITE = ["s1_fp32_dp2", "s2_bf16_dp2", "s3_fp32_dp2_subgroups", "s3_bf16_dp3", "s2_bf16_frozen_tied",
-         "s3_frozen_tied", "s1_bf16_dp2_bf16_optimizer"]
+         "s3_frozen_tied", "s1_bf16_dp2_bf16_optimizer",
+         # AutoTP (tp 2 x dp 2): the full logical tensors; AutoEP: every expert as one [E, ...] tensor
+         "tp_s2_bf16", "tp_s3_fp32", "ep_s1_fp32", "ep_s2_bf16", "ep_s3_fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +48,10 @@ def grouped(ds_root, ds_environ) -> dict:
     made = h.make_checkpoints([(cfg, ds_root / "dcp_grouped" / name) for name, cfg in GROUPED.items()],
                               env=ds_environ)
     return dict(zip(GROUPED, made))
+
+
+# AutoEP's per-layer token counter, registered persistent=False (deepspeed/module_inject/auto_ep_layer.py)
+NON_PERSISTENT = ("tokens_per_expert",)
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -61,9 +73,12 @@ def _read_back(out: Path, tmp_path: Path) -> dict:
 
 def _expected_groups(ck) -> list:
     """DeepSpeed's groups in the harness: the config's Adam (lr 1e-2) and, under Config.groups, the biases
-    with models.BIAS_GROUP."""
+    with models.BIAS_GROUP; AutoEP's experts in a second group of the same settings."""
     base = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     names = [n for n in ck.reference["param_names"] if n not in ck.reference["frozen"]]
+    if ck.config.model == "moe":  # AutoEP keeps the experts in a param group of their own
+        experts = set(ck.reference["meta"]["expert_params"])
+        return [(base, [n for n in names if n not in experts]), (base, [n for n in names if n in experts])]
     if not ck.config.groups:
         return [(base, names)]
     return [(base, [n for n in names if not n.endswith(".bias")]),
@@ -76,6 +91,9 @@ def _check_against_reference(ck, got: dict) -> None:
     for name, want in ref["fp32"].items():
         assert _same(model[name], want), name
     for name, want in ref["buffers"].items():
+        if name.rsplit(".", 1)[-1] in NON_PERSISTENT:
+            assert name not in model, name  # as in any state dict
+            continue
         assert _same(model[name], want), name
     trainable = [n for n in ref["param_names"] if n not in ref["frozen"]]
     assert sorted(optim["state"]) == sorted(trainable)
@@ -103,7 +121,8 @@ def test_torchs_own_reader_gives_the_training_state(checkpoints, tmp_path, name)
     ck = checkpoints[name]
     out = tmp_path / "dcp"
     report = pyckpt.export_dcp(ck.root, out)
-    assert sorted(os.listdir(out)) == [".metadata"] + sorted(f"__{i}_0.distcp" for i in range(report.files - 1))
+    data = sorted(f"__{i}_0.distcp" for i in range(report.files - 2))
+    assert sorted(os.listdir(out)) == [".metadata", ".pyckpt-export.json"] + data
     got = _read_back(out, tmp_path)
     assert sorted(got) == ["model", "optim"]
     _check_against_reference(ck, got)
@@ -261,3 +280,190 @@ def test_chunks_are_near_equal_runs_of_whole_rows():
     assert [(p.src_off, p.nbytes, p.dst_off) for c in chunks for p in c.tensor.pieces] == [(0, 48, 0), (48, 48, 0),
                                                                                           (96, 24, 0)]
     assert len(chunk_tensor(NewTensor("float32", (), data=b"\0" * 4))) == 1
+
+
+# -- hostile input: what a DCP export reads beyond the other exports --------------------------------
+
+def _copy(ck, tmp_path) -> Path:
+    root = tmp_path / "input"
+    shutil.copytree(ck.root, root)
+    return root / ck.tag
+
+
+def _first_optim_file(tag: Path) -> Path:
+    return sorted(tag.glob("*optim_states.pt"))[0]
+
+
+def _groups_of(obj):
+    """The torch optimizer's param groups in a ZeRO-1/2 shard."""
+    return obj["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+
+
+@pytest.mark.parametrize("value,error,problem", [
+    (GlobalName("os", "system"), UnsafePickleError, "refusing to load global 'os.system'"),
+    (GlobalName("torch", "float32"), CheckpointFormatError, "holds 'lr' = a GlobalName"),
+    (NewTensor("float32", (1,), data=b"\0" * 4), CheckpointFormatError, "holds 'lr' = a TensorRef"),
+    ([[[[[1.0]]]]], CheckpointFormatError, "holds 'lr' = a list"),
+])
+def test_param_group_values_that_are_not_plain_data_are_refused(checkpoints, tmp_path, value, error, problem):
+    """dcp.load unpickles each hyper-parameter with torch.load(weights_only=False): a group value that
+    is not plain data (an allowlisted global such as a dtype, a tensor, a deep nest) is refused, naming
+    the checkpoint, and one that pyckpt's reader does not allow is never unpickled; nothing is written
+    and the input is unchanged."""
+    tag = _copy(checkpoints["s2_fp32_dp3"], tmp_path)
+    path = _first_optim_file(tag)
+
+    def edit(obj):
+        _groups_of(obj)[0]["lr"] = value
+
+    rewrite(str(path), edit)
+    before = path.read_bytes()
+    with pytest.raises(error, match=re.escape(problem)) as ei:
+        pyckpt.export_dcp(tag, tmp_path / "out")
+    assert str(tag) in str(ei.value)
+    assert not (tmp_path / "out").exists() and path.read_bytes() == before
+
+
+@pytest.mark.parametrize("params,problem", [([7], "holds flat partition 7"), (["0"], "no list of flat partition"),
+                                            ([-1], "no list of flat partition"), (None, "no list of flat partition")])
+def test_param_group_indices_out_of_range_are_refused(checkpoints, tmp_path, params, problem):
+    tag = _copy(checkpoints["s2_fp32_dp3"], tmp_path)
+
+    def edit(obj):
+        _groups_of(obj)[0]["params"] = params
+
+    rewrite(str(_first_optim_file(tag)), edit)
+    with pytest.raises(CheckpointFormatError, match=problem):
+        pyckpt.export_dcp(tag, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_zero3_ranks_that_disagree_on_the_step_are_refused(checkpoints, tmp_path):
+    tag = _copy(checkpoints["s3_fp32_dp2_subgroups"], tmp_path)
+    path = sorted(tag.glob("*optim_states.pt"))[1]
+
+    def edit(obj):
+        state = obj["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+        first = state[next(iter(state))]
+        first["step"] = 99.0
+
+    rewrite(str(path), edit)
+    with pytest.raises(CheckpointFormatError, match="disagree on the Adam step"):
+        pyckpt.export_dcp(tag, tmp_path / "out")
+
+
+def test_a_model_entry_named_like_the_optimizer_key_is_refused_at_the_top_level(checkpoints, tmp_path):
+    ck = checkpoints["s2_fp32_dp3"]
+    with pytest.raises(CheckpointFormatError, match="named 'l0.weight'"):
+        pyckpt.export_dcp(ck.root, tmp_path / "out", model_key="", optim_key="l0.weight")
+    with pytest.raises(ValueError, match="must differ"):
+        pyckpt.export_dcp(ck.root, tmp_path / "out", model_key="x", optim_key="x")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_torchrun_export_equals_one_process(checkpoints, ds_environ, tmp_path, nproc):
+    """Under torchrun the data files are dealt among the processes (at least one each); the folder holds
+    the same entries as one process's, bit for bit, and its metadata names the same chunks."""
+    ck = checkpoints["s3_bf16_dp3"]
+    one = tmp_path / "one"
+    pyckpt.export_dcp(ck.root, one, chunk_bytes=64)
+    many = tmp_path / "many"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "-m",
+           "pyckpt.export", str(ck.root), str(many), "--format", "dcp", "--chunk-mb", str(64 / 2**20), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**ds_environ, "OMP_NUM_THREADS": "1"},
+                          timeout=TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(many.glob("*.distcp"))) >= nproc
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = _read_back(one, tmp_path / "a"), _read_back(many, tmp_path / "b")
+    _check_against_reference(ck, b)
+    assert sorted(a["model"]) == sorted(b["model"])
+
+
+# -- verify ------------------------------------------------------------------------------------------
+
+def _patch_chunk(folder: Path, key: str, fix_crc: bool) -> None:
+    """Flips the first byte of the first chunk of entry ``key`` in place; with ``fix_crc`` also the
+    CRC-32 its archive stores (local header and central directory), so that only a comparison with the
+    input can tell."""
+    import struct
+    import zipfile
+    import zlib
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(str(folder)).read_metadata()
+    index = next(i for i in md.storage_data if i.fqn == key)
+    info = md.storage_data[index]
+    path = folder / info.relative_path
+    data = bytearray(path.read_bytes())
+    blob = bytes(data[info.offset:info.offset + info.length])
+    zf = zipfile.ZipFile(io.BytesIO(blob))
+    member = next(i for i in zf.infolist() if i.filename == "archive/data/0")
+    name_len, extra_len = struct.unpack("<HH", blob[member.header_offset + 26:member.header_offset + 30])
+    start = info.offset + member.header_offset + 30 + name_len + extra_len
+    data[start] ^= 0xFF
+    if fix_crc:
+        crc = zlib.crc32(bytes(data[start:start + member.file_size]))
+        struct.pack_into("<I", data, info.offset + member.header_offset + 14, crc)
+        at = blob.find(b"PK\x01\x02")
+        while at >= 0:
+            n = struct.unpack("<H", blob[at + 28:at + 30])[0]
+            if blob[at + 46:at + 46 + n] == b"archive/data/0":
+                struct.pack_into("<I", data, info.offset + at + 16, crc)
+                break
+            at = blob.find(b"PK\x01\x02", at + 1)
+    path.write_bytes(bytes(data))
+
+
+def test_verify_accepts_the_export_and_names_each_defect(checkpoints, tmp_path):
+    """`pyckpt verify DCP --against INPUT` plans the export again: a sound export passes with every
+    chunk compared by CRC-32 with the input; a chunk whose bytes no longer match its CRC, one whose
+    bytes (and CRC) differ from the input's, a missing or an extra file, and a changed .metadata are
+    each one problem naming the file."""
+    from pyckpt.dcp.verify import verify_dcp
+    ck = checkpoints["s3_frozen_tied"]
+    out = tmp_path / "dcp"
+    pyckpt.export_dcp(ck.root, out, chunk_bytes=40)
+    report = verify_dcp(out, against=ck.root)
+    assert report.ok, report.problems
+    assert report.content_checked > 20 and report.content_skipped == 0
+
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    _patch_chunk(bad, "model.emb.weight", fix_crc=False)
+    problems = [str(p) for p in verify_dcp(bad, against=ck.root).problems]
+    assert len(problems) == 1 and "fails its CRC-32 check" in problems[0], problems
+
+    shutil.rmtree(bad)
+    shutil.copytree(out, bad)
+    _patch_chunk(bad, "optim.state.emb.weight.exp_avg", fix_crc=True)
+    problems = [str(p) for p in verify_dcp(bad, against=ck.root).problems]
+    assert len(problems) == 1 and "differ from the input's" in problems[0], problems
+
+    shutil.rmtree(bad)
+    shutil.copytree(out, bad)
+    (bad / "__0_0.distcp").unlink()
+    (bad / "stray").write_text("x")
+    (bad / ".metadata").write_bytes((bad / ".metadata").read_bytes()[:-1] + b"\x00")
+    problems = sorted(str(p) for p in verify_dcp(bad, against=ck.root).problems)
+    assert [p.split(": ", 1)[0] for p in problems] == [str(bad / ".metadata"), str(bad / "__0_0.distcp"),
+                                                      str(bad / "stray")], problems
+
+
+def test_verify_command_line_takes_a_dcp_folder_only_against_its_input(checkpoints, tmp_path):
+    ck = checkpoints["s2_bf16_frozen_tied"]
+    out = tmp_path / "dcp"
+    pyckpt.export_dcp(ck.root, out)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run([sys.executable, "-m", "pyckpt.verify", str(out), "--against", str(ck.root)],
+                        capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert ok.returncode == 0 and ok.stdout.startswith("OK:"), ok.stdout + ok.stderr
+    alone = subprocess.run([sys.executable, "-m", "pyckpt.verify", str(out)], capture_output=True, text=True,
+                           cwd=tmp_path, env=env)
+    assert alone.returncode == 2 and "--against INPUT" in alone.stderr
+    (out / ".pyckpt-export.json").unlink()
+    unknown = subprocess.run([sys.executable, "-m", "pyckpt.verify", str(out), "--against", str(ck.root)],
+                             capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert unknown.returncode == 2 and "only a DCP folder pyckpt exported" in unknown.stderr

@@ -18,6 +18,7 @@ executor gathers from the mapped shards (:mod:`.layout` says how tensors are cut
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import time
@@ -43,6 +44,9 @@ from .layout import (DEFAULT_CHUNK_BYTES, MODEL_KEY, OPTIM_KEY, BytesEntry, Layo
 from .metadata import metadata_bytes
 
 METADATA_NAME = ".metadata"
+# The export's options beside the DCP files, for verify
+EXPORT_RECORD = ".pyckpt-export.json"
+EXPORT_RECORD_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # The keys of a torch Adam/AdamW param group that DeepSpeed's own optimizers (FusedAdam, CPUAdam) do
 # not keep, with torch's defaults: a load into torch's optimizer needs every key its groups have.
@@ -105,6 +109,15 @@ def _zero3_step(ck) -> NewTensor:
     return step.output()
 
 
+def _plain(value, depth: int = 0) -> bool:
+    """Numbers, strings, bools, None, and tuples or lists of them (a hyper-parameter)."""
+    if value is None or isinstance(value, (bool, str)) or type(value) in (int, float):
+        return True
+    if type(value) in (tuple, list) and depth < 4 and len(value) <= 64:
+        return all(_plain(v, depth + 1) for v in value)
+    return False
+
+
 def _param_groups(ck, groups: List[dict], trainable: Dict[str, tuple]) -> List[dict]:
     """DeepSpeed's param groups as torch's optimizer keeps them, each with its parameters by name.
 
@@ -132,6 +145,12 @@ def _param_groups(ck, groups: List[dict], trainable: Dict[str, tuple]) -> List[d
                         seen.add(name)
                         names.append(name)
         g = {k: v for k, v in group.items() if k != "params"}
+        for k, v in g.items():
+            # torch.load(weights_only=False) reads these back in dcp.load: only plain data may go in
+            if not isinstance(k, str) or not _plain(v):
+                raise CheckpointFormatError(f"{ck.folder}: param group {i} of the optimizer state holds {k!r} = a "
+                                            f"{type(v).__name__}; a DCP export writes only numbers, strings, bools, "
+                                            "None and tuples or lists of them")
         if "adam_w_mode" in g and "decoupled_weight_decay" not in g:
             g["decoupled_weight_decay"] = bool(g["adam_w_mode"])  # DeepSpeed's Adam in AdamW mode
         for k, v in TORCH_ADAM_DEFAULTS.items():
@@ -159,6 +178,7 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
         raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
     ck, cstate = read_consolidated(input, tag, exclude_frozen)
     target = resolve_dtype(dtype)
+    save_id = save_id or str(uuid.uuid4())
     layout = Layout()
     prefix = (model_key,) if model_key else ()
     holders: Dict[str, TensorEntry] = {}
@@ -172,6 +192,15 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
         layout.tensors.append(TensorEntry(prefix + (alias,), h.dtype, h.shape, [], same_as=h))
     if optimizer:
         _add_optimizer(ck, cstate, layout, (optim_key,), chunk_bytes)
+    if not model_key and optimizer and optim_key in cstate.names():
+        raise CheckpointFormatError(f"{ck.folder}: the model has an entry named {optim_key!r}, the optimizer state's "
+                                    "top-level key; choose another --optim-key")
+    keys = [e.key for e in layout.tensors] + [o.key for o in layout.objects]
+    if len(set(keys)) != len(keys):
+        seen = set()
+        clash = next(k for k in keys if k in seen or seen.add(k))
+        raise CheckpointFormatError(f"{ck.folder}: two entries flatten to the DCP key {clash!r} (a parameter named "
+                                    "like another entry's path); choose other --model-key/--optim-key")
     assign_files(layout, min_files)
     names = [data_file_name(i) for i in range(len(layout.files))]
     plan = Plan()
@@ -181,6 +210,12 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
         plan.add_archive_series(fname, members)
         locations.append(series_locations(members))
     plan.add_raw_file(METADATA_NAME, metadata_bytes(layout, locations, names, save_id))
+    # what `pyckpt verify --against` needs to plan this export again (DCP's own reader ignores it)
+    options = {"format": "torch.distributed.checkpoint", "written_by": "pyckpt", "version": EXPORT_RECORD_VERSION,
+               "dtype": target, "optimizer": optimizer, "model_key": model_key, "optim_key": optim_key,
+               "chunk_bytes": chunk_bytes, "exclude_frozen": exclude_frozen, "data_files": len(names),
+               "save_id": save_id}
+    plan.add_raw_file(EXPORT_RECORD, (json.dumps(options, indent=1, sort_keys=True) + "\n").encode())
     plan.notes.append(f"  torch.distributed.checkpoint: {len(layout.tensors)} tensors, {len(layout.objects)} other "
                       f"values, {sum(len(f) for f in layout.files)} archives in {len(names)} data files")
     return ck, plan, layout, target
