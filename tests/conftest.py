@@ -78,7 +78,12 @@ ZERO_WIDTH = {
     "tp4_s1_fp32_kv2": Config(1, "fp32", 4, model="llama_kv2", tp_size=4),
     "tp4_s2_bf16_kv2": Config(2, "bf16", 4, model="llama_kv2", tp_size=4),
 }
-ALL_CONFIGS = {**CONFIGS, **ZERO_WIDTH}
+# Two param groups of their own hyper-parameters (models.BIAS_GROUP), which exports keep group by group.
+GROUPED = {
+    "z2_groups_dp2": Config(2, "fp32", 2, groups=True),
+    "z3_groups_dp3": Config(3, "fp32", 3, groups=True, sub_group_size=16),
+}
+ALL_CONFIGS = {**CONFIGS, **ZERO_WIDTH, **GROUPED}
 
 # (checkpoint, world size to load it at): 4 -> 2 and 2 -> 3 for every stage.
 LOADS = [

@@ -5,7 +5,8 @@ Run by tests/test_hf_client.py under torchrun (2 ranks, gloo):
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/hf_client_worker.py JOB.json
 
 JOB.json: {"tokenizer": folder, "jobs": [{"kind": "engine" | "trainer", "model": "llama" | "mixtral",
-"stage": 2 | 3, "dtype": "fp32" | "bf16", "tie": bool, "autoep": int, "out": folder}, ...]}.
+"stage": 2 | 3, "dtype": "fp32" | "bf16", "tie": bool, "autoep": int, "hf_optimizer": bool, "out": folder},
+...]} (hf_optimizer: the Trainer makes its own AdamW, decay and no-decay groups, constant lr).
 
 For each job: the model is trained for two steps and saved with ``engine.save_checkpoint(out)`` (or
 by the Trainer, which writes ``out/checkpoint-2/``), and rank 0 writes the model config and the
@@ -155,10 +156,18 @@ def run_trainer(job: dict, tokenizer, rank: int) -> None:
     model = make_model(job, vocab)
     ids = batch(tokenizer)
     data = [{"input_ids": row, "labels": row} for row in ids]
-    args = TrainingArguments(output_dir=job["out"], deepspeed=ds_config(job) | {
-        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+    ds = ds_config(job) | {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                           "gradient_accumulation_steps": "auto"}
+    if job.get("hf_optimizer"):
+        # The Trainer's own AdamW (no optimizer in the DeepSpeed config): its two param groups, with
+        # and without weight decay, reach DeepSpeed as a client optimizer; a constant lr keeps the
+        # saved groups' lr above 0, so that training on from the checkpoint moves the weights.
+        del ds["optimizer"]
+    args = TrainingArguments(output_dir=job["out"], deepspeed=ds,
         per_device_train_batch_size=2, max_steps=2, save_strategy="steps", save_steps=2, logging_steps=1,
-        learning_rate=1e-2, report_to=[], use_cpu=True, seed=1234, bf16=job["dtype"] == "bf16", disable_tqdm=True)
+        learning_rate=1e-2, report_to=[], use_cpu=True, seed=1234, bf16=job["dtype"] == "bf16", disable_tqdm=True,
+        weight_decay=0.1 if job.get("hf_optimizer") else 0.0,
+        lr_scheduler_type="constant" if job.get("hf_optimizer") else "linear")
     trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     trainer.train()
     state = gathered_state(trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model,

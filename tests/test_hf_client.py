@@ -38,6 +38,9 @@ JOBS = {
     "llama_z2_bf16": {"kind": "engine", "model": "llama", "stage": 2, "dtype": "bf16", "export": "bf16"},
     "llama_z3_bf16": {"kind": "engine", "model": "llama", "stage": 3, "dtype": "bf16", "export": "bf16"},
     "trainer_z2_fp32": {"kind": "trainer", "model": "llama", "stage": 2, "dtype": "fp32", "export": "fp32"},
+    # The Trainer's own AdamW (decay and no-decay groups), tied embeddings: resumed by FSDP2 from a DCP export
+    "trainer_z2_fp32_groups": {"kind": "trainer", "model": "llama", "stage": 2, "dtype": "fp32", "tie": True,
+                               "hf_optimizer": True, "export": "fp32"},
     # AutoEP, 2 EP ranks x 2 experts: the export puts router and experts back under Mixtral's names
     "mixtral_autoep2_z2_fp32": {"kind": "engine", "model": "mixtral", "stage": 2, "dtype": "fp32", "autoep": 2,
                                 "export": "fp32"},
@@ -161,3 +164,78 @@ def test_autoep_names_stay_without_a_config(hf_trained, tmp_path):
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.mlp.experts.w1" in keys and "model.layers.0.mlp.experts.gate_up_proj" not in keys
+
+
+def _universal_state(folder: Path, name: str, state: str, shape) -> torch.Tensor:
+    """A state of ``name`` from pyckpt's Universal Checkpoint (bit-equal to ds_to_universal's, tested
+    elsewhere), in the parameter's shape."""
+    obj = torch.load(folder / "zero" / name / f"{state}.pt", weights_only=True)
+    t = obj["param"] if isinstance(obj, dict) else obj
+    return t.reshape(shape) if state != "step" else t
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["trainer_z2_fp32_groups"])
+def test_fsdp2_resumes_the_trainers_run_from_its_dcp_export(hf_trained, ds_environ, tmp_path, name):
+    """The Trainer's checkpoint-2/ (ZeRO-2, tied embeddings, the Trainer's own AdamW
+    with its decay and no-decay groups) exported with --format dcp, then loaded by a real FSDP2 job on 3
+    ranks (the same LlamaForCausalLM from the config beside it, each decoder layer and the whole model
+    fully_shard()ed, torch AdamW with the Trainer's groups; dcp.load + set_state_dict): every full
+    parameter and AdamW state equals the Universal Checkpoint's fp32/exp_avg/exp_avg_sq/step bit for bit,
+    the embeddings stay tied, the groups keep the Trainer's members and hyper-parameters, and three more
+    steps give the losses of the same training continued in one process from the universal state (to
+    1e-6 relative: FSDP averages the ranks' equal gradients, which may round differently)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer
+
+    ckpt = hf_trained[name] / "checkpoint-2"
+    export, universal = tmp_path / "dcp", tmp_path / "universal"
+    pyckpt.export_dcp(ckpt, export)
+    pyckpt.convert_to_universal(ckpt, universal, inject_missing_state=True)  # the Trainer saves without it
+    ids = worker.batch(AutoTokenizer.from_pretrained(str(ckpt)))
+    torch.save(ids, tmp_path / "batch.pt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+           str(HERE / "dcp_hf_fsdp_worker.py"), str(ckpt), str(export), str(tmp_path / "batch.pt"),
+           str(tmp_path / "loaded.pt")]
+    proc = subprocess.run(cmd, env={**ds_environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    assert got["tied"]
+    for n, p in got["params"].items():
+        assert _bits_equal(p, _universal_state(universal, n, "fp32", p.shape)), n
+    assert sorted(got["state"]) == sorted(got["params"])
+    for n, state in got["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _bits_equal(state[key], _universal_state(universal, n, key, state[key].shape)), (n, key)
+        assert _bits_equal(state["step"], _universal_state(universal, n, "step", ()).float()), n
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(ckpt)), dtype=torch.float32)
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters()]
+    assert got["group_names"] == [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
+    for group, wd in zip(got["groups"], (0.1, 0.0)):
+        assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (1e-2, wd, (0.9, 0.999), 1e-8)
+        assert group["decoupled_weight_decay"] is True  # torch AdamW, as the Trainer made it
+
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(_universal_state(universal, n, "fp32", p.shape))
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
+                             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}], lr=1e-2)
+    for n, p in named:
+        opt.state[p] = {"step": _universal_state(universal, n, "step", ()).float().clone(),
+                        "exp_avg": _universal_state(universal, n, "exp_avg", p.shape).clone(),
+                        "exp_avg_sq": _universal_state(universal, n, "exp_avg_sq", p.shape).clone()}
+    plain = []
+    for _ in got["losses"]:
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        plain.append(float(loss.detach()))
+    assert got["losses"] == pytest.approx(plain, rel=1e-6), (got["losses"], plain)

@@ -228,7 +228,10 @@ def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int) 
         if isinstance(ck, UniversalCheckpoint):
             states, groups = universal_optimizer_states(ck, trainable)
         else:
-            zstate, _ = read_zero_state(ck, states=MOMENTS + ("step",))
+            # as the model's consolidation reads it: a save without universal_checkpoint_info (the
+            # Hugging Face Trainer's) is fine unless TP merge rules would have to be guessed
+            zstate, _ = read_zero_state(ck, inject_missing_state=ck.tp * ck.pp == 1, strict=False,
+                                        states=MOMENTS + ("step",))
             states = zstate.params
             groups = ck.optim[0].param_groups
             if ck.stage == 3:
