@@ -6,10 +6,13 @@ DeepSpeed's param groups, and loads the export the way FSDP2 scripts do:
 writes what was loaded (every parameter and Adam state gathered with ``full_tensor()``, the groups'
 hyper-parameters) and the losses of a few more training steps, each on the same batch on every rank.
 
-    torchrun --nproc_per_node W tests/dcp_fsdp_worker.py MODEL EXPORT OUT.pt [--groups] [--steps N]
+    torchrun --nproc_per_node W tests/dcp_fsdp_worker.py JOBS.json [--steps N]
+
+JOBS.json lists several resumes (model, export, out, groups), run one after the other in one launch.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -44,22 +47,13 @@ def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("export")
-    ap.add_argument("out")
-    ap.add_argument("--groups", action="store_true")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--first-step", type=int, default=3)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    model = models.build_model(args.model)
+def resume(name: str, export: str, out: str, groups: bool, steps: int, first_step: int) -> None:
+    model = models.build_model(name)
     # one FSDP unit: the harness models tie weights across their submodules
     fully_shard(model)
-    opt = torch.optim.Adam(param_groups(model, args.groups), lr=LR)
+    opt = torch.optim.Adam(param_groups(model, groups), lr=LR)
     msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=args.export)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=export)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
     names = {p: n for n, p in model.named_parameters()}
@@ -72,16 +66,27 @@ def main() -> None:
     }
     losses = []
     model.train()
-    for k in range(args.steps):
+    for k in range(steps):
         opt.zero_grad()
-        loss = model(*next_batch(args.model, args.first_step + k))
+        loss = model(*next_batch(name, first_step + k))
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
     loaded["losses"] = losses
     if dist.get_rank() == 0:
-        torch.save(loaded, args.out)
+        torch.save(loaded, out)
     dist.barrier()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("jobs", help="JSON: [{model, export, out, groups}, ...], resumed one after the other")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--first-step", type=int, default=3)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    for job in json.loads(open(args.jobs).read()):
+        resume(job["model"], job["export"], job["out"], job["groups"], args.steps, args.first_step)
     dist.destroy_process_group()
 
 

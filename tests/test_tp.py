@@ -253,3 +253,25 @@ def test_megatron_lm_checkpoint_is_named_as_such(tmp_path, level):
     with pytest.raises(pyckpt.UnsupportedCheckpointError, match=r"is a Megatron-LM checkpoint .*not a DeepSpeed engine"):
         pyckpt.convert_to_universal(path, tmp_path / "u")
     assert not (tmp_path / "u").exists()
+
+
+def test_megatron_tp_pp_exports_to_dcp_as_its_universal_state(tp_cases, tmp_path):
+    """A Megatron-style TP x PP ZeRO-2 checkpoint exported to torch.distributed.checkpoint holds, read back
+    by torch's own dcp_to_torch_save, every parameter's merged fp32 master, Adam moments and step as
+    DeepSpeed's ds_to_universal writes them, bit for bit."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder, theirs, params, _ = tp_cases["megatron_tp2_pp2_dp3_z2"]
+    pyckpt.export_dcp(folder, tmp_path / "dcp")
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "sd.pt")
+    got = torch.load(tmp_path / "sd.pt", weights_only=False)
+    names = [p.name for p in params]
+    assert sorted(got["optim"]["state"]) == sorted(names)
+    for name in names:
+        for state, where in (("fp32", got["model"]), ("exp_avg", None), ("exp_avg_sq", None)):
+            want = torch.load(theirs / "zero" / name / f"{state}.pt", weights_only=False)["param"]
+            have = where[name] if where is not None else got["optim"]["state"][name][state]
+            assert have.dtype == want.dtype and torch.equal(have.view(-1).view(torch.int32),
+                                                            want.reshape(-1).view(torch.int32)), (name, state)
+        step = torch.load(theirs / "zero" / name / "step.pt", weights_only=False)
+        assert float(got["optim"]["state"][name]["step"]) == float(step)
