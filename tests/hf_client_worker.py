@@ -172,6 +172,10 @@ def run_trainer(job: dict, tokenizer, rank: int) -> None:
     trainer.train()
     state = gathered_state(trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model,
                            job["stage"])
+    # The Trainer leaves its ZeRO-3 config set for the process: a model built after it (the reference's,
+    # on rank 0 alone) would be partitioned by zero.Init, a collective the other rank never joins.
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    unset_hf_deepspeed_config()
     if rank == 0:
         torch.save(reference(job, state, vocab, ids), os.path.join(job["out"], "reference.pt"))
     dist.barrier()

@@ -41,6 +41,8 @@ JOBS = {
     # The Trainer's own AdamW (decay and no-decay groups), tied embeddings: resumed by FSDP2 from a DCP export
     "trainer_z2_fp32_groups": {"kind": "trainer", "model": "llama", "stage": 2, "dtype": "fp32", "tie": True,
                                "hf_optimizer": True, "export": "fp32"},
+    "trainer_z3_bf16_groups": {"kind": "trainer", "model": "llama", "stage": 3, "dtype": "bf16", "tie": True,
+                               "hf_optimizer": True, "export": "bf16"},
     # AutoEP, 2 EP ranks x 2 experts: the export puts router and experts back under Mixtral's names
     "mixtral_autoep2_z2_fp32": {"kind": "engine", "model": "mixtral", "stage": 2, "dtype": "fp32", "autoep": 2,
                                 "export": "fp32"},
@@ -171,7 +173,14 @@ def _universal_state(folder: Path, name: str, state: str, shape) -> torch.Tensor
     elsewhere), in the parameter's shape."""
     obj = torch.load(folder / "zero" / name / f"{state}.pt", weights_only=True)
     t = obj["param"] if isinstance(obj, dict) else obj
-    return t.reshape(shape) if state != "step" else t
+    return t.reshape(shape)
+
+
+def _universal_step(folder: Path, name: str) -> torch.Tensor:
+    """The Adam step of ``name``: its step.pt, or where a ZeRO-3 universal folder keeps none (DeepSpeed
+    writes none there), the 2 steps every harness Trainer run takes."""
+    path = folder / "zero" / name / "step.pt"
+    return torch.load(path, weights_only=True).float() if path.exists() else torch.tensor(2.0)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -179,9 +188,9 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                      b.reshape(-1).view(torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["trainer_z2_fp32_groups"])
+@pytest.mark.parametrize("name", ["trainer_z2_fp32_groups", "trainer_z3_bf16_groups"])
 def test_fsdp2_resumes_the_trainers_run_from_its_dcp_export(hf_trained, ds_environ, tmp_path, name):
-    """The Trainer's checkpoint-2/ (ZeRO-2, tied embeddings, the Trainer's own AdamW
+    """The Trainer's checkpoint-2/ (ZeRO-2 fp32 or ZeRO-3 bf16, tied embeddings, the Trainer's own AdamW
     with its decay and no-decay groups) exported with --format dcp, then loaded by a real FSDP2 job on 3
     ranks (the same LlamaForCausalLM from the config beside it, each decoder layer and the whole model
     fully_shard()ed, torch AdamW with the Trainer's groups; dcp.load + set_state_dict): every full
@@ -211,7 +220,7 @@ def test_fsdp2_resumes_the_trainers_run_from_its_dcp_export(hf_trained, ds_envir
     for n, state in got["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert _bits_equal(state[key], _universal_state(universal, n, key, state[key].shape)), (n, key)
-        assert _bits_equal(state["step"], _universal_state(universal, n, "step", ()).float()), n
+        assert _bits_equal(state["step"], _universal_step(universal, n)), n
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(ckpt)), dtype=torch.float32)
@@ -228,7 +237,7 @@ def test_fsdp2_resumes_the_trainers_run_from_its_dcp_export(hf_trained, ds_envir
     opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
                              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}], lr=1e-2)
     for n, p in named:
-        opt.state[p] = {"step": _universal_state(universal, n, "step", ()).float().clone(),
+        opt.state[p] = {"step": _universal_step(universal, n).clone(),
                         "exp_avg": _universal_state(universal, n, "exp_avg", p.shape).clone(),
                         "exp_avg_sq": _universal_state(universal, n, "exp_avg_sq", p.shape).clone()}
     plain = []
