@@ -190,19 +190,45 @@ def universal_optimizer_states(uck: UniversalCheckpoint, trainable) -> Tuple[Dic
         for name, t in _trainable(uck, False, state):
             if name in out:
                 out[name][state] = t
-    for name in out:
-        sf = SourceFile(inside(uck.folder, os.path.join("zero", name, "step.pt")))
-        step = sf.load()
-        if isinstance(step, TensorRef):
-            off, nbytes = sf.tensor_byte_range(step)
-            step = NewTensor(step.dtype, tuple(step.shape), [Piece(sf, off, nbytes, 0)] if nbytes else [])
-        out[name]["step"] = step
-    sf = SourceFile(inside(uck.folder, os.path.join("zero", "optimizer_state.pt")))
-    opt = sf.load()
+    opt_file = SourceFile(inside(uck.folder, os.path.join("zero", "optimizer_state.pt")))
+    opt = opt_file.load()
     groups = opt.get("param_groups") if isinstance(opt, dict) else None
     if not isinstance(groups, list):
-        raise CheckpointFormatError(f"{sf.path}: holds no list of param_groups")
+        raise CheckpointFormatError(f"{opt_file.path}: holds no list of param_groups")
+    shared = None
+    for name in out:
+        if uck.stage == 3 and not os.path.lexists(os.path.join(uck.folder, "zero", name, "step.pt")):
+            # DeepSpeed writes no step.pt from ZeRO-3; the step is in rank 0's optimizer state it keeps
+            shared = shared if shared is not None else _zero3_step(opt_file, opt)
+            out[name]["step"] = shared
+            continue
+        sf = SourceFile(inside(uck.folder, os.path.join("zero", name, "step.pt")))
+        out[name]["step"] = _step_value(sf, sf.load())
     return out, groups
+
+
+def _step_value(sf: SourceFile, step):
+    """A step as saved (a 0-d tensor, or a number) as a state value: the tensor as byte pieces."""
+    if isinstance(step, TensorRef):
+        off, nbytes = sf.tensor_byte_range(step)
+        return NewTensor(step.dtype, tuple(step.shape), [Piece(sf, off, nbytes, 0)] if nbytes else [])
+    return step
+
+
+def _zero3_step(sf: SourceFile, opt) -> object:
+    """The one Adam step of a ZeRO-3 universal folder's optimizer_state.pt (rank 0's torch optimizer
+    state, one entry per sub-group, which must agree)."""
+    state = opt.get("optimizer_state_dict", {}).get("state") if isinstance(opt.get("optimizer_state_dict"), dict) \
+        else None
+    steps = [v.get("step") for v in state.values() if isinstance(v, dict) and "step" in v] \
+        if isinstance(state, dict) else []
+    if not steps:
+        raise CheckpointFormatError(f"{sf.path}: no Adam step in its optimizer_state_dict, and the parameters have no "
+                                    "step.pt")
+    keys = {(s.dtype, sf.read_bytes(*sf.tensor_byte_range(s))) if isinstance(s, TensorRef) else s for s in steps}
+    if len(keys) != 1:
+        raise CheckpointFormatError(f"{sf.path}: its sub-groups disagree on the Adam step")
+    return _step_value(sf, steps[0])
 
 
 def local_shapes(uck: UniversalCheckpoint) -> Dict[str, Dict[int, tuple]]:
