@@ -52,7 +52,9 @@ optimizer) gives there: {"model": the state dict above in --dtype, "optim": {"st
 parameter names}}, the Adam moments fp32 from the ZeRO partitions. Load it with
 dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=OUTPUT) and set_state_dict, at any
 world size. --model-key/--optim-key rename the two entries (--model-key '' puts the model at the top
-level, as a model-only DCP checkpoint has it); --no-optimizer writes the model alone.
+level, as a model-only DCP checkpoint has it); --no-optimizer writes the model alone. --hf-names
+puts AutoEP layers and their optimizer state under the Hugging Face names of the config.json beside
+the checkpoint (as the Hugging Face export does), for a job that builds the transformers model.
 """
 DESCRIPTION += "\n" + DCP
 
@@ -96,6 +98,10 @@ def add_arguments(p) -> None:
                    help="--format dcp: the top-level key of the optimizer state (default: optim)")
     p.add_argument("--no-optimizer", "--no_optimizer", dest="optimizer", action="store_false",
                    help="--format dcp: write the model's entries alone")
+    p.add_argument("--hf-names", "--hf_names", dest="hf_names", action="store_true",
+                   help="--format dcp: AutoEP routers and experts (and their Adam state) under the Hugging Face names "
+                   "of the model type in the config.json beside the checkpoint (Mixtral: gate, "
+                   "experts.gate_up_proj, experts.down_proj), as the Hugging Face export writes them")
     p.add_argument("--chunk-mb", "--chunk_mb", dest="chunk_mb", type=float, default=16.0,
                    help="--format dcp: tensors are cut along their first dimension into chunks of about this many "
                    "MiB, so that a load at any world size reads little beyond its own rows (default: 16)")
@@ -127,8 +133,9 @@ def run(args) -> int:
         raise UsageError("--format dcp takes --dtype fp32, bf16 or fp16")
     if dcp and not args.chunk_mb > 0:
         raise UsageError("--chunk-mb must be positive")
-    if not dcp and (args.model_key != "model" or args.optim_key != "optim" or not args.optimizer):
-        raise UsageError("--model-key, --optim-key and --no-optimizer are for --format dcp")
+    if not dcp and (args.model_key != "model" or args.optim_key != "optim" or not args.optimizer or args.hf_names):
+        raise UsageError("--model-key, --optim-key, --no-optimizer and --hf-names are for --format dcp (the Hugging "
+                         "Face export always writes the Hugging Face names it knows)")
     with cli_common.among_processes() as (ranks, lead):
         workers = args.workers if args.workers is not None or ranks is None else default_workers()
         if dcp:
@@ -136,8 +143,9 @@ def run(args) -> int:
             report = export_dcp(args.input, args.output, tag=args.tag, dtype=args.dtype, optimizer=args.optimizer,
                                 model_key=args.model_key, optim_key=args.optim_key,
                                 chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
-                                exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,
-                                dry_run=args.dry_run, workers=workers, progress=lead and not args.quiet,
+                                exclude_frozen_parameters=args.exclude_frozen_parameters, hf_names=args.hf_names,
+                                overwrite=args.overwrite, dry_run=args.dry_run, workers=workers,
+                                progress=lead and not args.quiet,
                                 fsync=args.fsync, notify=note if lead and not args.quiet else None, ranks=ranks)
             return report_done(args, report) if lead else 0
         report = export_hf(args.input, args.output, tag=args.tag, dtype=args.dtype,

@@ -3,12 +3,14 @@ checkpoint (run by torchrun), the way a script moving to FSDP2 does it.
 
 Every rank builds the model from the config beside the checkpoint (fp32), shards each decoder layer
 and then the whole model with ``fully_shard``, makes torch AdamW with the Trainer's two groups (its
-own decay rule: ``Trainer.get_decay_parameter_names``), and loads ``get_state_dict`` ->
+own decay rule: ``Trainer.get_decay_parameter_names``), or with ``--groups experts`` DeepSpeed
+AutoEP's two (the dense parameters, then the experts), and loads ``get_state_dict`` ->
 ``dcp.load({"model", "optim"})`` -> ``set_state_dict``. Rank 0 writes what was loaded (every
 parameter and AdamW state gathered with ``full_tensor()``, the groups) and the losses of a few more
 steps, each on the same batch on every rank.
 
     torchrun --nproc_per_node W tests/dcp_hf_fsdp_worker.py CONFIG_DIR EXPORT BATCH.pt OUT.pt [--steps N]
+        [--groups trainer|experts]
 """
 
 import argparse
@@ -28,6 +30,12 @@ def trainer_groups(model, lr: float, weight_decay: float) -> list:
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0, "lr": lr}]
 
 
+def expert_groups(model, lr: float, weight_decay: float) -> list:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if ".experts." not in n], "weight_decay": weight_decay, "lr": lr},
+            {"params": [p for n, p in named if ".experts." in n], "weight_decay": weight_decay, "lr": lr}]
+
+
 def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
@@ -41,6 +49,7 @@ def main() -> None:
     ap.add_argument("batch")
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--groups", choices=("trainer", "experts"), default="trainer")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)  # the weights come from the checkpoint; this only fixes the start values
@@ -48,7 +57,8 @@ def main() -> None:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.AdamW(trainer_groups(model, 1e-3, 0.5))  # both overwritten by the checkpoint's
+    groups = trainer_groups if args.groups == "trainer" else expert_groups
+    opt = torch.optim.AdamW(groups(model, 1e-3, 0.5))  # both overwritten by the checkpoint's
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=args.export)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
@@ -60,6 +70,7 @@ def main() -> None:
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "group_names": [[names[p] for p in g["params"]] for g in opt.param_groups],
         "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "names": list(msd),
     }
     ids = torch.load(args.batch)
     losses = []

@@ -133,6 +133,73 @@ def test_universal_checkpoint_exports_to_the_same_entries(checkpoints, tmp_path,
     assert sorted(x["model"]) == sorted(y["model"]) and sorted(x["optim"]["state"]) == sorted(y["optim"]["state"])
 
 
+def _mixtral_names(state: dict) -> dict:
+    """AutoEP names -> transformers' Mixtral names, built with torch (the inverse of DeepSpeed's
+    moe/ep_repack.py, gate_up_first): the router is mlp.gate, gate_up_proj is each expert's w1 rows then
+    its w3 rows, down_proj is w2; AutoEP's second name of the router (gate.gate) is left out."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".gate.gate.weight"):
+            continue
+        if name.endswith(".router.gate.weight"):
+            out[name.replace(".router.gate.weight", ".gate.weight")] = t
+        elif name.endswith(".experts.w1"):
+            out[name[:-2] + "gate_up_proj"] = torch.cat([t, state[name[:-2] + "w3"]], dim=1)
+        elif name.endswith(".experts.w2"):
+            out[name[:-2] + "down_proj"] = t
+        elif not name.endswith(".experts.w3"):
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("name", ["ep_s1_fp32", "ep_s3_fp32"])
+def test_hf_names_put_autoep_layers_and_their_adam_state_under_mixtrals_names(checkpoints, tmp_path, name):
+    """hf_names with a Mixtral config beside the checkpoint: the routers and experts, their moments and steps
+    and the experts' param group, under transformers' Mixtral names (router mlp.gate, experts gate_up_proj
+    = w1 rows then w3 rows per expert, down_proj = w2), bit for bit the training state's; without a config
+    (the suite's MoE has none) hf_names is refused, naming why."""
+    ck = checkpoints[name]
+    with pytest.raises(pyckpt.UnsupportedCheckpointError, match="no config.json beside the checkpoint"):
+        pyckpt.export_dcp(ck.root, tmp_path / "refused", hf_names=True)
+    assert not (tmp_path / "refused").exists()
+    root = tmp_path / "ckpt"
+    shutil.copytree(ck.root, root)
+    (root / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    pyckpt.export_dcp(root, tmp_path / "dcp", hf_names=True)
+    got = _read_back(tmp_path / "dcp", tmp_path)
+    ref = ck.reference
+    model, optim = got["model"], got["optim"]
+    fp32 = _mixtral_names(ref["fp32"])
+    buffers = {n for n in ref["buffers"] if n.rsplit(".", 1)[-1] not in NON_PERSISTENT}
+    assert set(model) == set(fp32) | buffers
+    for n, want in fp32.items():
+        assert _same(model[n], want), n
+    assert any(n.endswith(".experts.gate_up_proj") for n in model)
+    assert not any(".experts.w" in n or ".router." in n for n in model)
+    for key in ("exp_avg", "exp_avg_sq"):
+        want = _mixtral_names(ref[key])
+        assert sorted(optim["state"]) == sorted(want)
+        for n, t in want.items():
+            assert _same(optim["state"][n][key], t), (n, key)
+    assert all(float(s["step"]) == ref["step"] for s in optim["state"].values())
+    trainable = list(_mixtral_names(ref["exp_avg"]))
+    experts = [n for n in trainable if ".experts." in n]
+    dense = [n for n in trainable if ".experts." not in n]
+    groups = optim["param_groups"]
+    assert [sorted(g["params"]) for g in groups] == [sorted(dense), sorted(experts)]
+    from pyckpt.dcp.verify import verify_dcp
+    assert verify_dcp(tmp_path / "dcp", against=root).ok
+
+
+def test_hf_names_is_an_option_of_the_dcp_export_only(tmp_path):
+    """The Hugging Face export always writes the names it knows, so --hf-names without --format dcp is a
+    usage error (exit 2), before any input is read."""
+    proc = subprocess.run([sys.executable, "-m", "pyckpt.export", str(tmp_path / "absent"), str(tmp_path / "out"),
+                           "--hf-names"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--hf-names are for --format dcp" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_model_dtype_and_layout_keys_are_the_users_choice(checkpoints, tmp_path, dtype):
     """--dtype casts the model's floating entries (Adam state stays fp32, integer buffers keep theirs);

@@ -248,3 +248,95 @@ def test_fsdp2_resumes_the_trainers_run_from_its_dcp_export(hf_trained, ds_envir
         opt.step()
         plain.append(float(loss.detach()))
     assert got["losses"] == pytest.approx(plain, rel=1e-6), (got["losses"], plain)
+
+
+def test_fsdp2_resumes_the_autoep_mixtral_from_its_dcp_export_under_its_own_names(hf_trained, ds_environ, tmp_path):
+    """The AutoEP Mixtral (experts over 2 EP ranks, ZeRO-2) exported with --format dcp --hf-names, then
+    loaded by a real FSDP2 job on 3 ranks building transformers' MixtralForCausalLM from the config beside
+    it, with torch AdamW in DeepSpeed's two groups (dense, experts): every full parameter and AdamW state
+    equals the Universal Checkpoint's, renamed as transformers names them (router mlp.gate; gate_up_proj =
+    each expert's w1 rows then w3 rows; down_proj = w2), bit for bit; the groups keep DeepSpeed's members
+    and hyper-parameters; three more steps give the losses of the same training continued in one process
+    (to 1e-6 relative, as above). A Universal Checkpoint input exports to the same entries."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = hf_trained["mixtral_autoep2_z2_fp32"]
+    export, universal = tmp_path / "dcp", tmp_path / "universal"
+    pyckpt.export_dcp(folder, export, hf_names=True)
+    pyckpt.convert_to_universal(folder, universal)
+    ids = worker.batch(AutoTokenizer.from_pretrained(str(folder)))
+    torch.save(ids, tmp_path / "batch.pt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+           str(HERE / "dcp_hf_fsdp_worker.py"), str(folder), str(export), str(tmp_path / "batch.pt"),
+           str(tmp_path / "loaded.pt"), "--groups", "experts"]
+    proc = subprocess.run(cmd, env={**ds_environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(tmp_path / "loaded.pt", weights_only=False)
+
+    def universal_states(key: str) -> dict:
+        held = {}
+        for d in sorted((universal / "zero").iterdir()):
+            if (d / "exp_avg.pt").exists():  # a trainable parameter (AutoEP's second router name has fp32 only)
+                obj = torch.load(d / f"{key}.pt", weights_only=True)
+                held[d.name] = obj["param"] if isinstance(obj, dict) else obj
+        if key == "step":  # one number per parameter: gate_up_proj's is w1's, which must be w3's
+            for n in [n for n in held if n.endswith(".experts.w1")]:
+                assert torch.equal(held[n], held[n[:-2] + "w3"]), n
+            held = {n: t.reshape(1, 1) for n, t in held.items()}
+            return {n: t[0, 0] for n, t in worker.mixtral_names(held).items()}
+        return worker.mixtral_names(held)
+
+    fp32 = universal_states("fp32")
+    assert sorted(got["params"]) == sorted(fp32)
+    assert any(n.endswith(".experts.gate_up_proj") for n in fp32)
+    for n, p in got["params"].items():
+        assert _bits_equal(p, fp32[n].reshape(p.shape)), n
+    moments = {key: universal_states(key) for key in ("exp_avg", "exp_avg_sq")}
+    steps = {n: t.float() for n, t in universal_states("step").items()}
+    assert sorted(got["state"]) == sorted(fp32)
+    for n, state in got["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _bits_equal(state[key], moments[key][n].reshape(state[key].shape)), (n, key)
+        assert _bits_equal(state["step"], steps[n]), n
+    assert got["group_names"][1] == [n for n in got["params"] if ".experts." in n]
+    assert got["group_names"][0] == [n for n in got["params"] if ".experts." not in n]
+    for group in got["groups"]:
+        # DeepSpeed's torch AdamW (Adam with adam_w_mode, its default): torch's default weight decay
+        assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (1e-2, 1e-2, (0.9, 0.999), 1e-8)
+        assert group["decoupled_weight_decay"] is True
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.float32)
+    named = list(model.named_parameters())
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(fp32[n].reshape(p.shape))
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if ".experts." not in n]},
+                             {"params": [p for n, p in named if ".experts." in n]}], lr=1e-2, weight_decay=1e-2)
+    for n, p in named:
+        opt.state[p] = {"step": steps[n].clone(), "exp_avg": moments["exp_avg"][n].reshape(p.shape).clone(),
+                        "exp_avg_sq": moments["exp_avg_sq"][n].reshape(p.shape).clone()}
+    plain = []
+    for _ in got["losses"]:
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        plain.append(float(loss.detach()))
+    assert got["losses"] == pytest.approx(plain, rel=1e-6), (got["losses"], plain)
+
+    again = tmp_path / "from_universal"
+    import shutil
+    shutil.copy(folder / "config.json", universal / "config.json")  # the config the names come from
+    pyckpt.export_dcp(universal, again, hf_names=True)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(export, tmp_path / "a.pt")
+    dcp_to_torch_save(again, tmp_path / "b.pt")
+    a, b = torch.load(tmp_path / "a.pt", weights_only=False), torch.load(tmp_path / "b.pt", weights_only=False)
+    assert sorted(a["model"]) == sorted(b["model"]) and sorted(a["optim"]["state"]) == sorted(b["optim"]["state"])
+    for n in a["model"]:
+        assert _bits_equal(a["model"][n], b["model"][n]), n
+    for n, state in a["optim"]["state"].items():
+        for key, t in state.items():
+            assert _bits_equal(t, b["optim"]["state"][n][key]), (n, key)

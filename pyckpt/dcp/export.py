@@ -19,6 +19,7 @@ executor gathers from the mapped shards (:mod:`.layout` says how tensors are cut
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 import os
 import struct
 import time
@@ -30,7 +31,8 @@ from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata
 from ..execution.distributed import agreed, plan_digest, several
 from ..execution.executor import series_locations
 from ..execution.publish import check_apart, write_published
-from ..huggingface.export import read_consolidated, resolve_dtype
+from ..huggingface.autoep_names import hf_renames, to_hf_names
+from ..huggingface.export import autoep_naming, companion_folder, read_consolidated, read_model_config, resolve_dtype
 from ..planning.collector import pauses_collector
 from ..planning.plan import Plan
 from ..tensors import FLOATING, ITEMSIZE, NewTensor, numel
@@ -168,7 +170,7 @@ def _param_groups(ck, groups: List[dict], trainable: Dict[str, tuple]) -> List[d
 @pauses_collector
 def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer: bool = True,
              model_key: str = MODEL_KEY, optim_key: str = OPTIM_KEY, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             exclude_frozen: bool = False, min_files: int = 1, save_id: str = ""):
+             exclude_frozen: bool = False, hf_names: bool = False, min_files: int = 1, save_id: str = ""):
     """(checkpoint, plan, layout, dtype) of a DCP export, nothing written."""
     if optimizer and not optim_key:
         raise ValueError("the optimizer state needs a key of its own (optim_key)")
@@ -179,10 +181,13 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
     ck, cstate = read_consolidated(input, tag, exclude_frozen)
     target = resolve_dtype(dtype)
     save_id = save_id or str(uuid.uuid4())
+    plan = Plan()
+    naming = _hf_naming(ck, cstate, plan.notes) if hf_names else None
+    model = cstate.tensors if naming is None else to_hf_names(cstate.tensors, *naming, ck.folder)
     layout = Layout()
     prefix = (model_key,) if model_key else ()
     holders: Dict[str, TensorEntry] = {}
-    for name, t in cstate.tensors.items():
+    for name, t in model.items():
         t = cast(t, target) if t.dtype in FLOATING else t
         entry = TensorEntry(prefix + (name,), t.dtype, tuple(t.shape), chunk_tensor(t, chunk_bytes))
         holders[name] = entry
@@ -191,8 +196,8 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
         h = holders[holder]
         layout.tensors.append(TensorEntry(prefix + (alias,), h.dtype, h.shape, [], same_as=h))
     if optimizer:
-        _add_optimizer(ck, cstate, layout, (optim_key,), chunk_bytes)
-    if not model_key and optimizer and optim_key in cstate.names():
+        _add_optimizer(ck, cstate, layout, (optim_key,), chunk_bytes, naming)
+    if not model_key and optimizer and (optim_key in model or optim_key in cstate.aliases):
         raise CheckpointFormatError(f"{ck.folder}: the model has an entry named {optim_key!r}, the optimizer state's "
                                     "top-level key; choose another --optim-key")
     keys = [e.key for e in layout.tensors] + [o.key for o in layout.objects]
@@ -203,7 +208,6 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
                                     "like another entry's path); choose other --model-key/--optim-key")
     assign_files(layout, min_files)
     names = [data_file_name(i) for i in range(len(layout.files))]
-    plan = Plan()
     locations = []
     for fname, items in zip(names, layout.files):
         members = [i.tensor if hasattr(i, "tensor") else i.value for i in items]
@@ -213,7 +217,7 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
     # what `pyckpt verify --against` needs to plan this export again (DCP's own reader ignores it)
     options = {"format": "torch.distributed.checkpoint", "written_by": "pyckpt", "version": EXPORT_RECORD_VERSION,
                "dtype": target, "optimizer": optimizer, "model_key": model_key, "optim_key": optim_key,
-               "chunk_bytes": chunk_bytes, "exclude_frozen": exclude_frozen, "data_files": len(names),
+               "chunk_bytes": chunk_bytes, "exclude_frozen": exclude_frozen, "hf_names": hf_names, "data_files": len(names),
                "save_id": save_id}
     plan.add_raw_file(EXPORT_RECORD, (json.dumps(options, indent=1, sort_keys=True) + "\n").encode())
     plan.notes.append(f"  torch.distributed.checkpoint: {len(layout.tensors)} tensors, {len(layout.objects)} other "
@@ -221,7 +225,21 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
     return ck, plan, layout, target
 
 
-def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int) -> None:
+def _hf_naming(ck, cstate, notes: list) -> tuple:
+    """(AutoEP layers, preset) for ``hf_names``: the checkpoint must hold AutoEP layers of a model type
+    whose Hugging Face names are known (the config beside it says which)."""
+    config, _ = read_model_config(companion_folder(ck.folder))
+    why: list = []
+    naming = autoep_naming(ck, cstate, config, why)
+    if naming is None:
+        reason = why[0].split(": ", 1)[1] if why else "it has no AutoEP layer"
+        raise UnsupportedCheckpointError(f"{ck.folder}: --hf-names asks for the AutoEP layers under their Hugging Face "
+                                         f"names, but {reason}")
+    notes.extend(why)
+    return naming
+
+
+def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, naming: Optional[tuple]) -> None:
     skip = set(cstate.buffers) | set(cstate.frozen)
     trainable = {name: tuple(t.shape) for name, t in cstate.tensors.items() if name not in skip}
     with metadata_errors(ck.folder):
@@ -239,6 +257,8 @@ def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int) 
                 states = {name: dict(held, step=step) for name, held in states.items()}
     if not isinstance(groups, list) or not groups:
         raise CheckpointFormatError(f"{ck.folder}: the optimizer state holds no param groups")
+    moments: Dict[str, "OrderedDict[str, NewTensor]"] = {s: OrderedDict() for s in MOMENTS}
+    steps: "OrderedDict[str, NewTensor]" = OrderedDict()
     for name, shape in trainable.items():
         held = states.get(name)
         if held is None or any(s not in held for s in MOMENTS + ("step",)):
@@ -250,31 +270,69 @@ def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int) 
             if numel(t.shape) != numel(shape) or t.dtype != "float32":
                 raise UnsupportedCheckpointError(f"{ck.folder}: the {s} of {name!r} is {t.dtype} {list(t.shape)}, "
                                                  f"not the parameter's float32 {list(shape)}")
-            t = NewTensor(t.dtype, shape, t.pieces, False, t.data)
-            layout.tensors.append(TensorEntry(prefix + ("state", name, s), "float32", shape,
-                                              chunk_tensor(t, chunk_bytes)))
-        step = _as_float32_step(name, held["step"])
-        layout.tensors.append(TensorEntry(prefix + ("state", name, "step"), "float32", (), chunk_tensor(step)))
+            moments[s][name] = NewTensor(t.dtype, shape, t.pieces, False, t.data)
+        steps[name] = _as_float32_step(name, held["step"])
     extra = sorted(set(states) - set(trainable))
     if extra:
         raise CheckpointFormatError(f"{ck.folder}: optimizer state for {extra[0]!r}, which the model states do not "
                                     "list as a trainable parameter")
-    for i, group in enumerate(_param_groups(ck, groups, trainable)):
+    param_groups = _param_groups(ck, groups, trainable)
+    if naming is not None:
+        moments = {s: to_hf_names(m, *naming, ck.folder) for s, m in moments.items()}
+        param_groups, steps = _renamed_groups(ck, param_groups, steps, hf_renames(*naming))
+    for name in moments[MOMENTS[0]]:
+        for s in MOMENTS:
+            t = moments[s][name]
+            layout.tensors.append(TensorEntry(prefix + ("state", name, s), "float32", tuple(t.shape),
+                                              chunk_tensor(t, chunk_bytes)))
+        layout.tensors.append(TensorEntry(prefix + ("state", name, "step"), "float32", (), chunk_tensor(steps[name])))
+    for i, group in enumerate(param_groups):
         for key, value in group.items():
             layout.objects.append(BytesEntry(prefix + ("param_groups", i, key), value))
 
 
+def _step_key(step: NewTensor) -> tuple:
+    """What a step tensor holds: its dtype and bytes (a 0-d tensor: a few bytes read)."""
+    data = step.data if step.data is not None else b"".join(p.src.read_bytes(p.src_off, p.nbytes) for p in step.pieces)
+    return step.dtype, tuple((p.kind, p.nbytes) for p in step.pieces), data
+
+
+def _renamed_groups(ck, groups: List[dict], steps: "OrderedDict[str, NewTensor]", renames: Dict[str, Optional[str]]):
+    """The param groups' members and the steps under the Hugging Face names: gate_up_proj takes w1's
+    step and group, so w1 and w3 must share both (DeepSpeed keeps one step per group)."""
+    group_of = {name: i for i, g in enumerate(groups) for name in g["params"]}
+    for name, hf in renames.items():
+        if hf is None and name in group_of:
+            w1 = name[:-len("w3")] + "w1"
+            if group_of.get(w1) != group_of[name]:
+                raise UnsupportedCheckpointError(f"{ck.folder}: {w1} and {name} are in different param groups, so "
+                                                 "they cannot become one gate_up_proj")
+            if _step_key(steps[w1]) != _step_key(steps[name]):
+                raise UnsupportedCheckpointError(f"{ck.folder}: {w1} and {name} do not share one Adam step, so "
+                                                 "they cannot become one gate_up_proj")
+    out = []
+    for g in groups:
+        g = dict(g)
+        g["params"] = [renames.get(n, n) for n in g["params"] if renames.get(n, n) is not None]
+        out.append(g)
+    renamed = OrderedDict((renames.get(n, n), t) for n, t in steps.items() if renames.get(n, n) is not None)
+    return out, renamed
+
+
 def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer: bool = True,
                model_key: str = MODEL_KEY, optim_key: str = OPTIM_KEY, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               exclude_frozen_parameters: bool = False, overwrite: bool = False, dry_run: bool = False,
-               workers: Optional[int] = None, progress: bool = False, fsync: bool = False,
+               exclude_frozen_parameters: bool = False, hf_names: bool = False, overwrite: bool = False,
+               dry_run: bool = False, workers: Optional[int] = None, progress: bool = False, fsync: bool = False,
                notify: Optional[Callable[[str], None]] = None, ranks=None) -> DcpReport:
     """Export a DeepSpeed checkpoint (ZeRO tag folder, the folder holding ``latest`` such as the Hugging
     Face Trainer's ``checkpoint-N/``, or a Universal Checkpoint folder) as a torch.distributed.checkpoint
     folder ``output`` that ``dcp.load`` reads into an FSDP2 model and torch Adam/AdamW optimizer.
 
     ``dtype`` (fp32, bf16, fp16) is the model entries' (the optimizer state stays fp32);
-    ``optimizer=False`` writes the model alone. ``model_key``/``optim_key`` name the top-level entries
+    ``optimizer=False`` writes the model alone. ``hf_names``: AutoEP layers (router, experts) and their
+    optimizer state under the Hugging Face names of the model type in the config.json beside the
+    checkpoint, as the Hugging Face export writes them (a Mixtral's ``gate``, ``experts.gate_up_proj``,
+    ``experts.down_proj``), for an FSDP2 job that builds the transformers model. ``model_key``/``optim_key`` name the top-level entries
     (``{"model": ..., "optim": ...}`` by default; ``model_key=""`` puts the model's entries at the top
     level). ``chunk_bytes``: tensors are cut along dimension 0 into chunks of about this size, so a load
     at any world size reads little beyond its own rows. ``ranks`` shares the data files among the
@@ -288,7 +346,7 @@ def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     with agreed(ranks, "planning the DCP export", same=True) as vote:
         ck, plan, layout, target = plan_dcp(input, tag=tag, dtype=dtype, optimizer=optimizer, model_key=model_key,
                                             optim_key=optim_key, chunk_bytes=chunk_bytes,
-                                            exclude_frozen=exclude_frozen_parameters,
+                                            exclude_frozen=exclude_frozen_parameters, hf_names=hf_names,
                                             min_files=ranks.size if ranks else 1, save_id=save_id)
         if not dry_run:
             check_apart(input, ck.folder, output)

@@ -73,6 +73,8 @@ def _options(folder: str) -> dict:
     except ValueError as exc:
         raise VerifyInputError(f"{os.path.join(folder, EXPORT_RECORD)}: not JSON ({exc})") from None
     bad = [k for k, kind in _OPTIONS.items() if not isinstance(opts, dict) or type(opts.get(k)) is not kind]
+    if not bad and type(opts.get("hf_names", False)) is not bool:  # absent from the first records: False
+        bad = ["hf_names"]
     if bad or opts.get("version") != EXPORT_RECORD_VERSION:
         raise VerifyInputError(f"{os.path.join(folder, EXPORT_RECORD)}: not an export record of this pyckpt "
                                f"({'field ' + bad[0] if bad else 'version'})")
@@ -91,7 +93,7 @@ def verify_dcp(output, *, against, content: bool = True) -> VerifyReport:
             ck, plan, layout, _ = plan_dcp(against, dtype=opts["dtype"], optimizer=opts["optimizer"],
                                            model_key=opts["model_key"], optim_key=opts["optim_key"],
                                            chunk_bytes=opts["chunk_bytes"], exclude_frozen=opts["exclude_frozen"],
-                                           min_files=opts["data_files"], save_id=opts["save_id"])
+                                           hf_names=opts.get("hf_names", False), min_files=opts["data_files"], save_id=opts["save_id"])
     except (PyckptError, OSError, ValueError) as exc:
         raise VerifyInputError(f"cannot plan the DCP export of {os.fspath(against)}: {exc}") from None
     report.stage = getattr(ck, "stage", None)

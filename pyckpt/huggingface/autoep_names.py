@@ -32,6 +32,20 @@ def preset_of(config: Optional[dict]) -> Optional[tuple]:
     return PRESETS.get(model_type) if isinstance(model_type, str) else None
 
 
+def hf_renames(layers: List[dict], preset: tuple) -> Dict[str, Optional[str]]:
+    """AutoEP name -> the Hugging Face name that holds it (None for w3, which gate_up_proj holds
+    after w1): the names a param group or a per-parameter state moves to."""
+    router, experts = preset
+    out: Dict[str, Optional[str]] = {}
+    for layer in layers:
+        block, prefix = layer["module_path"], layer["expert_key_prefix"]
+        out[f"{block}.router.gate.weight"] = f"{block}.{router}.weight"
+        out[f"{prefix}.w1"] = f"{block}.{experts}.gate_up_proj"
+        out[f"{prefix}.w2"] = f"{block}.{experts}.down_proj"
+        out[f"{prefix}.w3"] = None
+    return out
+
+
 def to_hf_names(tensors: "OrderedDict[str, NewTensor]", layers: List[dict], preset: tuple,
                 where: str) -> "OrderedDict[str, NewTensor]":
     """``tensors`` with every AutoEP layer's router and experts under the preset's names, in place of

@@ -79,8 +79,8 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
                 torch_bin: bool = False):
     """(plan, report fields) of an export, nothing written."""
     ck, state = read_consolidated(input, tag, exclude_frozen, dense_only)
-    companions = _companion_folder(ck.folder)
-    config, config_bytes = _read_config(companions)
+    companions = companion_folder(ck.folder)
+    config, config_bytes = read_model_config(companions)
     target = resolve_dtype(dtype, config)
     limit = parse_size(max_shard_size)
     named = _hf_module_names(ck, state, config, plan_notes := [])
@@ -133,12 +133,13 @@ def read_consolidated(input, tag: Optional[str] = None, exclude_frozen: bool = F
         return ck, consolidate(ck, exclude_frozen=exclude_frozen, dense_only=dense_only)
 
 
-def _hf_module_names(ck, state, config: Optional[dict], notes: list):
-    """The state dict's tensors, AutoEP layers under the Hugging Face names of the model type the
-    config beside the checkpoint names (``deepspeed.autoep.hf_names``); as they are otherwise."""
+def autoep_naming(ck, state, config: Optional[dict], notes: list) -> Optional[tuple]:
+    """(AutoEP layers, preset) when the checkpoint's AutoEP layers go back under the Hugging Face
+    names of the model type the config beside it names (``deepspeed.autoep.hf_names``); None when it
+    has no AutoEP layer or no mapping is known (``notes`` says which)."""
     layers = next((ms.autoep_layers for ms in ck.model if ms.autoep_layers is not None), None)
     if not layers:
-        return state.tensors
+        return None
     for entry in layers:
         if not (isinstance(entry, dict) and isinstance(entry.get("module_path"), str)
                 and isinstance(entry.get("expert_key_prefix"), str)):
@@ -149,7 +150,7 @@ def _hf_module_names(ck, state, config: Optional[dict], notes: list):
         kind = (config or {}).get("model_type")
         notes.append(f"  AutoEP layers kept under their AutoEP names (router.gate, experts.w1/w2/w3): "
                      f"{'no config.json beside the checkpoint' if config is None else f'model_type {kind!r} has no mapping'}")
-        return state.tensors
+        return None
     renamed = set(state.aliases.values()) & {name for e in layers for name in state.tensors
                                              if name.startswith(e["module_path"] + ".")}
     if renamed:
@@ -157,10 +158,16 @@ def _hf_module_names(ck, state, config: Optional[dict], notes: list):
                                          "with another parameter")
     notes.append(f"  AutoEP layers under the Hugging Face names of model_type {config['model_type']!r} "
                  f"({preset[0]}, {preset[1]}.gate_up_proj, {preset[1]}.down_proj)")
-    return to_hf_names(state.tensors, layers, preset, ck.folder)
+    return layers, preset
 
 
-def _companion_folder(tag_folder: str) -> str:
+def _hf_module_names(ck, state, config: Optional[dict], notes: list):
+    """The state dict's tensors, AutoEP layers under their Hugging Face names where known."""
+    naming = autoep_naming(ck, state, config, notes)
+    return state.tensors if naming is None else to_hf_names(state.tensors, *naming, ck.folder)
+
+
+def companion_folder(tag_folder: str) -> str:
     """Where the model's config and tokenizer lie: in the tag folder itself (pyckpt's save glue puts
     them there), else beside it (the Hugging Face Trainer's checkpoint-N/ holds them next to
     global_stepN/)."""
@@ -247,7 +254,7 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     return report
 
 
-def _read_config(folder: str) -> Tuple[Optional[Dict], Optional[bytes]]:
+def read_model_config(folder: str) -> Tuple[Optional[Dict], Optional[bytes]]:
     """The model config beside the checkpoint, parsed, and its bytes (None, None if absent)."""
     path = os.path.join(folder, CONFIG_NAME)
     if not os.path.lexists(path):
