@@ -7,7 +7,9 @@ a copy.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,16 @@ SLOW_TESTS = {"test_failing_rank_fails_the_launch_fast", "test_structure_matches
               "test_run_quick", "test_run_quick_export"}
 
 
+# Files whose fixtures train or load with DeepSpeed on their own, longest first: run first, they keep
+# every pytest-xdist worker busy while one of them builds the shared checkpoints (built_once), and a
+# long file started last would leave the other workers idle at the end.
+FIRST = ("test_load_backend.py", "test_reshard_clients.py", "test_hf_client.py", "test_dsharness.py",
+         "test_save_glue.py", "test_benchmarks_quick.py", "test_demo.py", "test_make_checkpoint.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
     for item in items:
         if DEEPSPEED_FIXTURES & set(getattr(item, "fixturenames", ())) or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
@@ -113,36 +124,63 @@ def ds_environ(ds_root) -> dict:
     return dsharness.ds_env(ds_root)
 
 
-@pytest.fixture(scope="session")
-def checkpoints(ds_root, ds_environ) -> dict:
-    items = [(cfg, ds_root / "ckpt" / name) for name, cfg in ALL_CONFIGS.items()]
-    made = dsharness.make_checkpoints(items, env=ds_environ)
-    return dict(zip(ALL_CONFIGS, made))
+def built_once(tmp_path_factory, name: str, build):
+    """``build(folder)``'s result, built once per test run. Under pytest-xdist every worker process has
+    a session of its own, and each would train the same checkpoints again on the same two cores: the
+    first worker to ask builds them into the run's shared temporary folder under a file lock, the
+    others wait for it and read its result. Tests never change these folders (they damage copies)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    import torch
+
+    shared = tmp_path_factory.getbasetemp().parent / f"shared-{name}"
+    with open(f"{shared}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared.with_name(shared.name + ".pt")
+        if done.exists():
+            return torch.load(done, weights_only=False)  # this run's own fixture data
+        shutil.rmtree(shared, ignore_errors=True)  # what a worker whose build failed left
+        shared.mkdir()
+        made = build(shared)
+        torch.save(made, done)
+        return made
 
 
 @pytest.fixture(scope="session")
-def deepspeed_universal(checkpoints, ds_root, ds_environ) -> dict:
+def checkpoints(tmp_path_factory, ds_environ) -> dict:
+    def build(root: Path) -> dict:
+        items = [(cfg, root / name) for name, cfg in ALL_CONFIGS.items()]
+        return dict(zip(ALL_CONFIGS, dsharness.make_checkpoints(items, env=ds_environ)))
+    return built_once(tmp_path_factory, "ckpt", build)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_universal(checkpoints, tmp_path_factory, ds_environ) -> dict:
     """DeepSpeed's ds_to_universal output for every checkpoint it can convert (the reference)."""
-    out = {}
-    batches = {}
-    for name, ck in checkpoints.items():
-        if name in ZERO_WIDTH:
-            continue
-        dest = ds_root / "ds_universal" / name / f"{ck.tag}_universal"
-        batches.setdefault(converter_args(name), []).append((ck.tag_dir, dest))
-        out[name] = dest
-    for args, jobs in batches.items():
-        dsharness.run_ds_to_universal_many(jobs, *args, env=ds_environ)
-    return out
+    def build(root: Path) -> dict:
+        out = {}
+        batches = {}
+        for name, ck in checkpoints.items():
+            if name in ZERO_WIDTH:
+                continue
+            dest = root / name / f"{ck.tag}_universal"
+            batches.setdefault(converter_args(name), []).append((ck.tag_dir, dest))
+            out[name] = dest
+        for args, jobs in batches.items():
+            dsharness.run_ds_to_universal_many(jobs, *args, env=ds_environ)
+        return out
+    return built_once(tmp_path_factory, "ds_universal", build)
 
 
 @pytest.fixture(scope="session")
-def pyckpt_universal(checkpoints, ds_root) -> dict:
-    import pyckpt
+def pyckpt_universal(checkpoints, tmp_path_factory) -> dict:
+    def build(root: Path) -> dict:
+        import pyckpt
 
-    out = {}
-    for name, ck in checkpoints.items():
-        dest = ds_root / "pyckpt_universal" / name / f"{ck.tag}_universal"
-        pyckpt.convert_to_universal(ck.root, dest, inject_missing_state=not ALL_CONFIGS[name].uc_info)
-        out[name] = dest
-    return out
+        out = {}
+        for name, ck in checkpoints.items():
+            dest = root / name / f"{ck.tag}_universal"
+            pyckpt.convert_to_universal(ck.root, dest, inject_missing_state=not ALL_CONFIGS[name].uc_info)
+            out[name] = dest
+        return out
+    return built_once(tmp_path_factory, "pyckpt_universal", build)
