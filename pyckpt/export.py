@@ -102,6 +102,11 @@ def add_arguments(p) -> None:
                    help="--format dcp: AutoEP routers and experts (and their Adam state) under the Hugging Face names "
                    "of the model type in the config.json beside the checkpoint (Mixtral: gate, "
                    "experts.gate_up_proj, experts.down_proj), as the Hugging Face export writes them")
+    p.add_argument("--optim-layout", "--optim_layout", dest="optim_layout", default="nested",
+                   choices=("nested", "flat"),
+                   help="--format dcp: nested = get_state_dict's optimizer state (default); flat = with "
+                   "flatten_optimizer_state_dict=True (param_groups.<name>.<key>), as torchtitan's checkpointer "
+                   "keeps it (torchtitan: --model-key '' --optim-key optimizer --optim-layout flat)")
     p.add_argument("--chunk-mb", "--chunk_mb", dest="chunk_mb", type=float, default=16.0,
                    help="--format dcp: tensors are cut along their first dimension into chunks of about this many "
                    "MiB, so that a load at any world size reads little beyond its own rows (default: 16)")
@@ -133,9 +138,10 @@ def run(args) -> int:
         raise UsageError("--format dcp takes --dtype fp32, bf16 or fp16")
     if dcp and not args.chunk_mb > 0:
         raise UsageError("--chunk-mb must be positive")
-    if not dcp and (args.model_key != "model" or args.optim_key != "optim" or not args.optimizer or args.hf_names):
-        raise UsageError("--model-key, --optim-key, --no-optimizer and --hf-names are for --format dcp (the Hugging "
-                         "Face export always writes the Hugging Face names it knows)")
+    if not dcp and (args.model_key != "model" or args.optim_key != "optim" or not args.optimizer or args.hf_names
+                    or args.optim_layout != "nested"):
+        raise UsageError("--model-key, --optim-key, --optim-layout, --no-optimizer and --hf-names are for --format dcp "
+                         "(the Hugging Face export always writes the Hugging Face names it knows)")
     with cli_common.among_processes() as (ranks, lead):
         workers = args.workers if args.workers is not None or ranks is None else default_workers()
         if dcp:
@@ -144,9 +150,9 @@ def run(args) -> int:
                                 model_key=args.model_key, optim_key=args.optim_key,
                                 chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
                                 exclude_frozen_parameters=args.exclude_frozen_parameters, hf_names=args.hf_names,
-                                overwrite=args.overwrite, dry_run=args.dry_run, workers=workers,
-                                progress=lead and not args.quiet,
-                                fsync=args.fsync, notify=note if lead and not args.quiet else None, ranks=ranks)
+                                optim_layout=args.optim_layout, overwrite=args.overwrite, dry_run=args.dry_run,
+                                workers=workers, progress=lead and not args.quiet, fsync=args.fsync,
+                                notify=note if lead and not args.quiet else None, ranks=ranks)
             return report_done(args, report) if lead else 0
         report = export_hf(args.input, args.output, tag=args.tag, dtype=args.dtype,
                            max_shard_size=args.max_shard_size, torch_bin=args.torch_bin,

@@ -9,6 +9,8 @@ hyper-parameters) and the losses of a few more training steps, each on the same 
     torchrun --nproc_per_node W tests/dcp_fsdp_worker.py JOBS.json [--steps N]
 
 JOBS.json lists several resumes (model, export, out, groups), run one after the other in one launch.
+A job with "flat": true loads torchtitan's checkpointer layout instead: the model's entries at the top
+level, the optimizer under "optimizer" as ``flatten_optimizer_state_dict=True`` gives it.
 """
 
 import argparse
@@ -19,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,14 +49,18 @@ def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def resume(name: str, export: str, out: str, groups: bool, steps: int, first_step: int) -> None:
+def resume(name: str, export: str, out: str, groups: bool, steps: int, first_step: int, flat: bool) -> None:
     model = models.build_model(name)
     # one FSDP unit: the harness models tie weights across their submodules
     fully_shard(model)
     opt = torch.optim.Adam(param_groups(model, groups), lr=LR)
-    msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=export)
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    msd, osd = get_state_dict(model, opt, options=options)
+    if flat:
+        dcp.load({**msd, "optimizer": osd}, checkpoint_id=export)
+    else:
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=export)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
 
     names = {p: n for n, p in model.named_parameters()}
     loaded = {
@@ -86,7 +92,8 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("gloo")
     for job in json.loads(open(args.jobs).read()):
-        resume(job["model"], job["export"], job["out"], job["groups"], args.steps, args.first_step)
+        resume(job["model"], job["export"], job["out"], job["groups"], args.steps, args.first_step,
+               job.get("flat", False))
     dist.destroy_process_group()
 
 

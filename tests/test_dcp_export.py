@@ -191,12 +191,13 @@ def test_hf_names_put_autoep_layers_and_their_adam_state_under_mixtrals_names(ch
     assert verify_dcp(tmp_path / "dcp", against=root).ok
 
 
-def test_hf_names_is_an_option_of_the_dcp_export_only(tmp_path):
-    """The Hugging Face export always writes the names it knows, so --hf-names without --format dcp is a
-    usage error (exit 2), before any input is read."""
-    proc = subprocess.run([sys.executable, "-m", "pyckpt.export", str(tmp_path / "absent"), str(tmp_path / "out"),
-                           "--hf-names"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--hf-names are for --format dcp" in proc.stderr, proc.stderr
+@pytest.mark.parametrize("flags", [["--hf-names"], ["--optim-layout", "flat"]])
+def test_dcp_options_are_refused_without_format_dcp(tmp_path, flags):
+    """--hf-names (the Hugging Face export always writes the names it knows) and --optim-layout without
+    --format dcp are a usage error (exit 2), before any input is read."""
+    proc = subprocess.run([sys.executable, "-m", "pyckpt.export", str(tmp_path / "absent"), str(tmp_path / "out")]
+                          + flags, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "are for --format dcp" in proc.stderr and flags[0] in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -217,6 +218,28 @@ def test_model_dtype_and_layout_keys_are_the_users_choice(checkpoints, tmp_path,
     assert got["optimizer"]["state"]["emb.weight"]["exp_avg"].dtype == torch.float32
     pyckpt.export_dcp(ck.root, tmp_path / "model_only", optimizer=False)
     assert sorted(_read_back(tmp_path / "model_only", tmp_path / "b")) == ["model"]
+
+
+def test_the_flat_optimizer_layout_keys_each_parameters_group_values_by_its_name(checkpoints, tmp_path):
+    """optim_layout="flat" writes what get_state_dict(..., flatten_optimizer_state_dict=True) holds:
+    param_groups.<name>.<key> for every parameter of a group (values of its group), no group indices or
+    member lists; the state entries are the nested layout's; verify re-plans it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from pyckpt.dcp.verify import verify_dcp
+    ck = checkpoints["z2_groups_dp2"]
+    out = tmp_path / "dcp"
+    pyckpt.export_dcp(ck.root, out, model_key="", optim_key="optimizer", optim_layout="flat")
+    keys = set(FileSystemReader(str(out)).read_metadata().state_dict_metadata)
+    groups = _expected_groups(ck)
+    for hyper, names in groups:
+        for n in names:
+            assert {f"optimizer.param_groups.{n}.{k}" for k in hyper} <= keys, n
+            assert f"optimizer.state.{n}.exp_avg" in keys
+    assert not any(k.startswith("optimizer.param_groups.0") or k.endswith(".params") for k in keys)
+    got = _read_back(out, tmp_path)
+    bias = next(n for n in groups[1][1])
+    assert got["optimizer"]["param_groups"][bias]["weight_decay"] == models.BIAS_GROUP["weight_decay"]
+    assert verify_dcp(out, against=ck.root).ok
 
 
 def test_tensors_are_cut_into_row_chunks_that_dcp_reassembles(checkpoints, tmp_path):
@@ -273,7 +296,9 @@ def _plain_continuation(ck, steps: int) -> list:
     return losses
 
 
-FSDP_CASES = ["z2_groups_dp2", "z3_groups_dp3", "s2_bf16_frozen_tied"]
+# (checkpoint, layout): "flat" is torchtitan's checkpointer's (model at the top level, "optimizer" flattened)
+FSDP_CASES = [("z2_groups_dp2", "nested"), ("z3_groups_dp3", "nested"), ("s2_bf16_frozen_tied", "nested"),
+              ("z3_groups_dp3", "flat")]
 
 
 @pytest.mark.slow
@@ -283,20 +308,22 @@ def test_fsdp2_jobs_at_another_world_size_resume_from_the_export(checkpoints, ds
     + set_state_dict: every full parameter, buffer, Adam moment and step equals the DeepSpeed run's bit for
     bit and the groups keep their members and hyper-parameters; the next steps' losses are those of the
     same training continued in one process from the reference state (to 1e-6 relative: FSDP averages the
-    ranks' equal gradients, which may round differently from one process's gradient). One launch runs the
-    three resumes one after the other."""
+    ranks' equal gradients, which may round differently from one process's gradient). The same holds for
+    torchtitan's checkpointer layout (model_key "", optim_key "optimizer", optim_layout "flat", loaded with
+    flatten_optimizer_state_dict=True). One launch runs the resumes one after the other."""
     jobs = []
-    for name in FSDP_CASES:
+    for name, layout in FSDP_CASES:
         ck = checkpoints[name]
-        export = tmp_path / name
-        pyckpt.export_dcp(ck.root, export)
-        jobs.append({"model": ck.config.model, "export": str(export), "out": str(tmp_path / f"{name}.pt"),
-                     "groups": ck.config.groups})
+        export = tmp_path / f"{name}-{layout}"
+        keys = dict(model_key="", optim_key="optimizer") if layout == "flat" else {}
+        pyckpt.export_dcp(ck.root, export, optim_layout=layout, **keys)
+        jobs.append({"model": ck.config.model, "export": str(export), "out": str(tmp_path / f"{name}-{layout}.pt"),
+                     "groups": ck.config.groups, "flat": layout == "flat"})
     env = {**ds_environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
     _fsdp_jobs(jobs, 4, env, tmp_path)
-    for name in FSDP_CASES:
+    for name, layout in FSDP_CASES:
         ck = checkpoints[name]
-        got = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+        got = torch.load(tmp_path / f"{name}-{layout}.pt", weights_only=False)
         ref = ck.reference
         for n, p in got["params"].items():
             assert _same(p, ref["fp32"][n]), (name, n)

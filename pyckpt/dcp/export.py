@@ -52,6 +52,9 @@ EXPORT_RECORD_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # The keys of a torch Adam/AdamW param group that DeepSpeed's own optimizers (FusedAdam, CPUAdam) do
 # not keep, with torch's defaults: a load into torch's optimizer needs every key its groups have.
+# "nested": get_state_dict's optimizer state ({"state": {fqn: ...}, "param_groups": [{..., "params": [fqn]}]});
+# "flat": the same with StateDictOptions(flatten_optimizer_state_dict=True)
+OPTIM_LAYOUTS = ("nested", "flat")
 TORCH_ADAM_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                        "differentiable": False, "fused": None}
 
@@ -170,8 +173,11 @@ def _param_groups(ck, groups: List[dict], trainable: Dict[str, tuple]) -> List[d
 @pauses_collector
 def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer: bool = True,
              model_key: str = MODEL_KEY, optim_key: str = OPTIM_KEY, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             exclude_frozen: bool = False, hf_names: bool = False, min_files: int = 1, save_id: str = ""):
+             exclude_frozen: bool = False, hf_names: bool = False, optim_layout: str = "nested",
+             min_files: int = 1, save_id: str = ""):
     """(checkpoint, plan, layout, dtype) of a DCP export, nothing written."""
+    if optim_layout not in OPTIM_LAYOUTS:
+        raise ValueError(f"optim_layout must be one of {', '.join(OPTIM_LAYOUTS)}, not {optim_layout!r}")
     if optimizer and not optim_key:
         raise ValueError("the optimizer state needs a key of its own (optim_key)")
     if optimizer and model_key == optim_key:
@@ -196,7 +202,7 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
         h = holders[holder]
         layout.tensors.append(TensorEntry(prefix + (alias,), h.dtype, h.shape, [], same_as=h))
     if optimizer:
-        _add_optimizer(ck, cstate, layout, (optim_key,), chunk_bytes, naming)
+        _add_optimizer(ck, cstate, layout, (optim_key,), chunk_bytes, naming, optim_layout == "flat")
     if not model_key and optimizer and (optim_key in model or optim_key in cstate.aliases):
         raise CheckpointFormatError(f"{ck.folder}: the model has an entry named {optim_key!r}, the optimizer state's "
                                     "top-level key; choose another --optim-key")
@@ -217,7 +223,8 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
     # what `pyckpt verify --against` needs to plan this export again (DCP's own reader ignores it)
     options = {"format": "torch.distributed.checkpoint", "written_by": "pyckpt", "version": EXPORT_RECORD_VERSION,
                "dtype": target, "optimizer": optimizer, "model_key": model_key, "optim_key": optim_key,
-               "chunk_bytes": chunk_bytes, "exclude_frozen": exclude_frozen, "hf_names": hf_names, "data_files": len(names),
+               "chunk_bytes": chunk_bytes, "exclude_frozen": exclude_frozen, "hf_names": hf_names,
+               "optim_layout": optim_layout, "data_files": len(names),
                "save_id": save_id}
     plan.add_raw_file(EXPORT_RECORD, (json.dumps(options, indent=1, sort_keys=True) + "\n").encode())
     plan.notes.append(f"  torch.distributed.checkpoint: {len(layout.tensors)} tensors, {len(layout.objects)} other "
@@ -239,7 +246,8 @@ def _hf_naming(ck, cstate, notes: list) -> tuple:
     return naming
 
 
-def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, naming: Optional[tuple]) -> None:
+def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, naming: Optional[tuple],
+                   flat: bool) -> None:
     skip = set(cstate.buffers) | set(cstate.frozen)
     trainable = {name: tuple(t.shape) for name, t in cstate.tensors.items() if name not in skip}
     with metadata_errors(ck.folder):
@@ -287,6 +295,14 @@ def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, 
                                               chunk_tensor(t, chunk_bytes)))
         layout.tensors.append(TensorEntry(prefix + ("state", name, "step"), "float32", (), chunk_tensor(steps[name])))
     for i, group in enumerate(param_groups):
+        if flat:
+            # torch's flatten_optimizer_state_dict: each parameter's group values under its own name,
+            # the members implied (torchtitan's checkpointer keeps its optimizer so)
+            for name in group["params"]:
+                for key, value in group.items():
+                    if key != "params":
+                        layout.objects.append(BytesEntry(prefix + ("param_groups", name, key), value))
+            continue
         for key, value in group.items():
             layout.objects.append(BytesEntry(prefix + ("param_groups", i, key), value))
 
@@ -321,9 +337,10 @@ def _renamed_groups(ck, groups: List[dict], steps: "OrderedDict[str, NewTensor]"
 
 def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer: bool = True,
                model_key: str = MODEL_KEY, optim_key: str = OPTIM_KEY, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               exclude_frozen_parameters: bool = False, hf_names: bool = False, overwrite: bool = False,
-               dry_run: bool = False, workers: Optional[int] = None, progress: bool = False, fsync: bool = False,
-               notify: Optional[Callable[[str], None]] = None, ranks=None) -> DcpReport:
+               exclude_frozen_parameters: bool = False, hf_names: bool = False, optim_layout: str = "nested",
+               overwrite: bool = False, dry_run: bool = False, workers: Optional[int] = None,
+               progress: bool = False, fsync: bool = False, notify: Optional[Callable[[str], None]] = None,
+               ranks=None) -> DcpReport:
     """Export a DeepSpeed checkpoint (ZeRO tag folder, the folder holding ``latest`` such as the Hugging
     Face Trainer's ``checkpoint-N/``, or a Universal Checkpoint folder) as a torch.distributed.checkpoint
     folder ``output`` that ``dcp.load`` reads into an FSDP2 model and torch Adam/AdamW optimizer.
@@ -332,10 +349,14 @@ def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     ``optimizer=False`` writes the model alone. ``hf_names``: AutoEP layers (router, experts) and their
     optimizer state under the Hugging Face names of the model type in the config.json beside the
     checkpoint, as the Hugging Face export writes them (a Mixtral's ``gate``, ``experts.gate_up_proj``,
-    ``experts.down_proj``), for an FSDP2 job that builds the transformers model. ``model_key``/``optim_key`` name the top-level entries
-    (``{"model": ..., "optim": ...}`` by default; ``model_key=""`` puts the model's entries at the top
-    level). ``chunk_bytes``: tensors are cut along dimension 0 into chunks of about this size, so a load
-    at any world size reads little beyond its own rows. ``ranks`` shares the data files among the
+    ``experts.down_proj``), for an FSDP2 job that builds the transformers model. ``optim_layout="flat"``
+    writes the optimizer state as ``get_state_dict(..., options=StateDictOptions(
+    flatten_optimizer_state_dict=True))`` gives it (``param_groups.<fqn>.<key>``), the layout
+    torchtitan's checkpointer uses (with ``model_key=""``, ``optim_key="optimizer"``).
+    ``model_key``/``optim_key`` name the top-level entries (``{"model": ..., "optim": ...}`` by
+    default; ``model_key=""`` puts the model's entries at the top level). ``chunk_bytes``: tensors are
+    cut along dimension 0 into chunks of about this size, so a load at any world size reads little
+    beyond its own rows. ``ranks`` shares the data files among the
     processes of a torch launch. The output is complete or absent; an existing ``output`` is replaced
     only with ``overwrite=True``."""
     t0 = time.perf_counter()
@@ -347,7 +368,8 @@ def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
         ck, plan, layout, target = plan_dcp(input, tag=tag, dtype=dtype, optimizer=optimizer, model_key=model_key,
                                             optim_key=optim_key, chunk_bytes=chunk_bytes,
                                             exclude_frozen=exclude_frozen_parameters, hf_names=hf_names,
-                                            min_files=ranks.size if ranks else 1, save_id=save_id)
+                                            optim_layout=optim_layout, min_files=ranks.size if ranks else 1,
+                                            save_id=save_id)
         if not dry_run:
             check_apart(input, ck.folder, output)
         if ranks:

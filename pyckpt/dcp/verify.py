@@ -23,7 +23,7 @@ from ..formats.pickle_write import dumps
 from ..tensors import ITEMSIZE, NewTensor
 from ..universal.verify.against import _planned_crc, _Reader
 from ..universal.verify.report import VerifyReport
-from .export import EXPORT_RECORD, EXPORT_RECORD_VERSION, METADATA_NAME, plan_dcp
+from .export import EXPORT_RECORD, EXPORT_RECORD_VERSION, METADATA_NAME, OPTIM_LAYOUTS, plan_dcp
 
 RECORD_MAX_BYTES = 1 << 20
 _OPTIONS = {"dtype": str, "optimizer": bool, "model_key": str, "optim_key": str, "chunk_bytes": int,
@@ -75,6 +75,8 @@ def _options(folder: str) -> dict:
     bad = [k for k, kind in _OPTIONS.items() if not isinstance(opts, dict) or type(opts.get(k)) is not kind]
     if not bad and type(opts.get("hf_names", False)) is not bool:  # absent from the first records: False
         bad = ["hf_names"]
+    if not bad and opts.get("optim_layout", "nested") not in OPTIM_LAYOUTS:
+        bad = ["optim_layout"]
     if bad or opts.get("version") != EXPORT_RECORD_VERSION:
         raise VerifyInputError(f"{os.path.join(folder, EXPORT_RECORD)}: not an export record of this pyckpt "
                                f"({'field ' + bad[0] if bad else 'version'})")
@@ -93,7 +95,9 @@ def verify_dcp(output, *, against, content: bool = True) -> VerifyReport:
             ck, plan, layout, _ = plan_dcp(against, dtype=opts["dtype"], optimizer=opts["optimizer"],
                                            model_key=opts["model_key"], optim_key=opts["optim_key"],
                                            chunk_bytes=opts["chunk_bytes"], exclude_frozen=opts["exclude_frozen"],
-                                           hf_names=opts.get("hf_names", False), min_files=opts["data_files"], save_id=opts["save_id"])
+                                           hf_names=opts.get("hf_names", False),
+                                           optim_layout=opts.get("optim_layout", "nested"),
+                                           min_files=opts["data_files"], save_id=opts["save_id"])
     except (PyckptError, OSError, ValueError) as exc:
         raise VerifyInputError(f"cannot plan the DCP export of {os.fspath(against)}: {exc}") from None
     report.stage = getattr(ck, "stage", None)
