@@ -5,6 +5,7 @@
     python benchmarks/run.py --make --params 200M --dp 4 --runs 3           # a real DeepSpeed save first
     python benchmarks/run.py --ckpt path/to/global_step1 --runs 3           # or an existing checkpoint
     python benchmarks/run.py --ckpt path/to/global_step1 --export           # the Hugging Face export instead
+    python benchmarks/run.py --ckpt ... --before /tmp/pyckpt_old            # and an older build, same rounds
 
 Each round runs every tool once, in a rotating order, so drift on a noisy machine hits all tools
 alike; the report gives medians and the per-round ratios (pyckpt vs each other tool in the same
@@ -60,9 +61,12 @@ def ds_converter() -> str:
     return os.path.join(os.path.dirname(deepspeed.__file__), "checkpoint", "ds_to_universal.py")
 
 
-def tools(tag_dir: Path, out: Path, work: Path = None):
+BEFORE = " (before)"
+
+
+def tools(tag_dir: Path, out: Path, work: Path = None, before: Path = None):
     py = sys.executable
-    return {
+    found = {
         "pyckpt export": ([py, "-m", "pyckpt.export", str(tag_dir), str(out / "hf"), "--quiet"], out),
         "zero_to_fp32 --safe": ([py, "-c", ZERO_TO_FP32, str(tag_dir.parent), str(out / "hf"), tag_dir.name, "safe"],
                                 out),
@@ -73,6 +77,12 @@ def tools(tag_dir: Path, out: Path, work: Path = None):
         "zero_to_fp32": ([py, "-c", ZERO_TO_FP32, str(tag_dir.parent), str(out / "fp32"), tag_dir.name], out),
         "cp -r": (["cp", "-r", str(tag_dir), str(out / "copy")], out),
     }
+    if before is not None:
+        # an older build (pip install --target BEFORE), imported ahead of the installed one
+        for name in ("pyckpt", "pyckpt export"):
+            cmd, watch = found[name]
+            found[name + BEFORE] = (["env", f"PYTHONPATH={before}"] + cmd, watch)
+    return found
 
 
 def is_autoep(tag_dir: Path) -> bool:
@@ -174,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "of a file of the output's size) instead of the universal conversion")
     p.add_argument("--json", type=Path, default=None, help="result file (default: <work>/result.json)")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table here")
+    p.add_argument("--before", type=Path, default=None,
+                   help="also time the pyckpt build installed in this folder (pip install --target), in the same "
+                   "rounds: a before/after comparison of the tool itself")
     p.add_argument("--no-check", action="store_true", help="skip the tensor-by-tensor check")
     p.add_argument("--cold", action="store_true", help="do not read the input through before each timed run")
     p.add_argument("--no-sync", action="store_true", help="do not flush dirty pages before each timed run")
@@ -198,6 +211,8 @@ def main(argv=None):
     args.work = args.work.resolve()
     if args.ckpt:
         args.ckpt = args.ckpt.resolve()
+    if args.before is not None:
+        args.before = args.before.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     made = None
     if args.make:
@@ -224,6 +239,8 @@ def run(args, tag_dir: Path):
     base, reference = ("pyckpt export", "zero_to_fp32 --safe") if args.export else ("pyckpt", "ds_to_universal")
     default = EXPORT_TOOLS if args.export else ALL_TOOLS
     names = [t.strip() for t in (args.tools or ",".join(default)).split(",") if t.strip()]
+    if args.before is not None and base + BEFORE not in names:
+        names.insert(1, base + BEFORE)
     skipped = {}
     for z in ("zero_to_fp32", "zero_to_fp32 --safe"):
         if z in names and is_autoep(tag_dir):
@@ -245,6 +262,9 @@ def run(args, tag_dir: Path):
     # Untimed: caches pyckpt's bytecode (see main) before its first timed run.
     subprocess.run([sys.executable, "-c", "import pyckpt.universal.convert, pyckpt.huggingface.export"], check=True,
                    cwd=str(args.work))
+    if args.before is not None:
+        subprocess.run(["env", f"PYTHONPATH={args.before.resolve()}", sys.executable, "-c",
+                        "import pyckpt.convert, pyckpt.export"], check=True, cwd=str(args.work))
 
     # The first big write after the checkpoint was made runs 1.4-2.5x slower for any tool (8 GB, seen
     # for pyckpt and cp alike); an untimed copy absorbs it instead of whichever tool goes first.
@@ -267,7 +287,7 @@ def run(args, tag_dir: Path):
             out = args.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
-            cmd, watch = tools(tag_dir, out, args.work)[name]
+            cmd, watch = tools(tag_dir, out, args.work, args.before)[name]
             if not args.cold:
                 warm(tag_dir)
             if not args.no_sync:
