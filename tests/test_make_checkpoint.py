@@ -166,8 +166,13 @@ def test_values_are_varied_finite_and_consistent(generated, case):
         assert torch.load(item["pyckpt"] / "zero" / params[0][0] / "step.pt", weights_only=True).item() == 1.0
     if CASES[case]["stage"] < 3:
         # fp32 model: the module's weights are the fp32 masters, as after a real optimizer step
-        module = torch.load(item["tag_dir"] / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+        states = torch.load(item["tag_dir"] / "mp_rank_00_model_states.pt", weights_only=True)
+        module, buffers = states["module"], set(states["buffer_names"])
         for name, value in module.items():
+            if name in buffers:  # DeepSeek's router bias: float32 whatever the training dtype, varied
+                assert value.dtype == torch.float32 and torch.isfinite(value).all(), name
+                assert len(torch.unique(value)) > value.numel() // 2, name
+                continue
             ref = name.replace("mlp.gate.gate.", "mlp.router.gate.")  # AutoEP's module-only alias
             assert torch.equal(value, seen[(ref, "fp32")]), name
     model = item["info"]["model"]
@@ -478,6 +483,15 @@ def test_family_autoep_metadata(generated, name):
     assert state["ds_autoep_layers"][0]["expert_key_prefix"] == f"model.layers.{first}.mlp.experts"
     module = state["module"]
     assert (f"model.layers.{first}.mlp.gate.gate.weight" in module) == (preset == "mixtral")
+    # DeepSeek's e_score_correction_bias, copied by AutoEP onto the router, a float32 buffer of one value per
+    # expert (whole in every ZeRO-3 rank's file: buffers are not partitioned); the router's own buffer comes
+    # before its gate child's weight in state_dict order
+    bias = [f"model.layers.{i}.mlp.router.e_score_correction_bias" for i in range(first, 3 if first else 2)]
+    assert state["buffer_names"] == (bias if preset == "deepseek_v3" else [])
+    keys = list(module)
+    for b in state["buffer_names"]:
+        assert module[b].dtype == torch.float32 and tuple(module[b].shape) == (CASES[name]["experts"], )
+        assert keys.index(b) + 1 == keys.index(b.replace("e_score_correction_bias", "gate.weight"))
     if CASES[name]["stage"] < 3:
         assert not [k for k in module if ".experts." in k]
         experts = [f for f in files if f.startswith("layer_")]

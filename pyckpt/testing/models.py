@@ -44,6 +44,9 @@ class Model:
     params: List[Tuple[str, Tuple[int, ...]]]
     expert_layer: Dict[str, MoELayer] = field(default_factory=dict)  # expert param -> its layer
     aliases: Dict[str, str] = field(default_factory=dict)  # module-only key -> the param it repeats
+    # persistent float32 buffers, each listed under the parameter its module state-dict key comes just
+    # before (a module's own buffers precede its children's parameters in state_dict order)
+    buffers_before: Dict[str, List[Tuple[str, Tuple[int, ...]]]] = field(default_factory=dict)
     layers: List[MoELayer] = field(default_factory=list)
     # Tensor parallel (Megatron-style): params holds one tp rank's (equal) slice shapes, and tp_kind
     # says how each slice relates to the whole: "column" (dim 0), "row" (dim 1), "two_sub" (two
@@ -346,7 +349,11 @@ def deepseek_model(layers: int, hidden: int, experts: int, ep: int, *, dense_lay
     (replicated: trained in the dense param group), then the two norms. The DeepSeek adapter does
     not capture router logits at the router, so there is no router alias. Shapes are DeepSeek-V3's
     ratios (at hidden 7168: 128 heads, q_lora 1536, kv_lora 512, rope 64, nope/v 128, MLP 18432,
-    expert MLP 2048), floored at 1. The router's e_score_correction_bias buffer is left out.
+    expert MLP 2048), floored at 1. The source gate's ``e_score_correction_bias`` buffer ``[experts]``
+    is copied onto the router as ``mlp.router.e_score_correction_bias`` (DeepSpeed 0.19.8
+    ``auto_ep_layer._copy_e_score_correction_bias``), kept in float32 under bf16 too
+    (``runtime/keep_in_fp32``: transformers lists it in ``_keep_in_fp32_modules_strict``); the router's
+    own buffer comes before its ``gate`` child's weight in the module state dict.
     """
     if experts % ep:
         raise ValueError(f"--experts {experts} is not divisible by --ep {ep}")
@@ -374,6 +381,8 @@ def deepseek_model(layers: int, hidden: int, experts: int, ep: int, *, dense_lay
                          (f"{base}.mlp.down_proj.weight", (h, ffn))]
         else:
             m.params.append((f"{base}.mlp.router.gate.weight", (experts, h)))
+            m.buffers_before[f"{base}.mlp.router.gate.weight"] = [(f"{base}.mlp.router.e_score_correction_bias",
+                                                                   (experts, ))]
             _add_experts(m, f"{base}.mlp", experts, ep, moe_ffn, h)
             shared = f"{base}.mlp.shared_experts"
             m.params += [(f"{shared}.gate_proj.weight", (moe_ffn, h)), (f"{shared}.up_proj.weight", (moe_ffn, h)),

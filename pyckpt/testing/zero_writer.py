@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -273,7 +274,7 @@ class ZeroWriter:
         stage1 = self.stage == 1
         state = {
             "module": module,
-            "buffer_names": [],
+            "buffer_names": self.buffer_names(),
             "optimizer": None,
             "param_shapes": self.param_shapes(groups),
             "frozen_param_shapes": None if stage1 else OrderedDict(),
@@ -333,6 +334,8 @@ class ZeroWriter:
         itemsize = 4 if self.lp_dtype == "float32" else 2
         module = OrderedDict()
         if not self.m.autoep:
+            if self.m.buffers_before:
+                raise NotImplementedError("buffers are written for AutoEP layouts only")
             # The bit16 params are views of one flat buffer padded to the ZeRO alignment, so
             # torch.save writes that whole buffer once.
             n = dense.numel()
@@ -344,19 +347,36 @@ class ZeroWriter:
             return module
         # AutoEP's non-expert state dict holds each tensor in its own storage; experts are left out.
         for key, name in self.module_keys():
+            if name is None:
+                module[key] = self.buffer(key)
+                continue
             flat = self.lp(dense, 0, offsets[name], math.prod(shapes[name]), Flat())
             module[key] = tensor(self.lp_dtype, shapes[name], flat)
         return module
 
     def module_keys(self):
-        """(module key, parameter) for the non-expert state dict: each parameter, then its aliases."""
+        """(module key, parameter) for the non-expert state dict: each parameter, then its aliases; a
+        buffer's key comes with parameter None, before the parameter Model.buffers_before names."""
         aliases_of: Dict[str, List[str]] = {}
         for alias, target in self.m.aliases.items():
             aliases_of.setdefault(target, []).append(alias)
         for name, _ in self.m.params:
+            for key, _ in self.m.buffers_before.get(name, ()):
+                yield key, None
             if name not in self.m.expert_layer:
                 for key in [name] + aliases_of.get(name, []):
                     yield key, name
+
+    def buffer_names(self) -> List[str]:
+        return [key for name, _ in self.m.params for key, _ in self.m.buffers_before.get(name, ())]
+
+    def buffer(self, key: str) -> NewTensor:
+        """A buffer's float32 values: small, distinct and the same on every rank (buffers are not partitioned)."""
+        shape = next(s for held in self.m.buffers_before.values() for k, s in held if k == key)
+        n = math.prod(shape)
+        seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
+        values = [((seed + 7 * i) % 1000) / 4096.0 for i in range(n)]
+        return NewTensor("float32", tuple(shape), [], False, struct.pack(f"<{n}f", *values))
 
     def zero12_shard(self, groups: List[Group], d: int, t: int = 0) -> dict:
         state, fp32_parts, paddings, mappings = {}, [], [], []
@@ -428,7 +448,9 @@ class ZeroWriter:
             # ZeRO-3 keeps only placeholders; every rank's file has the same ones
             module = self._cache.get("zero3_module")
             if module is None:
-                module = OrderedDict((key, NewTensor(self.lp_dtype, (0, ))) for key, _ in self.module_keys())
+                # buffers are not partitioned: each rank's file holds them whole
+                module = OrderedDict((key, NewTensor(self.lp_dtype, (0, )) if name is not None else self.buffer(key))
+                                     for key, name in self.module_keys())
                 self._cache["zero3_module"] = module
             self.emit(f"{self.tag}/zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt",
                                   self.model_state(module, groups, d))
