@@ -24,13 +24,14 @@ import os
 import struct
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
 from ..execution.distributed import agreed, plan_digest, several
 from ..execution.executor import series_locations
 from ..execution.publish import check_apart, write_published
+from ..execution.report import WrittenReport
 from ..huggingface.autoep_names import hf_renames, to_hf_names
 from ..huggingface.export import autoep_naming, companion_folder, read_consolidated, read_model_config, resolve_dtype
 from ..planning.collector import pauses_collector
@@ -60,7 +61,7 @@ TORCH_ADAM_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "ca
 
 
 @dataclass
-class DcpReport:
+class DcpReport(WrittenReport):
     input: str
     output: str
     dtype: str
@@ -73,15 +74,8 @@ class DcpReport:
     plan_text: str = ""
 
     def summary(self) -> str:
-        rate = self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else float("inf")
         return (f"exported {self.entries} entries ({self.dtype} model, {self.chunks} chunks) to {self.output} as a "
-                f"torch.distributed.checkpoint: {self.files} files, {self.bytes_written / 1e9:.3f} GB in "
-                f"{self.seconds:.2f} s ({rate:.2f} GB/s)")
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("plan_text")
-        return d
+                f"torch.distributed.checkpoint: {self.files} files, {self.written()}")
 
 
 def _param_value(value) -> NewTensor:

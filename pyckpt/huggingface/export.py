@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from collections import OrderedDict
 from typing import Callable, Dict, Optional, Tuple, Union
 
@@ -26,6 +26,7 @@ from .autoep_names import preset_of, to_hf_names
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
 from ..execution.distributed import agreed, plan_digest, several
 from ..execution.publish import check_apart, write_published
+from ..execution.report import WrittenReport
 from ..formats.safetensors import RESERVED_NAME, TensorEntry, layout
 from ..planning.collector import pauses_collector
 from ..formats.confined import read_inside
@@ -41,7 +42,7 @@ COMPANION_MAX_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
-class ExportReport:
+class ExportReport(WrittenReport):
     input: str
     output: str
     dtype: str
@@ -53,14 +54,7 @@ class ExportReport:
     plan_text: str = ""
 
     def summary(self) -> str:
-        rate = self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-        return (f"exported {self.tensors} tensors ({self.dtype}) to {self.output}: {self.files} files, "
-                f"{self.bytes_written / 1e9:.3f} GB in {self.seconds:.2f} s ({rate:.2f} GB/s)")
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("plan_text")
-        return d
+        return f"exported {self.tensors} tensors ({self.dtype}) to {self.output}: {self.files} files, {self.written()}"
 
 
 def resolve_dtype(dtype: str, config: Optional[dict] = None) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..zero.discovery import discover
@@ -17,10 +17,11 @@ from .write import build_plan
 from ..errors import metadata_errors
 from ..execution.distributed import agreed, plan_digest, several
 from ..execution.publish import check_apart, check_pointer_name, write_published
+from ..execution.report import WrittenReport
 
 
 @dataclass
-class ConversionReport:
+class ConversionReport(WrittenReport):
     input: str
     output: str
     stage: int
@@ -34,20 +35,9 @@ class ConversionReport:
     seconds: float
     plan_text: str = ""
 
-    @property
-    def gbps(self) -> float:
-        return self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
     def summary(self) -> str:
         return (f"converted {self.params} parameters (ZeRO-{self.stage}, dp={self.dp}) to {self.output}: "
-                f"{self.files} files, {self.bytes_written / 1e9:.3f} GB in {self.seconds:.2f} s "
-                f"({self.gbps:.2f} GB/s)")
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("plan_text")
-        d["gbps"] = self.gbps
-        return d
+                f"{self.files} files, {self.written()}")
 
 
 def convert_to_universal(input, output, *, workers: Optional[int] = None, inject_missing_state: bool = False,
