@@ -184,6 +184,11 @@ def run_trainer(job: dict, tokenizer, rank: int) -> None:
 def main() -> int:
     spec = json.loads(open(sys.argv[1]).read())
     import deepspeed
+    from dsharness.worker import skip_shm_comm_op
+
+    # as every harness worker: DeepSpeed would JIT-compile its CPU shared-memory op into this run's
+    # TORCH_EXTENSIONS_DIR (~100 s of CPU), which only inference_all_reduce uses
+    skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     if rank == 0:

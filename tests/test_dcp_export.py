@@ -196,7 +196,7 @@ def test_dcp_options_are_refused_without_format_dcp(tmp_path, flags):
     """--hf-names (the Hugging Face export always writes the names it knows) and --optim-layout without
     --format dcp are a usage error (exit 2), before any input is read."""
     proc = subprocess.run([sys.executable, "-m", "pyckpt.export", str(tmp_path / "absent"), str(tmp_path / "out")]
-                          + flags, capture_output=True, text=True, timeout=120)
+                          + flags, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 2 and "are for --format dcp" in proc.stderr and flags[0] in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
 
