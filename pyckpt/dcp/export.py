@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
-from ..execution.distributed import agreed, plan_digest, several
+from ..execution.distributed import several
 from ..execution.executor import series_locations
-from ..execution.publish import check_apart, write_published
+from ..execution.publish import agreed_plan, write_published
 from ..execution.report import WrittenReport
 from ..huggingface.autoep_names import hf_renames, to_hf_names
 from ..huggingface.export import autoep_naming, companion_folder, read_consolidated, read_model_config, resolve_dtype
@@ -358,16 +358,11 @@ def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     output = os.path.abspath(os.fspath(output))
     # one save id for every rank's plan: the .metadata is the same file wherever it is planned
     save_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"pyckpt-dcp:{output}:{os.fspath(input)}"))
-    with agreed(ranks, "planning the DCP export", same=True) as vote:
-        ck, plan, layout, target = plan_dcp(input, tag=tag, dtype=dtype, optimizer=optimizer, model_key=model_key,
-                                            optim_key=optim_key, chunk_bytes=chunk_bytes,
-                                            exclude_frozen=exclude_frozen_parameters, hf_names=hf_names,
-                                            optim_layout=optim_layout, min_files=ranks.size if ranks else 1,
-                                            save_id=save_id)
-        if not dry_run:
-            check_apart(input, ck.folder, output)
-        if ranks:
-            vote.value = plan_digest(plan)
+    ck, plan, layout, target = agreed_plan(
+        ranks, "planning the DCP export", input, output, dry_run,
+        lambda: plan_dcp(input, tag=tag, dtype=dtype, optimizer=optimizer, model_key=model_key, optim_key=optim_key,
+                         chunk_bytes=chunk_bytes, exclude_frozen=exclude_frozen_parameters, hf_names=hf_names,
+                         optim_layout=optim_layout, min_files=ranks.size if ranks else 1, save_id=save_id))
     chunks = sum(len(f) for f in layout.files)
     total = sum(numel(c.sizes) * ITEMSIZE[c.tensor.dtype] for f in layout.files for c in f if hasattr(c, "tensor"))
     report = DcpReport(ck.folder, output, target, len(layout.tensors) + len(layout.objects), chunks,

@@ -415,6 +415,23 @@ def write_published_together(plan, output: str, ranks, *, overwrite: bool = Fals
     return totals
 
 
+def agreed_plan(ranks, what: str, given_input, output: str, dry_run: bool, make_plan: Callable[[], tuple]) -> tuple:
+    """``make_plan()``, whose result starts with (the checkpoint read, its plan), run by every process of
+    ``ranks`` (or alone): every process must plan the same bytes, and a real run's output must lie apart
+    from the checkpoint (:func:`check_apart`). A failure on any process fails every process
+    (:func:`~pyckpt.execution.distributed.agreed`). Returns ``make_plan``'s result."""
+    from .distributed import agreed, plan_digest
+
+    with agreed(ranks, what, same=True) as vote:
+        result = make_plan()
+        checkpoint, plan = result[0], result[1]
+        if not dry_run:
+            check_apart(given_input, checkpoint.folder, output)
+        if ranks:
+            vote.value = plan_digest(plan)
+    return result
+
+
 def check_apart(given_input, tag_folder: str, output: str) -> None:
     """OUTPUT may not be, lie inside, or contain the folder the checkpoint is read from.
 

@@ -24,8 +24,8 @@ from ..zero.names import check_tag
 from ..universal.read import consolidate_universal, discover_universal, find_universal_folder
 from .autoep_names import preset_of, to_hf_names
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
-from ..execution.distributed import agreed, plan_digest, several
-from ..execution.publish import check_apart, write_published
+from ..execution.distributed import several
+from ..execution.publish import agreed_plan, write_published
 from ..execution.report import WrittenReport
 from ..formats.safetensors import RESERVED_NAME, TensorEntry, layout
 from ..planning.collector import pauses_collector
@@ -230,13 +230,9 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     t0 = time.perf_counter()
     ranks = several(ranks)
     output = os.path.abspath(os.fspath(output))
-    with agreed(ranks, "planning the export", same=True) as vote:
-        ck, plan, target, count, total = plan_export(input, dtype, max_shard_size, exclude_frozen_parameters,
-                                                     dense_only, tag, torch_bin)
-        if not dry_run:
-            check_apart(input, ck.folder, output)
-        if ranks:
-            vote.value = plan_digest(plan)
+    ck, plan, target, count, total = agreed_plan(
+        ranks, "planning the export", input, output, dry_run,
+        lambda: plan_export(input, dtype, max_shard_size, exclude_frozen_parameters, dense_only, tag, torch_bin))
     report = ExportReport(ck.folder, output, target, count, len(plan.raw_files) + len(plan.archives), total)
     if dry_run:
         report.plan_text = plan.describe()

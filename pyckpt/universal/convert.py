@@ -15,8 +15,8 @@ from typing import Callable, Optional
 from ..zero.discovery import discover
 from .write import build_plan
 from ..errors import metadata_errors
-from ..execution.distributed import agreed, plan_digest, several
-from ..execution.publish import check_apart, check_pointer_name, write_published
+from ..execution.distributed import several
+from ..execution.publish import agreed_plan, check_pointer_name, write_published
 from ..execution.report import WrittenReport
 
 
@@ -75,15 +75,13 @@ def convert_to_universal(input, output, *, workers: Optional[int] = None, inject
     ranks = several(ranks)
     output = os.path.abspath(os.fspath(output))
     check_pointer_name(output, "latest_universal")
-    with agreed(ranks, "planning the conversion", same=True) as vote:
+    def make_plan():
         with metadata_errors(input):
             ck = discover(input)
         with metadata_errors(ck.folder):
-            plan, counts = build_plan(ck, inject_missing_state, dense_only, strict)
-        if not dry_run:
-            check_apart(input, ck.folder, output)
-        if ranks:
-            vote.value = plan_digest(plan)
+            return (ck, ) + tuple(build_plan(ck, inject_missing_state, dense_only, strict))
+
+    ck, plan, counts = agreed_plan(ranks, "planning the conversion", input, output, dry_run, make_plan)
     report = ConversionReport(ck.folder, output, ck.stage, ck.dp, ck.tp, ck.pp, counts["params"], 0, 0,
                               len(plan.archives) + len(plan.copies), 0.0)
     if dry_run:
