@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,18 @@ def _universal_step(folder: Path, name: str) -> torch.Tensor:
     return torch.load(path, weights_only=True).float() if path.exists() else torch.tensor(2.0)
 
 
+def _one_process_losses(model, opt, ids: torch.Tensor, steps: int) -> list:
+    """The losses of ``steps`` more steps of the same training in this one process, on the same batch."""
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
                                                                      b.reshape(-1).view(torch.uint8))
@@ -240,13 +253,7 @@ def test_fsdp2_resumes_the_trainers_run_from_its_dcp_export(hf_trained, ds_envir
         opt.state[p] = {"step": _universal_step(universal, n).clone(),
                         "exp_avg": _universal_state(universal, n, "exp_avg", p.shape).clone(),
                         "exp_avg_sq": _universal_state(universal, n, "exp_avg_sq", p.shape).clone()}
-    plain = []
-    for _ in got["losses"]:
-        opt.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        plain.append(float(loss.detach()))
+    plain = _one_process_losses(model, opt, ids, len(got["losses"]))
     assert got["losses"] == pytest.approx(plain, rel=1e-6), (got["losses"], plain)
 
 
@@ -317,17 +324,10 @@ def test_fsdp2_resumes_the_autoep_mixtral_from_its_dcp_export_under_its_own_name
     for n, p in named:
         opt.state[p] = {"step": steps[n].clone(), "exp_avg": moments["exp_avg"][n].reshape(p.shape).clone(),
                         "exp_avg_sq": moments["exp_avg_sq"][n].reshape(p.shape).clone()}
-    plain = []
-    for _ in got["losses"]:
-        opt.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        plain.append(float(loss.detach()))
+    plain = _one_process_losses(model, opt, ids, len(got["losses"]))
     assert got["losses"] == pytest.approx(plain, rel=1e-6), (got["losses"], plain)
 
     again = tmp_path / "from_universal"
-    import shutil
     shutil.copy(folder / "config.json", universal / "config.json")  # the config the names come from
     pyckpt.export_dcp(universal, again, hf_names=True)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

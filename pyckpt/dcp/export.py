@@ -230,14 +230,7 @@ def _hf_naming(ck, cstate, notes: list) -> tuple:
     """(AutoEP layers, preset) for ``hf_names``: the checkpoint must hold AutoEP layers of a model type
     whose Hugging Face names are known (the config beside it says which)."""
     config, _ = read_model_config(companion_folder(ck.folder))
-    why: list = []
-    naming = autoep_naming(ck, cstate, config, why)
-    if naming is None:
-        reason = why[0].split(": ", 1)[1] if why else "it has no AutoEP layer"
-        raise UnsupportedCheckpointError(f"{ck.folder}: --hf-names asks for the AutoEP layers under their Hugging Face "
-                                         f"names, but {reason}")
-    notes.extend(why)
-    return naming
+    return autoep_naming(ck, cstate, config, notes, required=True)
 
 
 def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, naming: Optional[tuple],

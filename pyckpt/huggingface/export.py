@@ -127,13 +127,20 @@ def read_consolidated(input, tag: Optional[str] = None, exclude_frozen: bool = F
         return ck, consolidate(ck, exclude_frozen=exclude_frozen, dense_only=dense_only)
 
 
-def autoep_naming(ck, state, config: Optional[dict], notes: list) -> Optional[tuple]:
+def autoep_naming(ck, state, config: Optional[dict], notes: list, required: bool = False) -> Optional[tuple]:
     """(AutoEP layers, preset) when the checkpoint's AutoEP layers go back under the Hugging Face
     names of the model type the config beside it names (``deepspeed.autoep.hf_names``); None when it
-    has no AutoEP layer or no mapping is known (``notes`` says which)."""
+    has no AutoEP layer or no mapping is known (``notes`` says which), an error naming why when the
+    caller ``required`` the names (the DCP export's ``--hf-names``)."""
+    def unnamed(why: str):
+        if required:
+            raise UnsupportedCheckpointError(f"{ck.folder}: --hf-names asks for the AutoEP layers under their Hugging "
+                                             f"Face names, but {why}")
+        return None
+
     layers = next((ms.autoep_layers for ms in ck.model if ms.autoep_layers is not None), None)
     if not layers:
-        return None
+        return unnamed("it has no AutoEP layer")
     for entry in layers:
         if not (isinstance(entry, dict) and isinstance(entry.get("module_path"), str)
                 and isinstance(entry.get("expert_key_prefix"), str)):
@@ -142,9 +149,9 @@ def autoep_naming(ck, state, config: Optional[dict], notes: list) -> Optional[tu
     preset = preset_of(config)
     if preset is None:
         kind = (config or {}).get("model_type")
-        notes.append(f"  AutoEP layers kept under their AutoEP names (router.gate, experts.w1/w2/w3): "
-                     f"{'no config.json beside the checkpoint' if config is None else f'model_type {kind!r} has no mapping'}")
-        return None
+        why = "no config.json beside the checkpoint" if config is None else f"model_type {kind!r} has no mapping"
+        notes.append(f"  AutoEP layers kept under their AutoEP names (router.gate, experts.w1/w2/w3): {why}")
+        return unnamed(why)
     renamed = set(state.aliases.values()) & {name for e in layers for name in state.tensors
                                              if name.startswith(e["module_path"] + ".")}
     if renamed:
