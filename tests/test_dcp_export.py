@@ -191,6 +191,50 @@ def test_hf_names_put_autoep_layers_and_their_adam_state_under_mixtrals_names(ch
     assert verify_dcp(tmp_path / "dcp", against=root).ok
 
 
+@pytest.mark.parametrize("config", ["outside", "proc", "model_type_list", "not_json"])
+def test_hf_names_reads_a_hostile_config_beside_the_checkpoint_as_an_error(checkpoints, tmp_path, config):
+    """--hf-names reads the config.json beside the checkpoint: one that links out of the checkpoint (to a
+    secret, or to /proc) is refused, not followed; a model_type that is not a name, or a file that is not
+    JSON, is one error naming the file or why; nothing is written and the checkpoint is unchanged."""
+    from compare import digest
+    root = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["ep_s2_bf16"].root, root)
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"model_type": "mixtral", "token": "s3cr3t"}))
+    target = root / "config.json"
+    if config == "outside":
+        target.symlink_to(secret)
+    elif config == "proc":
+        target.symlink_to("/proc/self/environ")
+    elif config == "model_type_list":
+        target.write_text(json.dumps({"model_type": ["mixtral"]}))
+    else:
+        target.write_bytes(b"\x80not json")
+    before = digest(root)
+    with pytest.raises(pyckpt.PyckptError) as err:
+        pyckpt.export_dcp(root, tmp_path / "out", hf_names=True)
+    message = str(err.value)
+    assert "s3cr3t" not in message and "\n" not in message
+    assert {"outside": "config.json", "proc": "config.json", "model_type_list": "has no mapping",
+            "not_json": "config.json"}[config] in message, message
+    assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["ckpt", "secret.json"]
+    assert digest(root) == before
+
+
+@pytest.mark.parametrize("field,value", [("optim_layout", "sideways"), ("hf_names", "yes")])
+def test_verify_refuses_an_export_record_with_an_unknown_layout_or_naming(checkpoints, tmp_path, field, value):
+    """The options verify plans again from are read from the folder under check: a value no export writes is
+    a VerifyInputError naming the field, before anything is planned."""
+    from pyckpt.dcp.verify import verify_dcp
+    from pyckpt.errors import VerifyInputError
+    out = tmp_path / "dcp"
+    pyckpt.export_dcp(checkpoints["s1_fp32_dp2"].root, out)
+    record = out / ".pyckpt-export.json"
+    record.write_text(json.dumps(dict(json.loads(record.read_text()), **{field: value})))
+    with pytest.raises(VerifyInputError, match=f"field {field}"):
+        verify_dcp(out, against=checkpoints["s1_fp32_dp2"].root)
+
+
 @pytest.mark.parametrize("flags", [["--hf-names"], ["--optim-layout", "flat"]])
 def test_dcp_options_are_refused_without_format_dcp(tmp_path, flags):
     """--hf-names (the Hugging Face export always writes the names it knows) and --optim-layout without
