@@ -23,6 +23,7 @@
 #include "gather.hpp"
 #include "parallel.hpp"
 #include "sources.hpp"
+#include "torch_save_format.hpp"
 #include "zip_format.hpp"
 
 namespace pyckpt {
@@ -202,6 +203,8 @@ void validate_outputs(const std::vector<OutputSpec>& outputs, const std::string&
                 throw PlanError("output '" + out.path +
                                 "': archive starts must ascend from record 0, each archive holding a record");
         }
+        if (out.container == Container::TorchSave && out.records.empty())
+            throw PlanError("output '" + out.path + "': a torch.save file has at least its serialization id record");
         std::unordered_set<std::string> names;
         std::size_t next_start = 0;
         for (std::size_t i = 0; i < out.records.size(); ++i) {
@@ -213,6 +216,10 @@ void validate_outputs(const std::vector<OutputSpec>& outputs, const std::string&
             if (r.name.empty()) throw PlanError("output '" + out.path + "': empty record name");
             if (!names.insert(r.name).second)
                 throw PlanError("output '" + out.path + "': record '" + r.name + "' is listed more than once");
+            if (out.container == Container::TorchSave && i + 1 == out.records.size() &&
+                (r.name != zip::kSerializationIdRecord || !r.has_inline || r.size != zip::kSerializationIdSize))
+                throw PlanError("output '" + out.path + "': a torch.save file ends with record '" +
+                                zip::kSerializationIdRecord + "' (40 inline bytes), not '" + r.name + "'");
             if (r.has_inline && r.inline_bytes.size() != r.size)
                 throw PlanError("output '" + out.path + "' record '" + r.name + "': size " +
                                             std::to_string(r.size) + " != length of its inline bytes (" +
@@ -257,6 +264,10 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
     const unsigned workers = resolve_workers(options.workers);
     validate_outputs(outputs, options.root);
     WriteJob job(sources);
+    for (const WriteOptions::MemorySource& m : options.memory_sources) {
+        if (m.index >= sources.size()) throw PlanError("memory source index " + std::to_string(m.index) + " out of range");
+        job.sources.borrow(m.index, m.data, m.size);
+    }
 
     // One target per record, numbered output by output so an output's windows are contiguous.
     job.output_first_target.assign(outputs.size() + 1, 0);
@@ -277,9 +288,9 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
             if (whole.file_size > UINT64_MAX / 2) throw PlanError("output '" + out.path + "' larger than 2^63 bytes");
             job.layouts.push_back(std::move(whole));
         } else {
-            job.layouts.push_back(out.container == Container::TorchZip
-                                      ? zip::plan_archive(job.names[o], sizes, options.force_zip64)
-                                      : raw_layout(sizes));
+            job.layouts.push_back(out.container == Container::TorchZip ? zip::plan_archive(job.names[o], sizes, options.force_zip64)
+                                  : out.container == Container::TorchSave ? zip::plan_torch_save(job.names[o], sizes)
+                                                                          : raw_layout(sizes));
         }
         for (std::size_t r = 0; r < out.records.size(); ++r) {
             Target t;

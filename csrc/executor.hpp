@@ -37,6 +37,10 @@ enum class Container : uint8_t {
     // archive_name: torch.distributed.checkpoint's data files hold one archive per tensor chunk
     // and load each from its (offset, length) slice. archive_starts says where each begins.
     TorchZipSeries,
+    // Byte for byte the file torch.save writes for the same records (torch_save_format.hpp): the
+    // records in torch's order, the last one `.data/serialization_id` (40 bytes, inline; its
+    // content is computed here once every other record's CRC is known).
+    TorchSave,
 };
 
 struct OutputSpec {
@@ -56,6 +60,14 @@ struct WriteOptions {
     uint64_t window_bytes = 0;    // 0: default (kDefaultWindowBytes)
     std::string root;             // non-empty: every output path must lie strictly below it
     bool copy_in_kernel = true;   // copy_file_range for page-aligned plain runs of raw files (test knob)
+    // Sources that are memory the caller owns rather than files: (source index, address, length).
+    // The caller keeps the memory alive and unchanged until the call returns.
+    struct MemorySource {
+        std::size_t index;
+        const uint8_t* data;
+        uint64_t size;
+    };
+    std::vector<MemorySource> memory_sources;
 };
 
 struct WriteStats {

@@ -12,6 +12,7 @@
 #include "errors.hpp"
 #include "fault_injection.hpp"
 #include "fd.hpp"
+#include "torch_save_format.hpp"
 
 namespace pyckpt {
 
@@ -74,7 +75,7 @@ public:
 
     uint64_t copy_range(std::size_t o, SourceSet& sources, std::size_t src, uint64_t src_off, uint64_t len,
                         uint64_t offset) override {
-        if (!in_kernel_copy_.load(std::memory_order_relaxed)) return 0;
+        if (!in_kernel_copy_.load(std::memory_order_relaxed) || sources.is_memory(src)) return 0;
         const std::string& path = outputs_[o].path;
         if (int e = fi::next_failure(fi::Call::Write)) throw_errno_code(e, "write", path);
         UniqueFd in = sources.open_verified(src);
@@ -140,7 +141,28 @@ public:
                 }
                 crcs[r] = crc;
             }
-            if (out.container == Container::TorchZip) {
+            if (out.container == Container::TorchSave) {
+                const std::size_t last = out.records.size() - 1;  // the id, validated
+                const std::vector<std::string> records = record_names(out, last);
+                std::vector<uint32_t> described;
+                for (std::size_t r = 0; r < last; ++r)
+                    if (L.entries[r].descriptor_len) described.push_back(crcs[r]);
+                const std::string id = zip::torch_serialization_id(records, described);
+                crcs[last] = crc32(0, id.data(), id.size());
+                for (std::size_t r = 0; r < out.records.size(); ++r) {
+                    const zip::EntryLayout& e = L.entries[r];
+                    place(e.header_offset);
+                    zip::append_torch_save_local_header(chunk, names_[o][r], e);
+                    if (r == last)
+                        chunk.append(id);
+                    else if (out.records[r].has_inline)
+                        chunk.append(out.records[r].inline_bytes);
+                    place(e.data_offset + e.size);
+                    zip::append_torch_save_descriptor(chunk, e, crcs[r]);
+                }
+                place(L.cd_offset);
+                chunk.append(zip::build_torch_save_central_directory(names_[o], L, crcs));
+            } else if (out.container == Container::TorchZip) {
                 for (std::size_t r = 0; r < out.records.size(); ++r) {
                     place(L.entries[r].header_offset);
                     zip::append_local_header(chunk, names_[o][r], L.entries[r], crcs[r]);
@@ -195,6 +217,13 @@ public:
     }
 
 private:
+    static std::vector<std::string> record_names(const OutputSpec& out, std::size_t n) {
+        std::vector<std::string> names;
+        names.reserve(n);
+        for (std::size_t r = 0; r < n; ++r) names.push_back(out.records[r].name);
+        return names;
+    }
+
     int open_output(std::size_t o) {
         OutputState& st = state_[o];
         std::lock_guard<std::mutex> lk(st.mu);

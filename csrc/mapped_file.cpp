@@ -44,10 +44,13 @@ MappedFile::MappedFile(std::string path, bool random_access) : path_(std::move(p
     fd.reset();
 }
 
+MappedFile::MappedFile(std::string label, const uint8_t* data, uint64_t size)
+    : path_(std::move(label)), data_(data), size_(size), borrowed_(true) {}
+
 MappedFile::~MappedFile() { close(); }
 
 void MappedFile::close() noexcept {
-    if (data_) {
+    if (data_ && !borrowed_) {
         mapping_guard::withdraw(guard_slot_);
         ::munmap(const_cast<uint8_t*>(data_), size_);
     }
@@ -58,7 +61,7 @@ void MappedFile::close() noexcept {
 bool MappedFile::changed() const noexcept { return mapping_guard::tripped(guard_slot_); }
 
 void MappedFile::prefetch(uint64_t offset, uint64_t len) const noexcept {
-    if (!data_ || len == 0 || offset >= size_) return;
+    if (!data_ || borrowed_ || len == 0 || offset >= size_) return;
     uint64_t end = offset + len < size_ ? offset + len : size_;
     const uint64_t ps = page_size();
     uint64_t lo = offset / ps * ps;
@@ -73,7 +76,8 @@ void MappedFile::prefetch(uint64_t offset, uint64_t len) const noexcept {
 static constexpr uint64_t kDropSlack = uint64_t{2} << 20;
 
 void MappedFile::drop(uint64_t offset, uint64_t len) const noexcept {
-    if (!data_ || len == 0 || offset >= size_) return;
+    // MADV_DONTNEED on anonymous memory would zero the caller's bytes
+    if (!data_ || borrowed_ || len == 0 || offset >= size_) return;
     uint64_t end = offset + len < size_ ? offset + len : size_;
     const uint64_t ps = page_size();
     uint64_t lo = (offset > kDropSlack ? offset - kDropSlack : 0) / ps * ps;

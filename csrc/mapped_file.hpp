@@ -27,6 +27,9 @@ public:
     // `random_access`: MADV_RANDOM for the whole mapping (header parsing touches a few pages of
     // large files; the default read-around would pull in a whole readahead window per fault).
     explicit MappedFile(std::string path, bool random_access = false);
+    // A view of memory the caller owns and keeps alive (a memory source): nothing is mapped,
+    // dropped or unmapped, and `label` names it in messages.
+    MappedFile(std::string label, const uint8_t* data, uint64_t size);
     ~MappedFile();
     MappedFile(const MappedFile&) = delete;
     MappedFile& operator=(const MappedFile&) = delete;
@@ -55,6 +58,7 @@ private:
     const uint8_t* data_ = nullptr;
     uint64_t size_ = 0;
     int guard_slot_ = -1;
+    bool borrowed_ = false;
 };
 
 }  // namespace pyckpt

@@ -37,7 +37,7 @@ uint64_t SourceSet::size_of(std::size_t i) {
 
 bool SourceSet::identity(std::size_t i, dev_t& dev, ino_t& ino) const {
     const Entry& e = *entries_[i];
-    if (!e.stat_done) return false;
+    if (!e.stat_done || e.memory) return false;
     dev = e.dev;
     ino = e.ino;
     return true;
@@ -47,8 +47,25 @@ void SourceSet::require(std::size_t i, uint64_t end) {
     if (end > entries_[i]->required) entries_[i]->required = end;
 }
 
+void SourceSet::borrow(std::size_t i, const uint8_t* data, uint64_t size) {
+    Entry& e = *entries_[i];
+    e.memory = true;
+    e.memory_data = data;
+    e.size = size;
+    e.stat_done = true;  // size known; dev/ino stay 0, so identity() never matches an output
+}
+
 const MappedFile& SourceSet::map(std::size_t i) {
     Entry& e = *entries_[i];
+    if (e.memory) {
+        std::call_once(e.once, [&] {
+            if (e.size < e.required)
+                throw SourceChangedError("memory source '" + escape_bytes(e.path) + "' holds " + std::to_string(e.size) +
+                                         " bytes but ops read up to byte " + std::to_string(e.required));
+            e.file = std::make_unique<MappedFile>(e.path, e.memory_data, e.size);
+        });
+        return *e.file;
+    }
     std::call_once(e.once, [&] {
         auto f = std::make_unique<MappedFile>(e.path);
         if (f->size() < e.required)
@@ -62,6 +79,7 @@ const MappedFile& SourceSet::map(std::size_t i) {
 
 UniqueFd SourceSet::open_verified(std::size_t i) {
     Entry& e = *entries_[i];
+    if (e.memory) throw_errno_code(EINVAL, "open (a memory source has no file)", e.path);
     UniqueFd fd(::open(e.path.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd) throw_errno("open", e.path);
     struct stat st {};

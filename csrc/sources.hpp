@@ -35,6 +35,11 @@ public:
     // file that shrank after validation fails cleanly instead of faulting.
     void require(std::size_t i, uint64_t end);
 
+    // Makes source i memory the caller owns (`size` bytes at `data`) instead of the file at its
+    // path, which then only names it in messages. Before any other use of source i.
+    void borrow(std::size_t i, const uint8_t* data, uint64_t size);
+    bool is_memory(std::size_t i) const { return entries_[i]->memory; }
+
     // Thread-safe lazy mapping. Throws std::system_error, or SourceChangedError if the file
     // became shorter than the validated ranges.
     const MappedFile& map(std::size_t i);
@@ -53,6 +58,8 @@ private:
     struct Entry {
         std::string path;
         bool stat_done = false;
+        bool memory = false;
+        const uint8_t* memory_data = nullptr;
         uint64_t size = 0;
         dev_t dev = 0;
         ino_t ino = 0;

@@ -45,6 +45,10 @@ struct EntryLayout {
     uint64_t size = 0;
     uint16_t local_extra_len = 0;
     bool zip64_local = false;  // local header carries a ZIP64 size extra
+    // torch.save's exact layout only (plan_torch_save): the header offset does not fit 32 bits,
+    // and the length of the data descriptor that follows the data (0: none).
+    bool big_offset = false;
+    uint16_t descriptor_len = 0;
 };
 
 struct ArchiveLayout {

@@ -90,8 +90,11 @@ def scan_pickle(data: _Buffer) -> PickleScan: ...
 # one for no rows; other integer numpy arrays are converted), columns [src, src_off, out, rec, dst_off, nbytes,
 # kind, rows, stride, src_stride]; without the last, every op's rows follow each other in the source.
 # outputs: [(path, archive_name, [(record_name, size, inline_bytes_or_None), ...][, archive_starts]), ...]; with
-# archive_starts (the record index each archive begins at) the output is several archives back to back.
-def write_archives(sources: Sequence[_Path], outputs: Iterable[Tuple[Any, ...]],
+# archive_starts (the record index each archive begins at) the output is several archives back to back; with the
+# string "torch_save" instead, the output is the exact file torch.save writes for those records (the last one
+# .data/serialization_id, 40 inline bytes the executor computes). sources: paths, or buffers (memory sources the
+# caller keeps unchanged during the call).
+def write_archives(sources: Sequence[Union[_Path, _Buffer]], outputs: Iterable[Tuple[Any, ...]],
                    ops: _Buffer, workers: Optional[int] = 0, fsync: bool = False, progress: _Progress = None, *,
                    force_zip64: bool = False, window_bytes: int = 0, root: Optional[_Path] = None,
                    copy_in_kernel: bool = True) -> dict: ...

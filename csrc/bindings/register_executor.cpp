@@ -39,7 +39,12 @@ std::vector<OutputSpec> convert_outputs(const py::handle& seq) {
             }
             o.records.push_back(std::move(rec));
         }
-        if (t.size() == 4) {
+        if (t.size() == 4 && py::isinstance<py::str>(t[3])) {
+            if (t[3].cast<std::string>() != "torch_save")
+                throw py::value_error("an output's fourth item is archive starts or the string 'torch_save'");
+            if (o.container == Container::Raw) throw py::value_error("a raw file is not a torch.save file");
+            o.container = Container::TorchSave;
+        } else if (t.size() == 4) {
             // a series of archives, one per chunk (torch.distributed.checkpoint's data files)
             if (o.container == Container::Raw) throw py::value_error("a raw file is not a series of archives");
             o.container = Container::TorchZipSeries;
@@ -52,6 +57,26 @@ std::vector<OutputSpec> convert_outputs(const py::handle& seq) {
         outs.push_back(std::move(o));
     }
     return outs;
+}
+
+// Sources as paths, or buffer-protocol objects (memory sources, held until `views` goes).
+std::vector<std::string> convert_sources(const py::handle& seq, std::vector<std::unique_ptr<BufferView>>& views,
+                                         std::vector<WriteOptions::MemorySource>& memory) {
+    if (!py::isinstance<py::sequence>(seq) || py::isinstance<py::str>(seq))
+        throw py::type_error("sources must be a list of paths or buffers");
+    std::vector<std::string> out;
+    for (auto item : seq.cast<py::sequence>()) {
+        if (py::isinstance<py::str>(item) || py::hasattr(item, "__fspath__")) {
+            out.push_back(fspath(item));
+            continue;
+        }
+        if (!PyObject_CheckBuffer(item.ptr()))
+            throw py::type_error("each source must be a path or a buffer (bytes-like memory)");
+        views.push_back(std::make_unique<BufferView>(item, false));
+        memory.push_back({out.size(), views.back()->data(), views.back()->size()});
+        out.push_back("<memory source " + std::to_string(out.size()) + ">");
+    }
+    return out;
 }
 
 }  // namespace
@@ -74,10 +99,11 @@ void register_executor(py::module_& m) {
         [](const py::object& sources, const py::object& outputs, const py::object& ops, const py::object& workers,
            bool fsync, const py::object& progress, bool force_zip64, uint64_t window_bytes, const py::object& root,
            bool copy_in_kernel) {
-            auto src = convert_paths(sources, "sources");
+            std::vector<std::unique_ptr<BufferView>> views;  // released with the GIL held, after the run
+            WriteOptions opt;
+            auto src = convert_sources(sources, views, opt.memory_sources);
             auto outs = convert_outputs(outputs);
             auto rows = convert_ops(ops);
-            WriteOptions opt;
             opt.workers = convert_workers(workers);
             opt.fsync = fsync;
             opt.force_zip64 = force_zip64;
@@ -97,8 +123,10 @@ void register_executor(py::module_& m) {
         py::arg("sources"), py::arg("outputs"), py::arg("ops"), py::arg("workers") = 0, py::arg("fsync") = false,
         py::arg("progress") = py::none(), py::kw_only(), py::arg("force_zip64") = false,
         py::arg("window_bytes") = 0, py::arg("root") = py::none(), py::arg("copy_in_kernel") = true,
-        "Write new files whose op-filled records are gathered from `sources`: a torch-loadable ZIP archive per "
-        "output with an archive_name, a raw file (its records back to back) per output whose archive_name is None, "
+        "Write new files whose op-filled records are gathered from `sources` (paths, or buffers the caller keeps "
+        "unchanged during the call): a torch-loadable ZIP archive per output with an archive_name, the exact file "
+        "torch.save writes where an output's fourth item is 'torch_save' (its last record .data/serialization_id, "
+        "40 inline bytes computed here), a raw file (its records back to back) per output whose archive_name is None, "
         "several archives back to back where an output has a fourth item (the record index each archive starts at). Outputs are "
         "created new (O_EXCL|O_NOFOLLOW); with `root`, every output path must lie strictly below it. Plain runs of "
         "a source into a raw file whose offsets lie at the same place within a page are copied in the kernel "
