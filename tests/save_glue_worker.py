@@ -227,3 +227,169 @@ def converted(task: dict, rank: int, ws: int) -> dict:
                             universal=True, export="hf")
     engine.destroy()
     return {"ok": _gather(ok)}
+
+
+@contextlib.contextmanager
+def _slow_background_write(delay_s: float):
+    """The background write starts only after `delay_s` (the test's training steps run meanwhile)."""
+    from pyckpt.deepspeed.save import background, collective_save
+
+    real = background.write_files
+
+    def slow(*args, **kwargs):
+        import time
+
+        time.sleep(delay_s)
+        return real(*args, **kwargs)
+
+    collective_save.write_files = slow
+    try:
+        yield
+    finally:
+        collective_save.write_files = real
+
+
+def async_equal(task: dict, rank: int, ws: int) -> dict:
+    """DeepSpeed's own save and an asynchronous save of the same state; training steps run while the
+    asynchronous one is written; then a resume from it."""
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 2)
+    # DeepSpeed's MoE save reserves universal_checkpoint_info for itself
+    client = {**(_client_state(cfg) if cfg["model"] != "moe" else {}), "note": "from the test"}
+    engine.save_checkpoint(os.path.join(root, "bare"), tag="t", client_state=dict(client))
+    saved = W.gather_state(engine)
+    steps_before = engine.global_steps
+    with _slow_background_write(2.0):
+        handle = pd.save_checkpoint(engine, os.path.join(root, "async"), tag="t", client_state=dict(client),
+                                    async_save=True)
+        done_at_return = handle.done()
+        losses = [W.train_step(engine, cfg, rank, 2 + s) for s in range(2)]
+        done_after_steps = handle.done()
+        published_early = os.path.exists(os.path.join(root, "async", "latest"))
+        ok = handle.wait()
+    after = W.gather_state(engine)
+    engine.destroy()
+    loaded, path, client_loaded = _reload(cfg, ws, os.path.join(root, "async"))
+    return {"ok": _gather(ok), "done_at_return": _gather(done_at_return), "done_after_steps": done_after_steps,
+            "published_early": published_early, "problems": compare_states(saved, loaded),
+            "changed": compare_states(saved, after) != [], "load_path": str(path),
+            "client_note": client_loaded.get("note"), "global_steps": loaded["meta"]["global_steps"],
+            "steps_before": steps_before, "losses": losses}
+
+
+@contextlib.contextmanager
+def _background_fault(kind: str, active: bool):
+    """One rank's background write breaks: an exception from the writer, a file-size limit, a SIGKILL."""
+    from pyckpt.deepspeed.save import background, collective_save
+
+    if not active:
+        yield
+        return
+    real = background.write_files
+
+    def broken(*args, **kwargs):
+        import signal
+        import time
+
+        time.sleep(0.5)  # the caller has gone on training by now
+        if kind == "exception":
+            raise RuntimeError("injected failure in the background write")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    collective_save.write_files = broken
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if kind == "fsize":  # above the rank's log file, below the shard it is about to write
+        resource.setrlimit(resource.RLIMIT_FSIZE, (os.fstat(1).st_size + (1 << 20), limits[1]))
+    try:
+        yield
+    finally:
+        collective_save.write_files = real
+
+
+def _restore_fsize():
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+
+
+def async_fault(task: dict, rank: int, ws: int) -> dict:
+    """A good asynchronous save; one whose background write fails on rank 1 while training goes on;
+    the next save joins it (the failure surfaces there), then saves; keep_last=1 throughout."""
+    from pyckpt.deepspeed.save import SaveError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    first = pd.save_checkpoint(engine, root, tag="good", client_state=_client_state(cfg), async_save=True,
+                               keep_last=1).wait()
+    good = W.gather_state(engine)
+    before = _listing(root)
+    with _background_fault(task["fault"], rank == 1):
+        handle = pd.save_checkpoint(engine, root, tag="bad", client_state=_client_state(cfg), async_save=True,
+                                    on_error=task["on_error"], keep_last=1)
+        returned = handle.done() is False
+        W.train_step(engine, cfg, rank, 1)
+        while not handle.done():  # the outcome is reached in the background, without a join
+            import time
+
+            time.sleep(0.05)
+    _restore_fsize()
+    after = _listing(root)
+    latest_after = open(os.path.join(root, "latest")).read()
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    error = None
+    try:  # the next save joins the failed one first
+        last = pd.save_checkpoint(engine, root, tag="next", client_state=_client_state(cfg), async_save=True,
+                                  on_error=task["on_error"], keep_last=1)
+    except SaveError as exc:
+        error = str(exc)
+        last = pd.save_checkpoint(engine, root, tag="next", client_state=_client_state(cfg), async_save=True,
+                                  on_error=task["on_error"], keep_last=1)
+    logging.getLogger("pyckpt").removeHandler(handler)
+    ok_last = last.wait()
+    after_next = _listing(root)
+    engine.destroy()
+    return {"first": first, "returned": _gather(returned), "errors": _gather(error), "warned": _gather(warned),
+            "before": before, "after": after, "latest_after": latest_after, "last": _gather(ok_last),
+            "latest_last": open(os.path.join(root, "latest")).read(), "final": after_next,
+            "handle_ok": _gather(handle.ok), "good": good if rank == 0 else None}
+
+
+def async_killed(task: dict, rank: int, ws: int) -> dict:
+    """A good asynchronous save, then one during whose background write rank 1 is killed."""
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    pd.save_checkpoint(engine, root, tag="good", client_state=_client_state(cfg), async_save=True, keep_last=1).wait()
+    good = W.gather_state(engine)  # collective
+    if rank == 0:
+        torch.save(good, os.path.join(task["state_dir"], "good.pt"))
+    tdist.barrier()
+    with _background_fault("kill", rank == 1):
+        handle = pd.save_checkpoint(engine, root, tag="bad", client_state=_client_state(cfg), async_save=True,
+                                    keep_last=1)
+        W.train_step(engine, cfg, rank, 1)
+        handle.wait()  # rank 1 dies in there; the supervisor then kills rank 0
+    return {}
+
+
+def async_after_kill(task: dict, rank: int, ws: int) -> dict:
+    """A new job after the killed one: resume from `latest`, then save asynchronously."""
+    cfg = task["cfg"]
+    root = task["root"]
+    listing = _listing(root)
+    latest = open(os.path.join(root, "latest")).read()
+    loaded, path, _ = _reload(cfg, ws, root)
+    good = torch.load(os.path.join(task["state_dir"], "good.pt"), weights_only=False)
+    engine = _engine(cfg, ws, rank, 0)
+    engine.load_checkpoint(root)
+    ok = pd.save_checkpoint(engine, root, tag="next", client_state=_client_state(cfg), async_save=True,
+                            keep_last=1).wait()
+    engine.destroy()
+    return {"listing": listing, "latest": latest, "problems": compare_states(good, loaded), "load_path": str(path),
+            "ok": _gather(ok), "final": _listing(root)}

@@ -11,6 +11,7 @@ export, ``universal``'s convert) and everything below them; not the load backend
 from __future__ import annotations
 
 from ...errors import CollectiveCallError, SaveError
+from .background import AsyncSave, wait_for_saves
 from .collective_save import save_checkpoint
 
-__all__ = ["save_checkpoint", "SaveError", "CollectiveCallError"]
+__all__ = ["save_checkpoint", "wait_for_saves", "AsyncSave", "SaveError", "CollectiveCallError"]

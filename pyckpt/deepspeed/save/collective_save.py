@@ -19,6 +19,12 @@ The order of one call (every rank):
    outcome, so every rank returns (or raises) the same.
 6. Optionally the ranks convert the published checkpoint together: to a Universal Checkpoint
    (``universal=True``) and/or a Hugging Face folder (``export="hf"``).
+
+With ``async_save=True`` step 3 writes nothing: every file DeepSpeed's save hands its checkpoint
+engine is snapshotted into host buffers (:mod:`.snapshot`) and the call returns; steps 4-5 run on
+a background thread per rank (:mod:`.background`), agreeing through the store instead of a
+collective. Conversions then run at the join. ``keep_last`` prunes older checkpoints after a
+publication (:mod:`.retention`).
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ from ...errors import SaveError
 from ...execution.distributed import TorchRanks, describe_failure
 from ...execution.publish import (LOCK, OLD, POINTER_TMP, STAGING, OutputLock, OutputLockError, Publisher, clean,
                                  pointer_name_problem)
-from .arrival import Arrival
+from .arrival import Arrival, _default_store
+from .background import AsyncSave, StoreAgreement, write_files
 from .companions import write_model_config, write_tokenizer, write_training_state
 from .guarded_io import WriteFailures, guarded
+from .retention import keep_last as prune
+from .snapshot import CaptureCheckpointEngine, SnapshotArena, capture_problem
 from .space import estimate_rank_bytes, free_bytes, human
 
 log = logging.getLogger("pyckpt")
@@ -96,7 +105,8 @@ def _failed_ranks(outcomes: List[Optional[str]]) -> str:
 def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=None,
                     client_state: Optional[dict] = None, on_error: str = "raise", universal: bool = False,
                     export: Optional[str] = None, exclude_frozen_parameters: bool = False,
-                    arrival_timeout: float = 300.0, fsync: bool = False) -> bool:
+                    arrival_timeout: float = 300.0, fsync: bool = False, async_save: bool = False,
+                    keep_last: Optional[int] = None, agree_timeout: float = 1800.0):
     """Save ``engine``'s training checkpoint as ``save_dir/<tag>``; call it on **every** rank.
 
     What DeepSpeed writes is DeepSpeed's own ``save_checkpoint`` output (the same files, bit for
@@ -121,6 +131,20 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     ``save_dir/<tag>_universal`` (``latest_universal`` names it), so the run can be resumed at
     any topology at once; ``export="hf"`` writes the Hugging Face export to ``save_dir/<tag>_hf``.
     Returns True when everything asked for is in place.
+
+    ``async_save=True`` returns as soon as every rank holds a copy of the state DeepSpeed's save
+    would write (in host buffers reused by the next save: one snapshot of the rank's state stays
+    allocated) and writes the files in the background, byte for byte the files DeepSpeed would
+    have written; the checkpoint is published when every rank's files are complete, as above.
+    It returns an :class:`~.background.AsyncSave` handle (``done()``, ``wait()``); the next save,
+    ``wait()``, ``pyckpt.deepspeed.wait_for_saves()`` or the interpreter's exit joins it, and a
+    failure is raised (or warned) there, on every rank. Conversions run at that join. Only
+    DeepSpeed's default checkpoint engine can be captured; otherwise the save runs synchronously
+    with a warning.
+
+    ``keep_last=K`` removes older checkpoints of ``save_dir`` beyond the K newest once this one
+    is published (never the one ``latest`` or ``latest_universal`` names, nor one another run
+    holds locked).
     """
     if on_error not in ("raise", "warn"):
         raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
@@ -128,6 +152,13 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
         raise ValueError(f"export must be None or 'hf', not {export!r}")
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be None or a positive number of checkpoints, not {keep_last!r}")
+    # at most one save in flight per engine: the previous one is joined (and its failure reported) first
+    previous = getattr(engine, "_pyckpt_async_save", None)
+    if previous is not None:
+        engine._pyckpt_async_save = None
+        previous.wait()
     ckpt_engine = engine.checkpoint_engine
     if getattr(ckpt_engine, "is_decoupled", lambda: False)():
         raise ValueError(f"{WHAT}: the checkpoint engine {type(ckpt_engine).__name__} writes after the call returns "
@@ -140,6 +171,17 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     tag = _check_tag(str(tag if tag is not None else f"global_step{engine.global_steps}"))
     group = _process_group()
     rank = group.rank
+    t_call = time.perf_counter()
+    if async_save:
+        problem = capture_problem(ckpt_engine)
+        if problem:
+            if rank == 0:
+                log.warning("pyckpt: saving %s synchronously: %s", tag, problem)
+            ok = save_checkpoint(engine, save_dir, tag, tokenizer=tokenizer, model_config=model_config,
+                                 client_state=client_state, on_error=on_error, universal=universal, export=export,
+                                 exclude_frozen_parameters=exclude_frozen_parameters,
+                                 arrival_timeout=arrival_timeout, fsync=fsync, keep_last=keep_last)
+            return AsyncSave(f"checkpoint {tag}", on_error, rank).finished(ok, None)
 
     # One name for every save, whatever its folder and tag: ranks that disagree on those must still
     # meet here, so that the preflight names the disagreement instead of calling the others absent.
@@ -171,8 +213,13 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
         arrival.done()
         problem = _preflight_problem(pre, save_dir, tag)
         if problem:
-            return _fail(problem, on_error, rank, published=False)
+            failed = _fail(problem, on_error, rank, published=False)
+            return AsyncSave(f"checkpoint {tag}", on_error, rank).finished(False, problem) if async_save else failed
         staging_tag = pre[0]["staging"]
+        if async_save:
+            return _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, client_state,
+                               exclude_frozen_parameters, tokenizer, model_config, on_error, universal, export, fsync,
+                               keep_last, agree_timeout, t_call)
 
         failures = WriteFailures()
         t0 = time.perf_counter()
@@ -189,12 +236,86 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
         result = None
         if rank == 0:
             result = _publish(publisher, outcomes, save_dir, tag)
+            if result[0] and keep_last:
+                _prune(save_dir, keep_last, tag)
         ok, message = group.broadcast(result)
     if not ok:
         return _fail(message, on_error, rank, published=False)
     if rank == 0:
         log.info("pyckpt: saved %s in %.2f s", os.path.join(save_dir, tag), time.perf_counter() - t0)
     return _convert(save_dir, tag, universal, export, on_error, rank)
+
+
+def _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, client_state, exclude_frozen_parameters,
+                tokenizer, model_config, on_error, universal, export, fsync, keep_last, agree_timeout, t_call):
+    """Steps 3-6 of an asynchronous save: the snapshot now, the rest on a background thread."""
+    rank = group.rank
+    arena = getattr(engine, "_pyckpt_arena", None)
+    if arena is None:
+        arena = engine._pyckpt_arena = SnapshotArena()
+    arena.begin()
+    files: list = []
+    failures = WriteFailures()
+    inner = engine.checkpoint_engine
+    engine.checkpoint_engine = CaptureCheckpointEngine(inner, arena, files)
+    try:
+        with guarded(engine, failures):
+            try:
+                engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state or {}, save_latest=False,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+            except Exception as exc:
+                failures.record("DeepSpeed's save_checkpoint raised", None, exc)
+    finally:
+        engine.checkpoint_engine = inner
+    staging = os.path.join(save_dir, staging_tag)
+    if rank == 0 and not failures:
+        _write_companions(engine, staging, tag, group.size, tokenizer, model_config, failures)
+    # the output lock and the staging folder now belong to the background work (rank 0)
+    held = stack.pop_all()
+    agreement = StoreAgreement(_default_store(), staging_tag, rank, group.size, agree_timeout)
+    sources = arena.sources()
+    handle = AsyncSave(f"checkpoint {tag} in {save_dir}", on_error, rank)
+
+    def body(h: AsyncSave):
+        outcome = failures.first()
+        if outcome is None:
+            try:
+                write_files(files, sources, staging, fsync)
+            except Exception as exc:
+                outcome = f"writing into {staging}: {describe_failure(exc)}"
+        h.written_s = time.perf_counter() - t_call
+        agreement.post(outcome)
+        if rank == 0:
+            with held:
+                try:
+                    outcomes = agreement.gather()
+                except TimeoutError as exc:
+                    outcomes = [f"{exc}"]
+                result = _publish(publisher, outcomes, save_dir, tag)
+            if result[0] and keep_last:
+                _prune(save_dir, keep_last, tag)
+            agreement.announce(*result)
+        else:
+            result = agreement.result()
+        agreement.forget()
+        h.published_s = time.perf_counter() - t_call
+        if result[0] and rank == 0:
+            log.info("pyckpt: saved %s in the background (%.2f s after the call)", os.path.join(save_dir, tag),
+                     h.published_s)
+        return tuple(result)
+
+    if universal or export:
+        handle._after.append(lambda: _convert(save_dir, tag, universal, export, on_error, rank))
+    handle.stall_s = time.perf_counter() - t_call
+    engine._pyckpt_async_save = handle
+    return handle.start(body)
+
+
+def _prune(save_dir: str, k: int, tag: str) -> None:
+    try:
+        prune(save_dir, k, newest=tag)
+    except Exception as exc:  # the save itself is complete; say why older ones stay
+        log.warning("pyckpt: keep_last=%d could not prune %s: %s", k, save_dir, describe_failure(exc))
 
 
 def _process_group() -> TorchRanks:

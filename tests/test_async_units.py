@@ -1,0 +1,134 @@
+"""Units of the asynchronous save: keep_last's choices, the snapshot arena, what cannot be captured,
+the handle's life cycle. The DeepSpeed runs are in tests/test_async_save.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pyckpt.deepspeed.save import AsyncSave, SaveError
+from pyckpt.deepspeed.save.retention import checkpoints, keep_last
+from pyckpt.deepspeed.save.snapshot import SnapshotArena, capture_problem, snapshot_file
+
+HOLD = ("import sys; from pyckpt.execution.publish import OutputLock; lock = OutputLock(sys.argv[1]); "
+        "print('locked', flush=True); sys.stdin.read(); lock.release()")
+
+
+def _checkpoint(root, name, age):
+    folder = root / name
+    folder.mkdir()
+    (folder / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    t = time.time() - 1000 + age
+    os.utime(folder, (t, t))
+    return folder
+
+
+def test_keep_last_removes_the_oldest_beyond_k(tmp_path):
+    for age, name in enumerate(["global_step10", "global_step20", "global_step30", "global_step40"]):
+        _checkpoint(tmp_path, name, age)
+    (tmp_path / "latest").write_text("global_step40")
+    assert checkpoints(str(tmp_path)) == ["global_step10", "global_step20", "global_step30", "global_step40"]
+    assert keep_last(str(tmp_path), 2, newest="global_step40") == ["global_step10", "global_step20"]
+    assert sorted(os.listdir(tmp_path)) == ["global_step30", "global_step40", "latest"]
+
+
+def test_keep_last_spares_what_a_pointer_names_and_what_another_run_holds(tmp_path):
+    for age, name in enumerate(["a", "b", "c", "d"]):
+        _checkpoint(tmp_path, name, age)
+    (tmp_path / "latest").write_text("d\n")
+    (tmp_path / "latest_universal").write_text("a_universal")
+    (tmp_path / "a_universal" / "zero").mkdir(parents=True)  # a conversion, not counted as a checkpoint
+    (tmp_path / "a_universal" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "b_hf").mkdir()
+    # another run converting `c` holds its lock (a process of its own: POSIX locks are per process)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "c")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, cwd="/")
+    try:
+        assert holder.stdout.readline() == b"locked\n"
+        removed = keep_last(str(tmp_path), 1, newest="d")
+    finally:
+        holder.communicate(b"")
+    # `a` goes (its universal conversion stays: latest_universal names it), `b` and its export go,
+    # `c` is locked, `d` is the newest
+    assert removed == ["a", "b", "b_hf"]
+    assert sorted(os.listdir(tmp_path)) == ["a_universal", "c", "d", "latest", "latest_universal"]
+
+
+def test_keep_last_counts_only_checkpoint_folders_and_never_the_newest(tmp_path):
+    _checkpoint(tmp_path, "new", 0)
+    _checkpoint(tmp_path, "old", 5)  # touched later than the one just published
+    (tmp_path / "logs").mkdir()
+    (tmp_path / ".old2.pyckpt-tmp-host-1-ab").mkdir()
+    assert keep_last(str(tmp_path), 1, newest="new") == ["old"]
+    assert sorted(os.listdir(tmp_path)) == [".old2.pyckpt-tmp-host-1-ab", "logs", "new"]
+
+
+def test_the_arena_reuses_its_memory_from_one_save_to_the_next():
+    arena = SnapshotArena(chunk_bytes=1 << 20)
+    arena.begin()
+    first = [arena.take(n)[:2] for n in (1000, 300_000, 900_000, 2 << 20)]
+    held = arena.held
+    ptrs = [c.data_ptr() for c in arena.chunks]
+    arena.begin()
+    second = [arena.take(n)[:2] for n in (1000, 300_000, 900_000, 2 << 20)]
+    assert second == first and arena.held == held and [c.data_ptr() for c in arena.chunks] == ptrs
+    assert all(off % 64 == 0 for _, off in first)
+    # a bigger state grows the arena where it must, and keeps working
+    arena.begin()
+    arena.take(3 << 20)
+    assert arena.held >= held
+
+
+def test_a_snapshot_is_the_state_at_the_call(tmp_path):
+    from pyckpt.deepspeed.save.background import write_files
+
+    arena = SnapshotArena(chunk_bytes=1 << 20)
+    arena.begin()
+    state = {"w": torch.arange(1000.0), "step": 3}
+    file = snapshot_file(state, str(tmp_path / "s.pt"), arena)
+    expected = state["w"].clone()
+    state["w"].add_(1)  # training goes on
+    write_files([file], arena.sources(), str(tmp_path), fsync=False)
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert torch.equal(loaded["w"], expected) and loaded["step"] == 3
+
+
+def test_what_cannot_be_captured_is_named():
+    class TorchCheckpointEngine:
+        zipfile_serialization = True
+
+    assert capture_problem(TorchCheckpointEngine()) is None
+    legacy = TorchCheckpointEngine()
+    legacy.zipfile_serialization = False
+    assert "legacy" in capture_problem(legacy)
+    assert "DecoupledCheckpointEngine" in capture_problem(type("DecoupledCheckpointEngine", (), {})())
+    torch.serialization.set_crc32_options(False)
+    try:
+        assert "crc32" in capture_problem(TorchCheckpointEngine())
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+def test_a_failed_background_save_is_reported_once_as_asked(caplog):
+    def failing(h):
+        time.sleep(0.05)
+        return False, "checkpoint t was not saved: rank 1: disk full"
+
+    raising = AsyncSave("checkpoint t", "raise", 0).start(failing)
+    assert not raising.done()
+    with pytest.raises(SaveError, match="disk full"):
+        raising.wait()
+    assert raising.wait() is False  # reported once
+    warning = AsyncSave("checkpoint t", "warn", 0).start(failing)
+    with caplog.at_level(logging.WARNING, logger="pyckpt"):
+        assert warning.wait() is False
+    assert "disk full" in caplog.text
+    crashed = AsyncSave("checkpoint t", "warn", 0).start(lambda h: 1 / 0)
+    assert crashed.wait() is False and "ZeroDivisionError" in crashed.message
+    assert AsyncSave("checkpoint t", "raise", 0).start(lambda h: (True, None)).wait() is True
