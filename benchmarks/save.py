@@ -1,6 +1,10 @@
 """The save glue against a bare DeepSpeed save, in one training job, rounds alternating.
 
     torchrun --standalone --nproc_per_node 4 benchmarks/save.py /tmp/bench12/save --params 200M --stage 2 \
+        --rounds 0 --async-rounds 5 --json benchmarks/results/async_save_z2_200M_dp4.json
+
+
+    torchrun --standalone --nproc_per_node 4 benchmarks/save.py /tmp/bench12/save --params 200M --stage 2 \
         --rounds 5 --universal-rounds 2 --json benchmarks/results/save_z2_200M_dp4.json
 
 Every rank trains one step of the benchmarks' Linear stack (make_real_checkpoint.py's model), then:
@@ -48,6 +52,101 @@ def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def _slowest(value: float) -> float:
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return max(gathered)
+
+
+def _async_rounds(args, engine, client, rank, world, clear) -> dict:
+    """DeepSpeed's synchronous save against an asynchronous one, alternating which goes first.
+
+    Per round: the stall (from a barrier to the slowest rank's return from the call), the time to
+    the published checkpoint (the slowest rank's outcome known), the training steps that run while
+    the asynchronous save is written against the same number of steps without a save, and a plain
+    copy of the bytes the snapshot holds (each rank copies that many bytes between two warm buffers,
+    the floor for any snapshot)."""
+    import torch
+    import torch.distributed as dist
+
+    import pyckpt.deepspeed as pd
+
+    width = args.width
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        loss = engine(torch.randn(1, width)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        return time.perf_counter() - t0
+
+    # the first asynchronous save allocates the snapshot buffers; later ones reuse them
+    t0 = time.perf_counter()
+    pd.save_checkpoint(engine, os.path.join(args.out, "warm"), tag="w", client_state=client, async_save=True).wait()
+    first_call = _slowest(engine._pyckpt_async_save.stall_s if engine._pyckpt_async_save else time.perf_counter() - t0)
+    clear()
+    arena = engine._pyckpt_arena
+    snapshot_bytes = arena.used
+    dst = torch.empty(arena.held, dtype=torch.uint8).fill_(2)  # warm: no page faults in the timed copy
+
+    def memcpy():
+        at = 0
+        for chunk, filled in zip(arena.chunks, arena.extents):  # the bytes the snapshot copied, into a warm buffer
+            dst[at:at + filled].copy_(chunk[:filled])
+            at += filled
+    rounds = []
+    for r in range(args.async_rounds):
+        order = ["sync", "async", "alone"] if r % 2 == 0 else ["alone", "async", "sync"]
+        row = {"round": r, "order": order}
+        for way in order:
+            folder = os.path.join(args.out, way)
+            if way == "sync":
+                row["sync_stall"] = _timed(lambda: engine.save_checkpoint(folder, tag=f"r{r}", client_state=client))
+            elif way == "alone":
+                # the same asynchronous save with nothing running beside its write: the pipeline's own cost
+                dist.barrier()
+                handle = pd.save_checkpoint(engine, folder, tag=f"r{r}", client_state=client, async_save=True)
+                handle.wait()
+                row["alone_published"] = _slowest(handle.published_s)
+            else:
+                dist.barrier()
+                handle = pd.save_checkpoint(engine, folder, tag=f"r{r}", client_state=client, async_save=True)
+                row["async_stall"] = _slowest(handle.stall_s)
+                overlapped = [step() for _ in range(args.overlap_steps)]
+                row["overlap_done"] = handle.done()
+                handle.wait()
+                row["async_published"] = _slowest(handle.published_s)
+                row["overlap_step"] = _slowest(statistics.median(overlapped))
+            clear()
+        row["plain_step"] = _slowest(statistics.median(step() for _ in range(args.overlap_steps)))
+        dist.barrier()
+        t0 = time.perf_counter()
+        memcpy()
+        row["memcpy"] = _slowest(time.perf_counter() - t0)
+        row["sync_over_async_stall"] = row["sync_stall"] / row["async_stall"]
+        row["async_stall_over_memcpy"] = row["async_stall"] / row["memcpy"]
+        row["overlap_step_over_plain"] = row["overlap_step"] / row["plain_step"]
+        row["published_over_sync"] = row["async_published"] / row["sync_stall"]
+        row["alone_published_over_sync"] = row["alone_published"] / row["sync_stall"]
+        rounds.append(row)
+        if rank == 0:
+            print(f"async round {r}: stall {row['async_stall']:.3f} s vs DeepSpeed's save {row['sync_stall']:.2f} s "
+                  f"({row['sync_over_async_stall']:.1f}x less), memcpy {row['memcpy']:.3f} s "
+                  f"(stall/memcpy {row['async_stall_over_memcpy']:.2f}), steps during the write "
+                  f"{row['overlap_step']:.2f} s vs {row['plain_step']:.2f} s ({row['overlap_step_over_plain']:.2f}x), "
+                  f"published after {row['async_published']:.2f} s ({row['published_over_sync']:.2f}x the sync save; "
+                  f"{row['alone_published_over_sync']:.2f}x with no training beside the write)",
+                  flush=True)
+    med = {k: statistics.median(r[k] for r in rounds) for k in
+           ("sync_over_async_stall", "async_stall_over_memcpy", "overlap_step_over_plain", "published_over_sync",
+            "alone_published_over_sync",
+            "async_stall", "sync_stall", "memcpy")}
+    return {"rounds": rounds, "snapshot_bytes_rank0": snapshot_bytes, "first_call_stall": first_call,
+            "medians": med}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out", help="scratch folder for the checkpoints (emptied after every round)")
@@ -56,6 +155,10 @@ def main() -> int:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--universal-rounds", type=int, default=0)
+    p.add_argument("--async-rounds", type=int, default=0,
+                   help="rounds of DeepSpeed's save vs save_checkpoint(async_save=True) (issue 26's figures)")
+    p.add_argument("--overlap-steps", type=int, default=3,
+                   help="training steps timed while an asynchronous save is written, and without one")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -155,16 +258,20 @@ def main() -> int:
                   f"save_checkpoint(universal=True) {row['pyckpt']:.2f} s, ratio {row['deepspeed_over_pyckpt']:.2f}",
                   flush=True)
 
+    asynchronous = _async_rounds(args, engine, client, rank, world, clear) if args.async_rounds else None
+
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         result = {"params": params, "stage": args.stage, "world_size": world, "cores": os.cpu_count(),
                   "checkpoint_bytes": written, "rounds": rounds, "universal": universal,
-                  "median_glue_over_bare": statistics.median(r["glue_over_bare"] for r in rounds),
-                  "median_glue_own_over_bare": statistics.median(r["glue_own_over_bare"] for r in rounds),
-                  "median_glue_own_seconds": statistics.median(r["glue_own"] for r in rounds),
+                  "median_glue_over_bare": statistics.median(r["glue_over_bare"] for r in rounds) if rounds else None,
+                  "median_glue_own_over_bare": statistics.median(r["glue_own_over_bare"] for r in rounds) if rounds else None,
+                  "median_glue_own_seconds": statistics.median(r["glue_own"] for r in rounds) if rounds else None,
                   "median_deepspeed_over_pyckpt": statistics.median(r["deepspeed_over_pyckpt"] for r in universal)
-                  if universal else None}
+                  if universal else None, "async": asynchronous}
         print(json.dumps({k: v for k, v in result.items() if k.startswith("median") or k == "checkpoint_bytes"}))
+        if asynchronous:
+            print(json.dumps({"async medians": asynchronous["medians"]}))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

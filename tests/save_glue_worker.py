@@ -393,3 +393,16 @@ def async_after_kill(task: dict, rank: int, ws: int) -> dict:
     engine.destroy()
     return {"listing": listing, "latest": latest, "problems": compare_states(good, loaded), "load_path": str(path),
             "ok": _gather(ok), "final": _listing(root)}
+
+
+def async_destroy_joins(task: dict, rank: int, ws: int) -> dict:
+    """An asynchronous save left in flight; engine.destroy() joins it."""
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    with _slow_background_write(1.0):
+        handle = pd.save_checkpoint(engine, root, tag="t", client_state=_client_state(cfg), async_save=True)
+        in_flight = not handle.done()
+        engine.destroy()
+    return {"in_flight": _gather(in_flight), "done": _gather(handle.done()), "ok": _gather(handle.ok),
+            "listing": _listing(root), "arena": getattr(engine, "_pyckpt_arena", None) is None}

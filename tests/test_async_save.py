@@ -43,8 +43,18 @@ def async_runs(tmp_path_factory):
     tasks = [_call("async_equal", cfg, base / name) for name, cfg in CONFIGS.items()]
     for task in tasks:
         os.makedirs(task["root"])
-    results = _launch(2, tasks, None, "async save vs DeepSpeed's save", TIMEOUT_S)
-    return {name: (base / name, res) for name, res in zip(CONFIGS, results)}
+    tasks.append(_call("async_destroy_joins", h.Config(2, "fp32", 2), base / "destroy"))
+    *results, destroyed = _launch(2, tasks, None, "async save vs DeepSpeed's save", TIMEOUT_S)
+    runs = {name: (base / name, res) for name, res in zip(CONFIGS, results)}
+    runs["destroy"] = (base / "destroy", destroyed)
+    return runs
+
+
+def test_the_engines_end_joins_the_save_in_flight(async_runs):
+    _, res = async_runs["destroy"]
+    assert res["in_flight"] == [True, True]
+    assert res["done"] == [True, True] and res["ok"] == [True, True] and res["arena"]
+    assert sorted(res["listing"]) == ["latest", "t", "zero_to_fp32.py", "zero_to_torch.py"]
 
 
 def _tree(folder: Path) -> dict:

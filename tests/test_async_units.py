@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -79,6 +80,10 @@ def test_the_arena_reuses_its_memory_from_one_save_to_the_next():
     second = [arena.take(n)[:2] for n in (1000, 300_000, 900_000, 2 << 20)]
     assert second == first and arena.held == held and [c.data_ptr() for c in arena.chunks] == ptrs
     assert all(off % 64 == 0 for _, off in first)
+    # what this save filled, chunk by chunk: every copy lies inside it
+    assert arena.used <= sum(arena.extents) <= arena.held and len(arena.extents) == len(arena.chunks)
+    for index, offset in second:
+        assert offset < arena.extents[index]
     # a bigger state grows the arena where it must, and keeps working
     arena.begin()
     arena.take(3 << 20)
@@ -108,6 +113,12 @@ def test_what_cannot_be_captured_is_named():
     legacy.zipfile_serialization = False
     assert "legacy" in capture_problem(legacy)
     assert "DecoupledCheckpointEngine" in capture_problem(type("DecoupledCheckpointEngine", (), {})())
+    nvme = types.SimpleNamespace(zero_offload_optimizer=lambda: types.SimpleNamespace(device="nvme"),
+                                 zero_offload_param=lambda: None)
+    assert "offloaded to NVMe" in capture_problem(TorchCheckpointEngine(), nvme)
+    cpu = types.SimpleNamespace(zero_offload_optimizer=lambda: types.SimpleNamespace(device="cpu"),
+                                zero_offload_param=lambda: None)
+    assert capture_problem(TorchCheckpointEngine(), cpu) is None  # host tensors are snapshotted like any other
     torch.serialization.set_crc32_options(False)
     try:
         assert "crc32" in capture_problem(TorchCheckpointEngine())

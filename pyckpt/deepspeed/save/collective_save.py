@@ -173,7 +173,7 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     rank = group.rank
     t_call = time.perf_counter()
     if async_save:
-        problem = capture_problem(ckpt_engine)
+        problem = capture_problem(ckpt_engine, engine)
         if problem:
             if rank == 0:
                 log.warning("pyckpt: saving %s synchronously: %s", tag, problem)
@@ -308,7 +308,31 @@ def _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, cli
         handle._after.append(lambda: _convert(save_dir, tag, universal, export, on_error, rank))
     handle.stall_s = time.perf_counter() - t_call
     engine._pyckpt_async_save = handle
+    _join_at_destroy(engine)
     return handle.start(body)
+
+
+def _join_at_destroy(engine) -> None:
+    """``engine.destroy()`` joins the save in flight first (its failure reported there) and lets go of
+    the snapshot buffers: the end of the engine's life is a join point like the next save."""
+    if getattr(engine, "_pyckpt_joins_at_destroy", False):
+        return
+    original = engine.destroy
+
+    def destroy(*args, **kwargs):
+        pending = getattr(engine, "_pyckpt_async_save", None)
+        engine._pyckpt_async_save = None
+        try:
+            if pending is not None:
+                pending.wait()
+        finally:
+            engine._pyckpt_arena = None
+            del engine.destroy  # the class's own again
+            engine._pyckpt_joins_at_destroy = False
+            original(*args, **kwargs)
+
+    engine.destroy = destroy
+    engine._pyckpt_joins_at_destroy = True
 
 
 def _prune(save_dir: str, k: int, tag: str) -> None:

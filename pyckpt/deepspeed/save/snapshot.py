@@ -28,9 +28,25 @@ CHUNK_BYTES = 256 << 20
 ALIGN = 64  # torch.save's storage alignment: the copies keep the alignment the writer reads at
 
 
-def capture_problem(ckpt_engine) -> Optional[str]:
-    """Why a save through ``ckpt_engine`` cannot be snapshotted and written byte-equal, or None."""
+def _nvme_offload(engine) -> Optional[str]:
+    for what, getter in (("optimizer", "zero_offload_optimizer"), ("parameters", "zero_offload_param")):
+        config = getattr(engine, getter, lambda: None)() if engine is not None else None
+        device = getattr(config, "device", None)
+        if device is not None and str(getattr(device, "value", device)) == "nvme":
+            return what
+    return None
+
+
+def capture_problem(ckpt_engine, engine=None) -> Optional[str]:
+    """Why a save through ``ckpt_engine`` (of ``engine``) cannot be snapshotted and written byte-equal,
+    or None."""
     import torch
+
+    swapped = _nvme_offload(engine)
+    if swapped:
+        # DeepSpeed swaps such state in and out of NVMe around its own use; a copy taken while the
+        # save runs is not one pyckpt can vouch for as the state at the call
+        return f"the {swapped} are offloaded to NVMe (zero_optimization.offload_{'optimizer' if swapped == 'optimizer' else 'param'}.device)"
 
     name = type(ckpt_engine).__name__
     if name != "TorchCheckpointEngine":
@@ -59,6 +75,7 @@ class SnapshotArena:
     def __init__(self, chunk_bytes: int = CHUNK_BYTES):
         self.chunk_bytes = chunk_bytes
         self.chunks: list = []
+        self.extents: list = []
         self._chunk = 0
         self._pos = 0
         self.used = 0
@@ -70,6 +87,7 @@ class SnapshotArena:
 
     def begin(self) -> None:
         self._chunk, self._pos, self.used = 0, 0, 0
+        self.extents = [0] * len(self.chunks)  # bytes of each chunk this save filled (its copies, aligned)
 
     def take(self, nbytes: int):
         """(chunk index, offset, uint8 tensor view) for ``nbytes`` new bytes of this save."""
@@ -89,6 +107,8 @@ class SnapshotArena:
         offset = self._pos
         self._pos = -(-(offset + nbytes) // ALIGN) * ALIGN
         self.used += nbytes
+        self.extents[self._chunk:] = [0] * (len(self.chunks) - self._chunk)
+        self.extents[self._chunk] = offset + nbytes
         return self._chunk, offset, self.chunks[self._chunk][offset:offset + nbytes]
 
     def _alloc(self, torch, nbytes: int):
