@@ -68,10 +68,21 @@ def run_measured(cmd, watch_dir: Optional[str] = None, env=None, interval: float
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
-    _, err = proc.communicate()
+    # Reaped here rather than by communicate(): wait4 reports the child's own peak RSS, which a run
+    # shorter than one sampling interval (cp -r of a small folder) would otherwise not show at all.
+    err_chunks = []
+    reader = threading.Thread(target=lambda: err_chunks.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    reader.join()
+    proc.stderr.close()
+    err = b"".join(err_chunks)
     stop.set()
     th.join()
+    # ru_maxrss (KiB) is the largest single process of the tree; the samples sum the tree
+    peak["rss"] = max(peak["rss"], usage.ru_maxrss * 1024)
     if watch_dir:
         peak["disk"] = max(peak["disk"], folder_bytes(watch_dir))
     if proc.returncode != 0:

@@ -262,12 +262,13 @@ def async_equal(task: dict, rank: int, ws: int) -> dict:
     steps_before = engine.global_steps
     with _slow_background_write(2.0):
         handle = pd.save_checkpoint(engine, os.path.join(root, "async"), tag="t", client_state=dict(client),
-                                    async_save=True)
+                                    async_save=True, snapshot_limit=task.get("snapshot_limit"))
         done_at_return = handle.done()
         losses = [W.train_step(engine, cfg, rank, 2 + s) for s in range(2)]
         done_after_steps = handle.done()
         published_early = os.path.exists(os.path.join(root, "async", "latest"))
         ok = handle.wait()
+    held = engine._pyckpt_arena.held
     after = W.gather_state(engine)
     engine.destroy()
     loaded, path, client_loaded = _reload(cfg, ws, os.path.join(root, "async"))
@@ -275,7 +276,8 @@ def async_equal(task: dict, rank: int, ws: int) -> dict:
             "published_early": published_early, "problems": compare_states(saved, loaded),
             "changed": compare_states(saved, after) != [], "load_path": str(path),
             "client_note": client_loaded.get("note"), "global_steps": loaded["meta"]["global_steps"],
-            "steps_before": steps_before, "losses": losses}
+            "steps_before": steps_before, "losses": losses,
+            "snapshot_held": held}
 
 
 @contextlib.contextmanager

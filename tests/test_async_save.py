@@ -43,11 +43,22 @@ def async_runs(tmp_path_factory):
     tasks = [_call("async_equal", cfg, base / name) for name, cfg in CONFIGS.items()]
     for task in tasks:
         os.makedirs(task["root"])
+    # a snapshot limit of 0 bytes: every file is written during the call, the rest is as above
+    tasks.append(_call("async_equal", h.Config(2, "fp32", 2, model="wide"), base / "limited", snapshot_limit=0))
     tasks.append(_call("async_destroy_joins", h.Config(2, "fp32", 2), base / "destroy"))
-    *results, destroyed = _launch(2, tasks, None, "async save vs DeepSpeed's save", TIMEOUT_S)
+    *results, limited, destroyed = _launch(2, tasks, None, "async save vs DeepSpeed's save", TIMEOUT_S)
     runs = {name: (base / name, res) for name, res in zip(CONFIGS, results)}
+    runs["limited"] = (base / "limited", limited)
     runs["destroy"] = (base / "destroy", destroyed)
     return runs
+
+
+ALL = [*CONFIGS, "limited"]
+
+
+def test_a_snapshot_limit_bounds_the_memory_held(async_runs):
+    assert async_runs["limited"][1]["snapshot_held"] == 0
+    assert async_runs["z2-fp32-wide"][1]["snapshot_held"] > 0
 
 
 def test_the_engines_end_joins_the_save_in_flight(async_runs):
@@ -61,7 +72,7 @@ def _tree(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", ALL)
 def test_the_call_returns_before_the_write_and_training_goes_on(async_runs, name):
     _, res = async_runs[name]
     assert res["ok"] == [True, True]
@@ -70,7 +81,7 @@ def test_the_call_returns_before_the_write_and_training_goes_on(async_runs, name
     assert res["changed"]  # the steps after the call changed the state
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", ALL)
 def test_the_files_are_deepspeeds_own_byte_for_byte(async_runs, name):
     root, _ = async_runs[name]
     bare, written = _tree(root / "bare" / "t"), _tree(root / "async" / "t")
@@ -82,7 +93,7 @@ def test_the_files_are_deepspeeds_own_byte_for_byte(async_runs, name):
     assert sorted(os.listdir(root / "async")) == sorted({"latest", "t", "zero_to_fp32.py", "zero_to_torch.py"})
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", ALL)
 def test_deepspeed_resumes_the_state_at_the_call(async_runs, name):
     root, res = async_runs[name]
     assert res["load_path"].startswith(str(root / "async" / "t") + os.sep)

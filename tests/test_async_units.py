@@ -143,3 +143,78 @@ def test_a_failed_background_save_is_reported_once_as_asked(caplog):
     crashed = AsyncSave("checkpoint t", "warn", 0).start(lambda h: 1 / 0)
     assert crashed.wait() is False and "ZeroDivisionError" in crashed.message
     assert AsyncSave("checkpoint t", "raise", 0).start(lambda h: (True, None)).wait() is True
+
+
+def test_files_past_the_snapshot_limit_are_written_during_the_call(tmp_path):
+    from pyckpt.deepspeed.save.snapshot import CaptureCheckpointEngine
+
+    written = []
+    inner = types.SimpleNamespace(save=lambda state, path: (torch.save(state, path), written.append(path)))
+    arena = SnapshotArena(chunk_bytes=1 << 16)
+    arena.begin()
+    files = []
+    capture = CaptureCheckpointEngine(inner, arena, files, limit=100_000)
+    small, big = {"w": torch.ones(1000)}, {"w": torch.ones(100_000)}
+    for name, state in (("a.pt", small), ("b.pt", big), ("c.pt", small)):
+        capture.save(state, str(tmp_path / name))
+    assert [os.path.basename(f.path) for f in files] == ["a.pt", "c.pt"]
+    assert written == [str(tmp_path / "b.pt")] == capture.written_now
+    assert arena.held <= 100_000
+
+
+OBJECTS = {
+    "optimizer-like": lambda: {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5)}},
+                               "param_groups": [{"lr": 0.1, "params": [0], "betas": (0.9, 0.999)}]},
+    "shared and views": lambda: (lambda t: {"a": t, "b": t[2:], "c": [t.view(2, 5)] * 2})(torch.arange(10.0)),
+    "storages": lambda: {"typed": torch.arange(4).storage(), "untyped": torch.ones(3).untyped_storage()},
+    "dtypes": lambda: [torch.ones(3, dtype=d) for d in (torch.bfloat16, torch.int8, torch.bool, torch.float64)],
+    "empty and scalars": lambda: {"e": torch.empty(0), "s": torch.tensor(1), "n": None, "x": 1.5, "k": "0"},
+    "many": lambda: {f"p{i}": torch.randn(i % 5) for i in range(150)},
+}
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.parametrize("name", OBJECTS)
+def test_a_snapshot_writes_the_file_torch_save_writes(tmp_path, name):
+    from pyckpt.deepspeed.save.background import write_files
+
+    obj = OBJECTS[name]()
+    torch.save(obj, tmp_path / "torch.pt")
+    (tmp_path / "ours").mkdir()
+    arena = SnapshotArena(chunk_bytes=1 << 20)
+    arena.begin()
+    file = snapshot_file(obj, str(tmp_path / "ours" / "torch.pt"), arena)
+    write_files([file], arena.sources(), str(tmp_path / "ours"), fsync=False)
+    assert (tmp_path / "ours" / "torch.pt").read_bytes() == (tmp_path / "torch.pt").read_bytes()
+
+
+def test_a_storage_seen_as_two_dtypes_is_refused_as_torch_refuses_it(tmp_path):
+    t = torch.arange(4, dtype=torch.int32)
+    obj = [t, t.view(torch.float32)]
+    with pytest.raises(RuntimeError, match="view the same data as different types"):
+        torch.save(obj, tmp_path / "x.pt")
+    arena = SnapshotArena(chunk_bytes=1 << 20)
+    arena.begin()
+    with pytest.raises(RuntimeError, match="view the same data as different types"):
+        snapshot_file(obj, str(tmp_path / "y.pt"), arena)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_snapshot_copies_on_a_side_stream_and_holds_the_next_kernel(tmp_path):
+    from pyckpt.deepspeed.save.background import write_files
+    from pyckpt.deepspeed.save.snapshot import DeviceCopies
+
+    state = {"w": torch.arange(1 << 22, dtype=torch.float32, device="cuda"), "step": 3}
+    expected = state["w"].cpu()
+    torch.save(state, tmp_path / "torch.pt")
+    (tmp_path / "ours").mkdir()
+    arena = SnapshotArena()
+    arena.begin()
+    copies = DeviceCopies()
+    file = snapshot_file(state, str(tmp_path / "ours" / "torch.pt"), arena, copies)
+    assert arena.chunks[0].is_pinned() and copies.events
+    state["w"].add_(1)  # the "optimizer step": ordered after the copy by the stream wait
+    copies.wait()
+    write_files([file], arena.sources(), str(tmp_path / "ours"), fsync=False)
+    assert (tmp_path / "ours" / "torch.pt").read_bytes() == (tmp_path / "torch.pt").read_bytes()
+    assert torch.equal(torch.load(tmp_path / "ours" / "torch.pt", weights_only=True)["w"].cpu(), expected)

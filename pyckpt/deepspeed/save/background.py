@@ -62,8 +62,10 @@ class AsyncSave:
         return self
 
     def finished(self, ok: bool, message: Optional[str]) -> "AsyncSave":
-        """A handle for a save that is already over (the synchronous fallback, or a refusal)."""
+        """A handle for a save that is already over and reported (the synchronous fallback, or a
+        refusal raised or warned by the call itself)."""
         self.ok, self.message = ok, message
+        self._reported = True
         return self
 
     def done(self) -> bool:

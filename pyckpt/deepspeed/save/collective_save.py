@@ -45,7 +45,7 @@ from .background import AsyncSave, StoreAgreement, write_files
 from .companions import write_model_config, write_tokenizer, write_training_state
 from .guarded_io import WriteFailures, guarded
 from .retention import keep_last as prune
-from .snapshot import CaptureCheckpointEngine, SnapshotArena, capture_problem
+from .snapshot import CHUNK_BYTES, CaptureCheckpointEngine, DeviceCopies, SnapshotArena, capture_problem
 from .space import estimate_rank_bytes, free_bytes, human
 
 log = logging.getLogger("pyckpt")
@@ -106,7 +106,8 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
                     client_state: Optional[dict] = None, on_error: str = "raise", universal: bool = False,
                     export: Optional[str] = None, exclude_frozen_parameters: bool = False,
                     arrival_timeout: float = 300.0, fsync: bool = False, async_save: bool = False,
-                    keep_last: Optional[int] = None, agree_timeout: float = 1800.0):
+                    keep_last: Optional[int] = None, agree_timeout: float = 1800.0,
+                    snapshot_limit: Optional[int] = None):
     """Save ``engine``'s training checkpoint as ``save_dir/<tag>``; call it on **every** rank.
 
     What DeepSpeed writes is DeepSpeed's own ``save_checkpoint`` output (the same files, bit for
@@ -140,7 +141,9 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     ``wait()``, ``pyckpt.deepspeed.wait_for_saves()`` or the interpreter's exit joins it, and a
     failure is raised (or warned) there, on every rank. Conversions run at that join. Only
     DeepSpeed's default checkpoint engine can be captured; otherwise the save runs synchronously
-    with a warning.
+    with a warning. ``snapshot_limit`` (bytes per rank) bounds the snapshot: a file that would take
+    it past the limit is written during the call instead (so the call blocks for its write); the
+    ``engine.destroy()`` join also frees the snapshot.
 
     ``keep_last=K`` removes older checkpoints of ``save_dir`` beyond the K newest once this one
     is published (never the one ``latest`` or ``latest_universal`` names, nor one another run
@@ -154,6 +157,9 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
         raise ValueError(f"save_dir must be a non-empty path, got {save_dir!r}")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be None or a positive number of checkpoints, not {keep_last!r}")
+    if snapshot_limit is not None and (isinstance(snapshot_limit, bool) or not isinstance(snapshot_limit, int)
+                                       or snapshot_limit < 0):
+        raise ValueError(f"snapshot_limit must be None or a number of bytes, not {snapshot_limit!r}")
     # at most one save in flight per engine: the previous one is joined (and its failure reported) first
     previous = getattr(engine, "_pyckpt_async_save", None)
     if previous is not None:
@@ -219,7 +225,7 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
         if async_save:
             return _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, client_state,
                                exclude_frozen_parameters, tokenizer, model_config, on_error, universal, export, fsync,
-                               keep_last, agree_timeout, t_call)
+                               keep_last, agree_timeout, t_call, snapshot_limit)
 
         failures = WriteFailures()
         t0 = time.perf_counter()
@@ -247,17 +253,21 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
 
 
 def _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, client_state, exclude_frozen_parameters,
-                tokenizer, model_config, on_error, universal, export, fsync, keep_last, agree_timeout, t_call):
+                tokenizer, model_config, on_error, universal, export, fsync, keep_last, agree_timeout, t_call,
+                snapshot_limit=None):
     """Steps 3-6 of an asynchronous save: the snapshot now, the rest on a background thread."""
     rank = group.rank
     arena = getattr(engine, "_pyckpt_arena", None)
-    if arena is None:
-        arena = engine._pyckpt_arena = SnapshotArena()
+    if arena is None or (snapshot_limit is not None and arena.chunk_bytes > max(snapshot_limit, 1)):
+        # under a limit, chunks no bigger than it, so what stays allocated stays near it
+        chunk = CHUNK_BYTES if snapshot_limit is None else min(CHUNK_BYTES, max(snapshot_limit, 1))
+        arena = engine._pyckpt_arena = SnapshotArena(chunk)
     arena.begin()
     files: list = []
     failures = WriteFailures()
     inner = engine.checkpoint_engine
-    engine.checkpoint_engine = CaptureCheckpointEngine(inner, arena, files)
+    copies = DeviceCopies()
+    engine.checkpoint_engine = CaptureCheckpointEngine(inner, arena, files, snapshot_limit, copies)
     try:
         with guarded(engine, failures):
             try:
@@ -280,21 +290,26 @@ def _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, cli
         outcome = failures.first()
         if outcome is None:
             try:
+                copies.wait()  # device-to-host copies still in flight (GPU state)
                 write_files(files, sources, staging, fsync)
             except Exception as exc:
                 outcome = f"writing into {staging}: {describe_failure(exc)}"
         h.written_s = time.perf_counter() - t_call
         agreement.post(outcome)
         if rank == 0:
-            with held:
-                try:
-                    outcomes = agreement.gather()
-                except TimeoutError as exc:
-                    outcomes = [f"{exc}"]
-                result = _publish(publisher, outcomes, save_dir, tag)
-            if result[0] and keep_last:
-                _prune(save_dir, keep_last, tag)
-            agreement.announce(*result)
+            # the other ranks wait for the result: it is posted whatever happens here
+            result = (False, f"checkpoint {tag} was not saved in {save_dir}: publishing it failed on rank 0")
+            try:
+                with held:
+                    try:
+                        outcomes = agreement.gather()
+                    except TimeoutError as exc:
+                        outcomes = [f"{exc}"]
+                    result = _publish(publisher, outcomes, save_dir, tag)
+                if result[0] and keep_last:
+                    _prune(save_dir, keep_last, tag)
+            finally:
+                agreement.announce(*result)
         else:
             result = agreement.result()
         agreement.forget()

@@ -4,19 +4,20 @@ DeepSpeed's ``save_checkpoint`` hands every file it writes to its checkpoint eng
 ``save(state_dict, path)`` (model states, optimizer partitions, AutoEP expert files, for every ZeRO
 stage, BF16_Optimizer, AutoTP and AutoEP layout). :class:`CaptureCheckpointEngine` stands in for the
 engine during one save and turns each call into a :class:`~pyckpt.formats.torch_save_file.TorchSaveFile`:
-the records torch.save would write, produced by torch's own serializer (so ``data.pkl`` is the one
-DeepSpeed's torch.save would pickle), with every storage copied into a reused host buffer at the
-moment of the call. Training may then change every tensor; the native writer later writes the
+the records torch.save would write (``data.pkl`` pickled as torch.save pickles it), with every
+storage copied into a reused host buffer at the moment of the call: a host storage at once, a GPU
+storage on a side stream into pinned memory, the training's stream made to wait for it. Training may then change every tensor; the native writer later writes the
 files from the copies, byte for byte as torch.save would have (csrc/torch_save_format.hpp).
 
 What cannot be captured this way is refused before anything is written (:func:`capture_problem`):
 another checkpoint engine, DeepSpeed's legacy (non-ZIP) serialization, torch's CRC or storage
-alignment options changed from their defaults, a torch without the serializer entry point.
+alignment options changed from their defaults, NVMe-offloaded state.
 """
 
 from __future__ import annotations
 
 import pickle
+import sys
 from typing import List, Optional
 
 from ...formats.torch_save_file import MemoryRange, TorchSaveFile
@@ -56,8 +57,9 @@ def capture_problem(ckpt_engine, engine=None) -> Optional[str]:
         return ("checkpoint.checkpoint_serialization is false (torch's legacy file format); an asynchronous save "
                 "writes the ZIP format DeepSpeed writes by default")
     ser = torch.serialization
-    if not callable(getattr(ser, "_save", None)):
-        return f"torch {torch.__version__} has no torch.serialization._save, through which the state is pickled"
+    for helper in ("location_tag", "normalize_storage_type"):
+        if not callable(getattr(ser, helper, None)):
+            return f"torch {torch.__version__} has no torch.serialization.{helper}, which torch.save's pickle uses"
     if getattr(ser, "get_crc32_options", lambda: True)() is not True:
         return "torch.serialization.set_crc32_options(False) is in effect; the files would differ from torch.save's"
     align = getattr(ser, "_get_storage_alignment", lambda: ALIGN)()
@@ -73,7 +75,7 @@ class SnapshotArena:
     so device-to-host copies run at full speed)."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES):
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = max(ALIGN, chunk_bytes)
         self.chunks: list = []
         self.extents: list = []
         self._chunk = 0
@@ -89,82 +91,205 @@ class SnapshotArena:
         self._chunk, self._pos, self.used = 0, 0, 0
         self.extents = [0] * len(self.chunks)  # bytes of each chunk this save filled (its copies, aligned)
 
+    def _place(self, sizes: list, chunk: int, pos: int, nbytes: int) -> tuple:
+        """Where ``nbytes`` more bytes go, given chunk sizes and the current position: (sizes after,
+        chunk, offset, position after). Chunks are reused in order; a storage bigger than the chunk
+        it would start gets a bigger one in that chunk's place; past the last, a new one."""
+        while chunk < len(sizes):
+            if pos + nbytes <= sizes[chunk]:
+                break
+            if pos == 0 and nbytes > sizes[chunk]:
+                sizes = sizes[:chunk] + [self._chunk_size(nbytes)] + sizes[chunk + 1:]
+                break
+            chunk, pos = chunk + 1, 0
+        else:
+            sizes = sizes + [self._chunk_size(nbytes)]
+        return sizes, chunk, pos, -(-(pos + nbytes) // ALIGN) * ALIGN
+
+    def held_after(self, sizes_of_storages) -> int:
+        """Bytes the arena would hold once ``sizes_of_storages`` more were taken (nothing is taken)."""
+        sizes, chunk, pos = [c.numel() for c in self.chunks], self._chunk, self._pos
+        for nbytes in sizes_of_storages:
+            sizes, chunk, _, pos = self._place(sizes, chunk, pos, nbytes)
+        return sum(sizes)
+
     def take(self, nbytes: int):
         """(chunk index, offset, uint8 tensor view) for ``nbytes`` new bytes of this save."""
         import torch
 
-        while self._chunk < len(self.chunks):
-            chunk = self.chunks[self._chunk]
-            if self._pos + nbytes <= chunk.numel():
-                break
-            if self._pos == 0 and nbytes > chunk.numel():
-                # a storage bigger than this chunk (the state changed shape): a bigger one in its place
-                self.chunks[self._chunk] = self._alloc(torch, nbytes)
-                break
-            self._chunk, self._pos = self._chunk + 1, 0
-        else:
-            self.chunks.append(self._alloc(torch, nbytes))
-        offset = self._pos
-        self._pos = -(-(offset + nbytes) // ALIGN) * ALIGN
+        before = [c.numel() for c in self.chunks]
+        sizes, self._chunk, offset, self._pos = self._place(before, self._chunk, self._pos, nbytes)
+        if len(sizes) > len(before):
+            self.chunks.append(self._alloc(torch, sizes[-1]))
+        elif sizes[self._chunk] != before[self._chunk]:
+            self.chunks[self._chunk] = self._alloc(torch, sizes[self._chunk])
         self.used += nbytes
         self.extents[self._chunk:] = [0] * (len(self.chunks) - self._chunk)
         self.extents[self._chunk] = offset + nbytes
         return self._chunk, offset, self.chunks[self._chunk][offset:offset + nbytes]
 
-    def _alloc(self, torch, nbytes: int):
-        size = max(self.chunk_bytes, -(-nbytes // (1 << 20)) * (1 << 20))
-        pin = torch.cuda.is_available()
-        return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    def _chunk_size(self, nbytes: int) -> int:
+        # a storage bigger than a chunk gets a chunk of its own, rounded to MiB so that a state that
+        # changes shape a little next time still fits it
+        return self.chunk_bytes if nbytes <= self.chunk_bytes else -(-nbytes // (1 << 20)) * (1 << 20)
+
+    def _alloc(self, torch, size: int):
+        return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
     def sources(self) -> list:
         """The chunks as buffers for the native writer (index = MemoryRange.source)."""
         return [c.numpy() for c in self.chunks]
 
 
-class _Recorder:
-    """What torch's serializer writes into a file, kept as records (the zip writer's interface)."""
+class _StoragePickler(pickle.Pickler):
+    """torch.save's pickling (protocol 2, storages as persistent ids), collecting the storages.
 
-    def __init__(self, file: TorchSaveFile, arena: SnapshotArena):
-        self.file = file
-        self.arena = arena
+    The persistent id of a storage is the tuple torch.save's own serializer gives it ("storage", its
+    storage class, a key numbering storages in the order they are met, its location, its element
+    count), built from the same torch helpers and the same kinds of objects, so the pickle's bytes,
+    memo references included, are the ones torch.save writes (tests/test_async_units.py compares
+    them). Taking the pickling into pyckpt lets the snapshot copy a GPU storage on a side stream into
+    pinned memory instead of torch's synchronous ``storage.cpu()``."""
 
-    def write_record(self, name, data, nbytes):
+    def __init__(self, buffer):
+        super().__init__(buffer, protocol=2)
+        self.keys: dict = {}
+        self.storages: list = []  # (key, untyped storage) in key order
+        self._dtypes: dict = {}
+
+    def persistent_id(self, obj):
         import torch
 
-        if isinstance(data, str):
-            data = data.encode("utf-8")
-        if isinstance(data, (bytes, bytearray)):
-            self.file.add(name, bytes(data[:nbytes]))
-            return
-        storage = data
-        if storage.device.type != "cpu":  # torch moves storages to the host before writing them
-            storage = storage.cpu()
-        index, offset, view = self.arena.take(nbytes)
-        if nbytes:
-            view.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-        self.file.add(name, MemoryRange(index, offset, nbytes))
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage, dtype = obj._untyped_storage, obj.dtype
+            storage_type = getattr(torch, obj._pickle_storage_type())
+            numel = obj._size()
+        elif torch.is_storage(obj):
+            storage, dtype = obj, torch.uint8
+            storage_type = torch.serialization.normalize_storage_type(type(obj))
+            numel = storage.nbytes()
+        else:
+            return None
+        if str(storage.device) != "meta" and storage.data_ptr() != 0:
+            if self._dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
+                raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
+        key = self.keys.get(storage._cdata)
+        if key is None:
+            key = self.keys[storage._cdata] = str(len(self.keys))
+            self.storages.append((key, storage))
+        return ("storage", storage_type, key, torch.serialization.location_tag(storage), numel)
 
-    def write_record_metadata(self, name, nbytes):  # torch's skip_data path; refused beforehand
-        raise RuntimeError("torch.serialization.skip_data() is active; nothing can be snapshotted")
+
+class DeviceCopies:
+    """Device-to-host copies of one save, in flight on a side stream: the training's stream waits on
+    their event before its next kernel (an optimizer step cannot overwrite a tensor being copied),
+    and the writer waits on it before reading the host copies. The device storages are kept alive
+    until then, so their memory is not reused while read."""
+
+    def __init__(self):
+        self.events: list = []
+        self.sources: list = []
+
+    def wait(self) -> None:
+        for event in self.events:
+            event.synchronize()
+        self.events, self.sources = [], []
 
 
-def snapshot_file(state_dict, path: str, arena: SnapshotArena) -> TorchSaveFile:
-    """The file ``torch.save(state_dict, path)`` would write, its storages copied into ``arena``."""
+def snapshot_file(state_dict, path: str, arena: SnapshotArena, copies: Optional[DeviceCopies] = None
+                  ) -> TorchSaveFile:
+    """The file ``torch.save(state_dict, path)`` would write, its storages copied into ``arena``
+    (host storages now; device storages on a side stream, tracked in ``copies``)."""
+    import io
+
     import torch
 
+    buffer = io.BytesIO()
+    pickler = _StoragePickler(buffer)
+    pickler.dump(state_dict)
     file = TorchSaveFile(path)
-    torch.serialization._save(state_dict, _Recorder(file, arena), pickle, 2, False)
+    # the records in the order torch.save writes them
+    file.add("data.pkl", buffer.getvalue())
+    file.add(".format_version", b"1")
+    file.add(".storage_alignment", str(ALIGN).encode())
+    file.add("byteorder", sys.byteorder.encode())
+    side = None
+    for key, storage in pickler.storages:
+        nbytes = storage.nbytes()
+        index, offset, view = arena.take(nbytes)
+        if nbytes:
+            source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            if storage.device.type == "cuda":
+                if side is None:
+                    side = _side_stream(storage.device)
+                    side.wait_stream(torch.cuda.current_stream(storage.device))  # the state as of this call
+                with torch.cuda.stream(side):
+                    view.copy_(source, non_blocking=True)
+                if copies is not None:
+                    copies.sources.append(storage)
+            else:
+                view.copy_(source)
+        file.add(f"data/{key}", MemoryRange(index, offset, nbytes))
+    if side is not None:
+        event = torch.cuda.Event()
+        event.record(side)
+        torch.cuda.current_stream(side.device).wait_event(event)
+        if copies is None:
+            event.synchronize()
+        else:
+            copies.events.append(event)
     return file
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device):
+    import torch
+
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def storage_sizes(value) -> List[int]:
+    """Byte sizes of the distinct storages the tensors in ``value`` use, in the order torch.save meets
+    them (depth first): what a snapshot of it takes."""
+    import torch
+
+    seen, sizes, stack = set(), [], [value]
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            storage = item.untyped_storage()
+            key = (storage.device.type, storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                sizes.append(storage.nbytes())
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return sizes
 
 
 class CaptureCheckpointEngine:
     """Stands in for DeepSpeed's checkpoint engine during one save: folders are made as DeepSpeed
-    asks, files are snapshotted into ``files`` instead of written."""
+    asks, files are snapshotted into ``files`` instead of written.
 
-    def __init__(self, inner, arena: SnapshotArena, files: List[TorchSaveFile]):
+    With ``limit`` (bytes), a file whose storages would take the snapshot's memory past it is written
+    at once by the engine DeepSpeed configured (torch.save, the same bytes), during the call: the
+    memory held never exceeds the limit, and the call blocks for that file's write."""
+
+    def __init__(self, inner, arena: SnapshotArena, files: List[TorchSaveFile], limit: Optional[int] = None,
+                 copies: Optional[DeviceCopies] = None):
         self._inner = inner
         self._arena = arena
         self._files = files
+        self._limit = limit
+        self._copies = copies
+        self.written_now: List[str] = []  # files written during the call (over the limit)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -176,7 +301,11 @@ class CaptureCheckpointEngine:
         return self._inner.create(info)
 
     def save(self, state_dict, path):
-        self._files.append(snapshot_file(state_dict, path, self._arena))
+        if self._limit is not None and self._arena.held_after(storage_sizes(state_dict)) > self._limit:
+            self._inner.save(state_dict, path)
+            self.written_now.append(path)
+            return
+        self._files.append(snapshot_file(state_dict, path, self._arena, self._copies))
 
     def commit(self, info):
         # the files exist only once the background write ends; publication waits for that
