@@ -408,3 +408,28 @@ def async_destroy_joins(task: dict, rank: int, ws: int) -> dict:
         engine.destroy()
     return {"in_flight": _gather(in_flight), "done": _gather(handle.done()), "ok": _gather(handle.ok),
             "listing": _listing(root), "arena": getattr(engine, "_pyckpt_arena", None) is None}
+
+
+def async_fallback(task: dict, rank: int, ws: int) -> dict:
+    """async_save=True where the state cannot be captured byte-equal (torch's legacy serialization):
+    a warning, then the synchronous save."""
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    engine.checkpoint_engine.zipfile_serialization = False
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    try:
+        handle = pd.save_checkpoint(engine, root, tag="t", client_state=_client_state(cfg), async_save=True)
+    finally:
+        logging.getLogger("pyckpt").removeHandler(handler)
+    done = handle.done()
+    ok = handle.wait()
+    saved = W.gather_state(engine)
+    engine.destroy()
+    loaded, path, _ = _reload(cfg, ws, root)
+    legacy = not open(os.path.join(root, "t", "mp_rank_00_model_states.pt"), "rb").read(2) == b"PK"
+    return {"warned": _gather(warned), "done": _gather(done), "ok": _gather(ok), "legacy": legacy,
+            "problems": compare_states(saved, loaded), "listing": _listing(root)}

@@ -46,10 +46,12 @@ def async_runs(tmp_path_factory):
     # a snapshot limit of 0 bytes: every file is written during the call, the rest is as above
     tasks.append(_call("async_equal", h.Config(2, "fp32", 2, model="wide"), base / "limited", snapshot_limit=0))
     tasks.append(_call("async_destroy_joins", h.Config(2, "fp32", 2), base / "destroy"))
-    *results, limited, destroyed = _launch(2, tasks, None, "async save vs DeepSpeed's save", TIMEOUT_S)
+    tasks.append(_call("async_fallback", h.Config(2, "fp32", 2), base / "fallback"))
+    *results, limited, destroyed, fallback = _launch(2, tasks, None, "async save vs DeepSpeed's save", TIMEOUT_S)
     runs = {name: (base / name, res) for name, res in zip(CONFIGS, results)}
     runs["limited"] = (base / "limited", limited)
     runs["destroy"] = (base / "destroy", destroyed)
+    runs["fallback"] = (base / "fallback", fallback)
     return runs
 
 
@@ -59,6 +61,15 @@ ALL = [*CONFIGS, "limited"]
 def test_a_snapshot_limit_bounds_the_memory_held(async_runs):
     assert async_runs["limited"][1]["snapshot_held"] == 0
     assert async_runs["z2-fp32-wide"][1]["snapshot_held"] > 0
+
+
+def test_what_cannot_be_captured_is_saved_synchronously_with_a_warning(async_runs):
+    _, res = async_runs["fallback"]
+    (message, ), none = res["warned"]
+    assert none == [] and "saving t synchronously" in message and "legacy" in message
+    assert res["done"] == [True, True] and res["ok"] == [True, True]
+    assert res["legacy"] and res["problems"] == []  # DeepSpeed's own legacy-format files, and they resume
+    assert sorted(res["listing"]) == ["latest", "t", "zero_to_fp32.py", "zero_to_torch.py"]
 
 
 def test_the_engines_end_joins_the_save_in_flight(async_runs):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import types
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -218,3 +219,50 @@ def test_a_gpu_snapshot_copies_on_a_side_stream_and_holds_the_next_kernel(tmp_pa
     write_files([file], arena.sources(), str(tmp_path / "ours"), fsync=False)
     assert (tmp_path / "ours" / "torch.pt").read_bytes() == (tmp_path / "torch.pt").read_bytes()
     assert torch.equal(torch.load(tmp_path / "ours" / "torch.pt", weights_only=True)["w"].cpu(), expected)
+
+
+def _clone_cases():
+    flat = torch.randn(64)
+    param = torch.nn.Parameter(torch.randn(4, 6))
+    return {
+        "views of a flat buffer": {"a": flat[:16].view(4, 4), "b": flat[16:40], "c": flat[40:]},
+        "transposed and strided": {"t": torch.randn(5, 3).t(), "s": torch.arange(20.0)[::2]},
+        "parameters and nesting": {"module": OrderedDict(w=param, b=torch.zeros(6, dtype=torch.bfloat16)),
+                                   "groups": [(flat[:3], 1.5), [torch.tensor(2)]], "step": 7},
+        "shared tensor twice": (lambda t: {"x": t, "y": [t, t[1:]]})(torch.arange(6)),
+        "empty": {"e": torch.empty(0, 4), "f": torch.ones(1)},
+    }
+
+
+@pytest.mark.parametrize("name", list(_clone_cases()))
+def test_a_deferred_clone_snapshot_equals_deepspeeds_clone_then_torch_save(tmp_path, name):
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+    from pyckpt.deepspeed.save.background import write_files
+    from pyckpt.deepspeed.save.snapshot import DeferredClones
+
+    state = _clone_cases()[name]
+    torch.save(clone_tensors_for_torch_save(state), tmp_path / "deepspeed.pt")
+    clones = DeferredClones()
+    arena = SnapshotArena(chunk_bytes=1 << 20)
+    arena.begin()
+    (tmp_path / "ours").mkdir()
+    file = snapshot_file(clones.clone(state), str(tmp_path / "ours" / "deepspeed.pt"), arena, clones=clones)
+    write_files([file], arena.sources(), str(tmp_path / "ours"), fsync=False)
+    assert (tmp_path / "ours" / "deepspeed.pt").read_bytes() == (tmp_path / "deepspeed.pt").read_bytes()
+
+
+def test_clones_are_deferred_only_inside_the_block():
+    import deepspeed.runtime.engine as ds_engine
+
+    from pyckpt.deepspeed.save.snapshot import DeferredClones, deferring_clones
+
+    original = ds_engine.clone_tensors_for_torch_save
+    clones = DeferredClones()
+    with deferring_clones(clones):
+        assert ds_engine.clone_tensors_for_torch_save == clones.clone
+        stand_in = ds_engine.clone_tensors_for_torch_save({"w": torch.ones(3)})["w"]
+        assert stand_in.shape == (3,) and clones.sources
+        clones.materialize()
+        assert torch.equal(stand_in, torch.ones(3))
+    assert ds_engine.clone_tensors_for_torch_save is original and not clones.sources

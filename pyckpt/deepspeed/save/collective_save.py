@@ -45,7 +45,8 @@ from .background import AsyncSave, StoreAgreement, write_files
 from .companions import write_model_config, write_tokenizer, write_training_state
 from .guarded_io import WriteFailures, guarded
 from .retention import keep_last as prune
-from .snapshot import CHUNK_BYTES, CaptureCheckpointEngine, DeviceCopies, SnapshotArena, capture_problem
+from .snapshot import (CHUNK_BYTES, CaptureCheckpointEngine, DeferredClones, DeviceCopies, SnapshotArena,
+                       capture_problem, deferring_clones)
 from .space import estimate_rank_bytes, free_bytes, human
 
 log = logging.getLogger("pyckpt")
@@ -267,9 +268,10 @@ def _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, cli
     failures = WriteFailures()
     inner = engine.checkpoint_engine
     copies = DeviceCopies()
-    engine.checkpoint_engine = CaptureCheckpointEngine(inner, arena, files, snapshot_limit, copies)
+    clones = DeferredClones()
+    engine.checkpoint_engine = CaptureCheckpointEngine(inner, arena, files, snapshot_limit, copies, clones)
     try:
-        with guarded(engine, failures):
+        with guarded(engine, failures), deferring_clones(clones):
             try:
                 engine.save_checkpoint(save_dir, tag=staging_tag, client_state=client_state or {}, save_latest=False,
                                        exclude_frozen_parameters=exclude_frozen_parameters)

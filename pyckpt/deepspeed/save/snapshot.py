@@ -16,6 +16,7 @@ alignment options changed from their defaults, NVMe-offloaded state.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 from typing import List, Optional
@@ -196,10 +197,80 @@ class DeviceCopies:
         self.events, self.sources = [], []
 
 
-def snapshot_file(state_dict, path: str, arena: SnapshotArena, copies: Optional[DeviceCopies] = None
-                  ) -> TorchSaveFile:
+class DeferredClones:
+    """DeepSpeed's clones of the tensors it saves, made lazily.
+
+    Before most of its saves DeepSpeed copies every tensor (``clone_tensors_for_torch_save``: a
+    detached clone, or a copy to the host for a device tensor), so that a view of a flat buffer is
+    saved as its own small storage. In a snapshot that copy would be made twice, DeepSpeed's clone
+    and then the copy into the snapshot buffer; on a GPU DeepSpeed's is moreover a synchronous
+    device-to-host copy. While these clones are deferred, the clone of a tensor is an *unfilled*
+    tensor of the clone's exact layout (``empty_like``: the same sizes, strides and dtype, a fresh
+    storage of the clone's size, on the clone's device), which pickles exactly as the clone would;
+    the snapshot then copies the original tensor's elements straight into the snapshot buffer in
+    that layout. Unfilled host memory is only reserved, not touched, so a deferred clone costs no
+    copy and no resident memory. ``materialize`` fills them for a file that is written at once."""
+
+    def __init__(self):
+        self.sources: dict = {}  # id of the stand-in's storage -> (stand-in, original tensor)
+
+    def clone(self, item, device=None):
+        import torch
+
+        if torch.is_tensor(item):
+            device = torch.device("cpu") if device is None else torch.device(device)
+            stand_in = torch.empty_like(item.detach(), device=device)
+            self.sources[stand_in.untyped_storage()._cdata] = (stand_in, item.detach())
+            return stand_in
+        if isinstance(item, list):
+            return [self.clone(v, device) for v in item]
+        if isinstance(item, tuple):
+            return tuple([self.clone(v, device) for v in item])
+        if isinstance(item, dict):
+            return type(item)({k: self.clone(v, device) for k, v in item.items()})
+        return item
+
+    def source_of(self, storage):
+        """(stand-in, original) whose clone ``storage`` stands for, or None."""
+        return self.sources.get(storage._cdata)
+
+    def materialize(self) -> None:
+        for stand_in, original in self.sources.values():
+            stand_in.copy_(original)
+        self.sources.clear()
+
+    def clear(self) -> None:
+        self.sources.clear()
+
+
+# Where DeepSpeed 0.19.8 calls its clone before a checkpoint-engine save (engine.py for model,
+# optimizer and expert states; pipe/module.py for pipeline layers): the names the calls resolve.
+CLONE_SITES = ("deepspeed.runtime.engine", "deepspeed.runtime.pipe.module")
+CLONE_NAME = "clone_tensors_for_torch_save"
+
+
+@contextlib.contextmanager
+def deferring_clones(clones: DeferredClones):
+    """Within the block, DeepSpeed's clones before a save are ``clones.clone`` (see DeferredClones)."""
+    patched = []
+    for name in CLONE_SITES:
+        module = sys.modules.get(name)
+        if module is not None and callable(getattr(module, CLONE_NAME, None)):
+            patched.append((module, getattr(module, CLONE_NAME)))
+            setattr(module, CLONE_NAME, clones.clone)
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            setattr(module, CLONE_NAME, original)
+        clones.clear()
+
+
+def snapshot_file(state_dict, path: str, arena: SnapshotArena, copies: Optional[DeviceCopies] = None,
+                  clones: Optional[DeferredClones] = None) -> TorchSaveFile:
     """The file ``torch.save(state_dict, path)`` would write, its storages copied into ``arena``
-    (host storages now; device storages on a side stream, tracked in ``copies``)."""
+    (host storages now; device storages on a side stream, tracked in ``copies``); a deferred
+    clone's storage (``clones``) is filled from its original tensor."""
     import io
 
     import torch
@@ -217,18 +288,26 @@ def snapshot_file(state_dict, path: str, arena: SnapshotArena, copies: Optional[
     for key, storage in pickler.storages:
         nbytes = storage.nbytes()
         index, offset, view = arena.take(nbytes)
+        deferred = clones.source_of(storage) if clones is not None else None
+        if deferred is not None:
+            stand_in, original = deferred
+            # the clone's elements, in the clone's layout, straight from the original
+            target = view.view(stand_in.dtype).as_strided(stand_in.size(), stand_in.stride()) if nbytes else None
+            source = original
+        else:
+            target = view
+            source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage) if nbytes else None
         if nbytes:
-            source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            if storage.device.type == "cuda":
+            if source.device.type == "cuda":
                 if side is None:
-                    side = _side_stream(storage.device)
-                    side.wait_stream(torch.cuda.current_stream(storage.device))  # the state as of this call
+                    side = _side_stream(source.device)
+                    side.wait_stream(torch.cuda.current_stream(source.device))  # the state as of this call
                 with torch.cuda.stream(side):
-                    view.copy_(source, non_blocking=True)
+                    target.copy_(source, non_blocking=True)
                 if copies is not None:
-                    copies.sources.append(storage)
+                    copies.sources.append(source)
             else:
-                view.copy_(source)
+                target.copy_(source)
         file.add(f"data/{key}", MemoryRange(index, offset, nbytes))
     if side is not None:
         event = torch.cuda.Event()
@@ -283,12 +362,13 @@ class CaptureCheckpointEngine:
     memory held never exceeds the limit, and the call blocks for that file's write."""
 
     def __init__(self, inner, arena: SnapshotArena, files: List[TorchSaveFile], limit: Optional[int] = None,
-                 copies: Optional[DeviceCopies] = None):
+                 copies: Optional[DeviceCopies] = None, clones: Optional[DeferredClones] = None):
         self._inner = inner
         self._arena = arena
         self._files = files
         self._limit = limit
         self._copies = copies
+        self._clones = clones
         self.written_now: List[str] = []  # files written during the call (over the limit)
 
     def __getattr__(self, name):
@@ -302,10 +382,14 @@ class CaptureCheckpointEngine:
 
     def save(self, state_dict, path):
         if self._limit is not None and self._arena.held_after(storage_sizes(state_dict)) > self._limit:
+            if self._clones is not None:
+                self._clones.materialize()  # torch.save writes the clones' bytes
             self._inner.save(state_dict, path)
             self.written_now.append(path)
             return
-        self._files.append(snapshot_file(state_dict, path, self._arena, self._copies))
+        self._files.append(snapshot_file(state_dict, path, self._arena, self._copies, self._clones))
+        if self._clones is not None:
+            self._clones.clear()  # this file's stand-ins are done with
 
     def commit(self, info):
         # the files exist only once the background write ends; publication waits for that
