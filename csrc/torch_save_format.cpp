@@ -15,19 +15,6 @@ constexpr uint32_t kDescriptorSig = 0x08074b50;
 constexpr uint16_t kEndMadeBy = 0x031e;  // UNIX, spec 3.0, as miniz writes its ZIP64 end record
 constexpr uint16_t kEndNeeded = 45;
 
-void put16(std::string& s, uint16_t v) {
-    s.push_back(static_cast<char>(v & 0xff));
-    s.push_back(static_cast<char>(v >> 8));
-}
-void put32(std::string& s, uint32_t v) {
-    for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-void put64(std::string& s, uint64_t v) {
-    for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-bool big(uint64_t v) { return v >= kMax32; }
-uint32_t clamp32(uint64_t v) { return big(v) ? kMax32 : static_cast<uint32_t>(v); }
 
 uint16_t local_zip64_len(const EntryLayout& e) {
     const bool big_size = big(e.size);

@@ -14,19 +14,6 @@ constexpr uint16_t kVersion20 = 20;
 constexpr uint16_t kVersion45 = 45;  // needed to read ZIP64 structures
 constexpr uint16_t kFlagUtf8 = 0x0800;
 
-void put16(std::string& s, uint16_t v) {
-    s.push_back(static_cast<char>(v & 0xff));
-    s.push_back(static_cast<char>(v >> 8));
-}
-void put32(std::string& s, uint32_t v) {
-    for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-void put64(std::string& s, uint64_t v) {
-    for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-bool big(uint64_t v) { return v >= kMax32; }
-uint32_t clamp32(uint64_t v) { return big(v) ? kMax32 : static_cast<uint32_t>(v); }
 
 // Which ZIP64 fields a central-directory entry needs (the spec lists them in this order and
 // only includes those whose 32-bit slot holds 0xFFFFFFFF).

@@ -38,6 +38,21 @@ inline uint64_t rd64(const uint8_t* p) {
     return static_cast<uint64_t>(rd32(p)) | (static_cast<uint64_t>(rd32(p + 4)) << 32);
 }
 
+// Little-endian fields appended to a header being built, and the ZIP64 threshold: a size or an
+// offset that does not fit 32 bits is stored as 0xFFFFFFFF and given in a ZIP64 field.
+inline void put16(std::string& s, uint16_t v) {
+    s.push_back(static_cast<char>(v & 0xff));
+    s.push_back(static_cast<char>(v >> 8));
+}
+inline void put32(std::string& s, uint32_t v) {
+    for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+inline void put64(std::string& s, uint64_t v) {
+    for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+inline bool big(uint64_t v) { return v >= kMax32; }
+inline uint32_t clamp32(uint64_t v) { return big(v) ? kMax32 : static_cast<uint32_t>(v); }
+
 // Placement of one member inside an archive being written.
 struct EntryLayout {
     uint64_t header_offset = 0;  // local header start

@@ -19,7 +19,6 @@ import datetime
 import json
 import logging
 import threading
-import time
 import weakref
 from typing import Callable, List, Optional
 
@@ -168,7 +167,3 @@ class StoreAgreement:
             self.store.delete_key(f"{self.prefix}rank/{self.rank}")
         except Exception:
             pass
-
-
-def timed(t0: float) -> float:
-    return time.perf_counter() - t0
