@@ -266,3 +266,44 @@ def test_clones_are_deferred_only_inside_the_block():
         clones.materialize()
         assert torch.equal(stand_in, torch.ones(3))
     assert ds_engine.clone_tensors_for_torch_save is original and not clones.sources
+
+
+@pytest.mark.parametrize("hostile", ["link to a secret", "link to /proc", "fifo", "folder"])
+def test_keep_last_neither_follows_nor_trusts_a_pointer_that_is_no_plain_file(tmp_path, hostile):
+    from pyckpt.deepspeed.save.retention import PointerUnreadable, read_pointer
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    for age, name in enumerate(["a", "b", "c"]):
+        _checkpoint(root, name, age)
+    secret = tmp_path / "secret"
+    secret.write_text("b")
+    latest = root / "latest"
+    if hostile == "link to a secret":
+        latest.symlink_to(secret)
+    elif hostile == "link to /proc":
+        latest.symlink_to("/proc/self/environ")
+    elif hostile == "fifo":
+        os.mkfifo(latest)  # an open without O_NONBLOCK would wait here for a writer
+    else:
+        latest.mkdir()
+    with pytest.raises(PointerUnreadable, match="latest"):
+        read_pointer(str(root))
+    # what latest names cannot be known, so nothing is pruned
+    with pytest.raises(PointerUnreadable):
+        keep_last(str(root), 1, newest="c")
+    assert sorted(p.name for p in root.iterdir() if p.name != "latest") == ["a", "b", "c"]
+    assert secret.read_text() == "b"
+
+
+def test_a_checkpoint_folder_that_is_a_link_is_neither_counted_nor_removed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "old").symlink_to(outside)
+    _checkpoint(root, "new", 5)
+    assert checkpoints(str(root)) == ["new"]
+    assert keep_last(str(root), 1, newest="new") == []
+    assert (outside / "mp_rank_00_model_states.pt").exists() and (root / "old").is_symlink()

@@ -45,6 +45,7 @@ from .background import AsyncSave, StoreAgreement, write_files
 from .companions import write_model_config, write_tokenizer, write_training_state
 from .guarded_io import WriteFailures, guarded
 from .retention import keep_last as prune
+from .retention import read_pointer
 from .snapshot import (CHUNK_BYTES, CaptureCheckpointEngine, DeferredClones, DeviceCopies, SnapshotArena,
                        capture_problem, deferring_clones)
 from .space import estimate_rank_bytes, free_bytes, human
@@ -419,9 +420,8 @@ def _publish(publisher: Publisher, outcomes: List[Optional[str]], save_dir: str,
 
 def _read_latest(save_dir: str) -> Optional[str]:
     try:
-        with open(os.path.join(save_dir, "latest"), encoding="utf-8", errors="replace") as f:
-            return f.read(256).strip() or None
-    except OSError:
+        return read_pointer(save_dir, "latest")
+    except OSError:  # a message names what latest holds only when it is a plain file of the folder
         return None
 
 

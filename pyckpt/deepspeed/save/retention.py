@@ -11,10 +11,14 @@ the two leaves a staging folder that the next save removes.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 from typing import List, Optional
+
+from ...errors import CheckpointFormatError
+from ...formats.torch_zip import read_capped, regular_fd
 
 from ...execution.publish import STAGING, OutputLock, OutputLockError, owner_id, remove_path
 
@@ -25,17 +29,36 @@ _CHECKPOINT_FILE = re.compile(r"(.*model_states\.pt|.*optim_states\.pt|zero_pp_r
 CONVERSIONS = ("_universal", "_hf")
 
 
+class PointerUnreadable(OSError):
+    """A pointer file that is there but is no regular file of the folder (a link, a FIFO, a folder)."""
+
+
+def read_pointer(save_dir: str, pointer: str = "latest") -> Optional[str]:
+    """The name ``save_dir/<pointer>`` holds, as DeepSpeed reads it (stripped), or None if there is
+    no such file. A pointer that is a link (to a secret, to /proc) or anything but a regular file
+    is not followed or read: PointerUnreadable. O_NONBLOCK keeps a FIFO from blocking the open."""
+    path = os.path.join(save_dir, pointer)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise PointerUnreadable(exc.errno, f"{path}: not a regular file ({exc.strerror})") from None
+    try:
+        fd = regular_fd(fd, path)
+        data = read_capped(fd, path, POINTER_BYTES)
+    except CheckpointFormatError as exc:
+        raise PointerUnreadable(errno.EINVAL, str(exc)) from None
+    return data.decode("utf-8", errors="replace").strip() or None
+
+
+POINTER_BYTES = 4096  # a tag name; anything longer names no checkpoint pyckpt or DeepSpeed wrote
+
+
 def _pointed(save_dir: str) -> set:
-    names = set()
-    for pointer in POINTERS:
-        try:
-            with open(os.path.join(save_dir, pointer), encoding="utf-8", errors="replace") as f:
-                name = f.read(4096).strip()
-        except OSError:
-            continue
-        if name:
-            names.add(name)
-    return names
+    """The names the pointers hold; PointerUnreadable if one cannot be read, since pruning without
+    knowing what it names could remove the checkpoint a resume would load."""
+    return {name for name in (read_pointer(save_dir, p) for p in POINTERS) if name}
 
 
 def _is_checkpoint(folder: str) -> bool:
