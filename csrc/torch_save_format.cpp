@@ -140,30 +140,7 @@ std::string build_torch_save_central_directory(const std::vector<std::string>& n
             if (e.big_offset) put64(out, e.header_offset);
         }
     }
-    const uint64_t n = names.size();
-    const uint64_t eocd64_offset = L.cd_offset + L.cd_size;
-    put32(out, kEocd64Sig);
-    put64(out, kEocd64Size - 12);
-    put16(out, kEndMadeBy);
-    put16(out, kEndNeeded);
-    put32(out, 0);
-    put32(out, 0);
-    put64(out, n);
-    put64(out, n);
-    put64(out, L.cd_size);
-    put64(out, L.cd_offset);
-    put32(out, kEocd64LocatorSig);
-    put32(out, 0);
-    put64(out, eocd64_offset);
-    put32(out, 1);
-    put32(out, kEocdSig);
-    put16(out, 0);
-    put16(out, 0);
-    put16(out, n >= kMax16 ? kMax16 : static_cast<uint16_t>(n));
-    put16(out, n >= kMax16 ? kMax16 : static_cast<uint16_t>(n));
-    put32(out, clamp32(L.cd_size));
-    put32(out, clamp32(L.cd_offset));
-    put16(out, 0);
+    append_end_records(out, names.size(), L.cd_size, L.cd_offset, true, kEndMadeBy, kEndNeeded, false);
     return out;
 }
 

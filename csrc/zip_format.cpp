@@ -110,6 +110,35 @@ void append_local_header(std::string& out, const std::string& name, const EntryL
     out.append(pad_payload, 'Z');  // torch pads with 'Z'; any byte would do
 }
 
+void append_end_records(std::string& out, uint64_t n, uint64_t cd_size, uint64_t cd_offset, bool zip64,
+                        uint16_t made_by, uint16_t needed, bool force_marker) {
+    if (zip64) {
+        put32(out, kEocd64Sig);
+        put64(out, kEocd64Size - 12);  // size of the rest of this record
+        put16(out, made_by);
+        put16(out, needed);
+        put32(out, 0);
+        put32(out, 0);
+        put64(out, n);
+        put64(out, n);
+        put64(out, cd_size);
+        put64(out, cd_offset);
+        put32(out, kEocd64LocatorSig);
+        put32(out, 0);
+        put64(out, cd_offset + cd_size);  // where the ZIP64 end record starts
+        put32(out, 1);
+    }
+    const uint16_t entries = n >= kMax16 || force_marker ? kMax16 : static_cast<uint16_t>(n);
+    put32(out, kEocdSig);
+    put16(out, 0);
+    put16(out, 0);
+    put16(out, entries);
+    put16(out, entries);
+    put32(out, force_marker ? kMax32 : clamp32(cd_size));
+    put32(out, force_marker ? kMax32 : clamp32(cd_offset));
+    put16(out, 0);
+}
+
 std::string build_central_directory(const std::vector<std::string>& names, const ArchiveLayout& L,
                                     const std::vector<uint32_t>& crcs) {
     std::string out;
@@ -146,32 +175,7 @@ std::string build_central_directory(const std::vector<std::string>& names, const
             if (z.offset) put64(out, e.header_offset);
         }
     }
-    const uint64_t n = names.size();
-    if (L.zip64_end) {
-        const uint64_t eocd64_offset = L.cd_offset + L.cd_size;
-        put32(out, kEocd64Sig);
-        put64(out, kEocd64Size - 12);  // size of the rest of this record
-        put16(out, kVersion45);
-        put16(out, kVersion45);
-        put32(out, 0);
-        put32(out, 0);
-        put64(out, n);
-        put64(out, n);
-        put64(out, L.cd_size);
-        put64(out, L.cd_offset);
-        put32(out, kEocd64LocatorSig);
-        put32(out, 0);
-        put64(out, eocd64_offset);
-        put32(out, 1);
-    }
-    put32(out, kEocdSig);
-    put16(out, 0);
-    put16(out, 0);
-    put16(out, n >= kMax16 || L.force_zip64 ? kMax16 : static_cast<uint16_t>(n));
-    put16(out, n >= kMax16 || L.force_zip64 ? kMax16 : static_cast<uint16_t>(n));
-    put32(out, L.force_zip64 ? kMax32 : clamp32(L.cd_size));
-    put32(out, L.force_zip64 ? kMax32 : clamp32(L.cd_offset));
-    put16(out, 0);
+    append_end_records(out, names.size(), L.cd_size, L.cd_offset, L.zip64_end, kVersion45, kVersion45, L.force_zip64);
     return out;
 }
 

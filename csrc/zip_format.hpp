@@ -53,6 +53,13 @@ inline void put64(std::string& s, uint64_t v) {
 inline bool big(uint64_t v) { return v >= kMax32; }
 inline uint32_t clamp32(uint64_t v) { return big(v) ? kMax32 : static_cast<uint32_t>(v); }
 
+// The end of an archive after its central directory (n entries, cd_size bytes at cd_offset): the
+// ZIP64 end record and its locator when `zip64`, made by/needing the versions given, then the end
+// record, whose 16/32-bit fields hold the true values where they fit and the ZIP64 marker otherwise
+// (or always, with `force_marker`).
+void append_end_records(std::string& out, uint64_t n, uint64_t cd_size, uint64_t cd_offset, bool zip64,
+                        uint16_t made_by, uint16_t needed, bool force_marker);
+
 // Placement of one member inside an archive being written.
 struct EntryLayout {
     uint64_t header_offset = 0;  // local header start
