@@ -35,7 +35,7 @@ def numel(shape) -> int:
     return n
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class NewTensor:
     """A contiguous tensor that the plan will assemble from byte pieces of source records."""
 

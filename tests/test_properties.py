@@ -68,7 +68,7 @@ def raw_source(workdir, records, gap=3):
         f.write(blob)
     sf = SourceFile.__new__(SourceFile)
     sf.path, sf.size, sf.prefix, sf._members, sf._members_digest = path, len(blob), "arc", members, None
-    sf._obj, sf._loaded, sf._offsets = None, True, {}
+    sf._obj, sf._loaded = None, True
     return sf
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from ..errors import CheckpointFormatError, UnsafePickleError
@@ -43,7 +43,7 @@ DTYPE_STORAGE = {dtype: name for name, (dtype, _) in STORAGE_DTYPES.items()}
 assert {dtype: size for dtype, size in STORAGE_DTYPES.values()} == ITEMSIZE
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StorageRef:
     """One tensor storage record of a torch.save archive (not read)."""
 
@@ -52,6 +52,9 @@ class StorageRef:
     dtype: str
     numel: int
     location: str = "cpu"
+    # the record's absolute byte offset in ``source``, once that file has checked the record
+    # against its member table (SourceFile.storage_offset)
+    file_offset: Optional[int] = field(default=None, compare=False, repr=False)
 
     @property
     def itemsize(self) -> int:
@@ -62,7 +65,7 @@ class StorageRef:
         return self.numel * self.itemsize
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TensorRef:
     """A tensor as the pickle describes it: a strided view of a storage record."""
 
@@ -273,7 +276,7 @@ class _Reader(pickle.Unpickler):
         dtype = STORAGE_DTYPES[storage_type.name][0]
         ref = self._storages.get(key)
         if ref is None:
-            ref = StorageRef(self._source, key, dtype, count, location)
+            ref = StorageRef(self._source, shared_value(key), dtype, count, shared_value(location))
             self._storages[key] = ref
         elif (ref.dtype, ref.numel) != (dtype, count):
             raise _BadData(f"storage record {key} is named twice with different types ({ref.dtype}[{ref.numel}] vs "
@@ -309,6 +312,23 @@ def _index(value, what: str) -> int:
     return value
 
 
+# A planner holds the records of every rank file at once, and rank files repeat the same few
+# shapes, strides and strings ((520,), (1,), 'cpu', '0'): one shared object for each equal value
+# instead of one per file keeps a 4,096-rank checkpoint's records from growing with equal copies.
+# Bounded, so a hostile file of distinct values costs no more than without it.
+_SHARED: Dict[Any, Any] = {}
+_SHARED_MAX = 1 << 16
+
+
+def shared_value(value):
+    found = _SHARED.get(value)
+    if found is not None:
+        return found
+    if len(_SHARED) < _SHARED_MAX:
+        _SHARED[value] = value
+    return value
+
+
 def _dims(values, what: str) -> Tuple[int, ...]:
     # Every tensor of every file passes here twice (size, stride): the common case, a short tuple of
     # in-range ints, is accepted as it is; anything else takes the checks below.
@@ -317,7 +337,7 @@ def _dims(values, what: str) -> Tuple[int, ...]:
             if type(v) is not int or not 0 <= v < MAX_INDEX:
                 break
         else:
-            return values
+            return shared_value(values) if len(values) <= 4 else values
     if isinstance(values, (str, bytes)) or not isinstance(values, (tuple, list)):
         raise _BadData(f"tensor {what} must be a tuple of integers, got {type(values).__name__}")
     if len(values) > 64:

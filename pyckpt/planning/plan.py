@@ -25,7 +25,7 @@ def check_relpath(relpath: str) -> str:
     return relpath
 
 
-@dataclass
+@dataclass(slots=True)
 class Piece:
     """Bytes [src_off, src_off+nbytes) of a source file land at dst_off of a new tensor."""
 
@@ -91,7 +91,7 @@ class Segments:
         return b"".join(sf.read_bytes(off, n) for sf, off, n in self.parts)
 
 
-@dataclass
+@dataclass(slots=True)
 class ArchiveOut:
     relpath: str
     obj: Any

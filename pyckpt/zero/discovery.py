@@ -190,7 +190,7 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
         # Dense groups are partitioned over all dp ranks; expert groups over their expert-data-parallel
         # group, a divisor of dp. A missing top rank file shows up as a largest count != files present.
         if counts and (max(counts) != dp or any(dp % c for c in counts)):
-            raise CheckpointFormatError(f"{shard.path}: partition_count {counts} disagrees with the {dp} optimizer "
+            raise CheckpointFormatError(f"{shard.path}: partition_count {list(counts)} disagrees with the {dp} optimizer "
                                         "shards present in the folder (a rank file is missing or foreign)")
     return ZeroCheckpoint(folder, stage, dp, tp, pp, optim_grid, model, model_files=list(model),
                           bf16_prefix=zero_names[0].startswith("bf16_"), names=list(names))

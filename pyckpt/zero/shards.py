@@ -14,12 +14,11 @@ only through ``optimizer_state_dict``, as DeepSpeed copies them).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointFormatError
-from ..formats.pickle_read import Opaque, TensorRef
+from ..formats.pickle_read import Opaque, TensorRef, shared_value
 from ..tensors import NewTensor
 from ..formats.torch_zip import SourceFile
 from ..planning.plan import Piece
@@ -27,7 +26,7 @@ from .names import check_param_name
 from .schema import Schema, zero_stage
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fragment:
     """Where one parameter's piece sits in a dp rank's flat partition of a ZeRO-1/2 param group."""
 
@@ -36,7 +35,7 @@ class Fragment:
     numel: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Step:
     """The optimizer step as saved: a 0-d tensor (torch >= 1.12 Adam) or a number."""
 
@@ -62,7 +61,7 @@ class Step:
         return self.value
 
 
-@dataclass
+@dataclass(slots=True)
 class FlatGroup:
     """One rank's flat partition of a param group (ZeRO-1/2) or sub-group (ZeRO-3), with its state."""
 
@@ -72,31 +71,33 @@ class FlatGroup:
     state: dict
     partition_count: int
     partition_rank: int
+    _file: SourceFile = field(default=None, repr=False)
+    # one Step per group, so its bytes are read once however many parameters compare it
+    _step: Optional[Step] = field(default=None, init=False, repr=False, compare=False)
 
     def tensor(self, state_name: str) -> Optional[TensorRef]:
         """The flat tensor of one universal state: the fp32 master or an optimizer moment."""
         value = self.fp32 if state_name == "fp32" else self.state.get(state_name)
         return value if isinstance(value, TensorRef) else None
 
-    @functools.cached_property
+    @property
     def step(self) -> Optional[Step]:
-        # one Step per group, so its bytes are read once however many parameters compare it
-        return Step(self._file, self.state["step"]) if "step" in self.state else None
+        if self._step is None and "step" in self.state:
+            self._step = Step(self._file, self.state["step"])
+        return self._step
 
-    _file: SourceFile = field(default=None, repr=False)
 
-
-@dataclass
+@dataclass(slots=True)
 class ZeroShard:
     file: SourceFile
     stage: int
     dp_rank: int
     # ZeRO-1/2: the groups the optimizer has state for; ZeRO-3: every sub-group
-    groups: List[FlatGroup]
+    groups: Tuple[FlatGroup, ...]
     # ZeRO-1/2: param_slice_mappings, one {name: Fragment} per param group
-    slice_mappings: List[Dict[str, Fragment]]
+    slice_mappings: Tuple[Dict[str, Fragment], ...]
     # ZeRO-1/2: partition_count per param group (expert groups span fewer ranks than dp)
-    partition_counts: List[int]
+    partition_counts: Tuple[int, ...]
     # the torch optimizer's param_groups: learning rates, betas, ... by group
     param_groups: list
     # optimizer_state_dict as saved: what zero/optimizer_state.pt is made from
@@ -166,7 +167,9 @@ def _read_zero12(sf: SourceFile, osd: dict, stage: int, dp_rank: int, dp: int) -
             if name in owner:
                 s.fail(where, f"lists {name!r}, which param_slice_mappings[{owner[name]}] lists too")
             owner[name] = g
-            frags[name] = Fragment(g, *(s.int(fields.get(f), f"{where}[{name!r}].{f}") for f in ("start", "numel")))
+            # one name object for all the ranks a parameter spans
+            frags[shared_value(name)] = Fragment(g, *(s.int(fields.get(f), f"{where}[{name!r}].{f}")
+                                                      for f in ("start", "numel")))
         mappings.append(frags)
     fp32 = [s.tensor(t, f"single_partition_of_fp32_groups[{g}]")
             for g, t in enumerate(s.list(osd["single_partition_of_fp32_groups"], "single_partition_of_fp32_groups"))]
@@ -181,7 +184,9 @@ def _read_zero12(sf: SourceFile, osd: dict, stage: int, dp_rank: int, dp: int) -
             raise CheckpointFormatError(f"{sf.path}: optimizer state has group {g} but the shard has only "
                                         f"{len(mappings)} slice mappings / {len(fp32)} fp32 partitions")
         groups.append(FlatGroup(g, fp32[g], state[g], counts[g] if g < len(counts) else dp, dp_rank, sf))
-    return ZeroShard(sf, stage, dp_rank, groups, mappings, counts, param_groups, osd)
+    # tuples, the counts shared between ranks: a 4,096-rank plan holds every rank's record
+    return ZeroShard(sf, stage, dp_rank, tuple(groups), tuple(mappings), shared_value(tuple(counts)), param_groups,
+                     osd)
 
 
 def _read_zero3(sf: SourceFile, osd: dict, stage: int, dp_rank: int, dp: int) -> ZeroShard:
@@ -211,4 +216,4 @@ def _read_zero3(sf: SourceFile, osd: dict, stage: int, dp_rank: int, dp: int) ->
         groups.append(FlatGroup(i, t, state[i], n, rank, sf))
     for i in range(len(flat), len(parts)):
         s.dict(parts[i], f"ds_zero_partition_groups[{i}]")
-    return ZeroShard(sf, stage, dp_rank, groups, [], [], param_groups, osd)
+    return ZeroShard(sf, stage, dp_rank, tuple(groups), (), (), param_groups, osd)
