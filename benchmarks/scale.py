@@ -100,13 +100,16 @@ def csv(text: str):
 def points_of(sweep: str, args) -> list:
     """Each point: a label (what --before names), and make_checkpoint's arguments."""
     small = dict(params="1M", layers=args.layers, hidden=args.hidden, stage=args.stage, dtype=args.dtype)
+    # The dense sweeps measure Llama's layout (9 parameters a layer, an 80-layer model is 723 of
+    # them, as the issue's 70B case) where the generator has it; the toy layout has 2 a layer.
+    dense = dict(small, family="llama") if HAS_FAMILY and args.family else small
     if sweep == "ranks":
-        return [(f"dp{dp}", dict(small, dp=int(dp))) for dp in csv(args.dps)]
+        return [(f"dp{dp}", dict(dense, dp=int(dp))) for dp in csv(args.dps)]
     if sweep == "experts":
         return [(f"experts{e}", dict(small, layers=args.moe_layers, experts=int(e), ep=args.ep,
                                      moe_layers=args.moe_layers, dp=args.experts_dp)) for e in csv(args.experts_list)]
     if sweep == "layers":
-        return [(f"layers{n}", dict(small, layers=int(n), dp=args.layers_dp)) for n in csv(args.layers_list)]
+        return [(f"layers{n}", dict(dense, layers=int(n), dp=args.layers_dp)) for n in csv(args.layers_list)]
     out = []
     for name in csv(args.cases):
         if name not in CASES:
@@ -537,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers-dp", type=int, default=1024, help="layers sweep: dp")
     p.add_argument("--cases", default=",".join(CASES), help=f"cases sweep: comma list of {', '.join(CASES)}")
     p.add_argument("--no-family", dest="family", action="store_false",
-                   help="cases: the toy layouts even where make_checkpoint has --family")
+                   help="the toy layouts even where make_checkpoint has --family (cases, and the dense sweeps)")
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--runs", type=int, default=3, help="rounds of each pyckpt and cp measurement (default 3)")
