@@ -143,3 +143,43 @@ def test_conversion_pieces_match_tensor_float(tmp_path):
         # so NaN positions are compared as NaN; every other element bit for bit.
         assert torch.equal(torch.isnan(got[k]), nan), k
         assert got[k][~nan].view(torch.int32).tolist() == expected[~nan].view(torch.int32).tolist(), k
+
+
+def _records(storages):
+    return [(st.key, st.dtype, st.numel, id(st.source)) for st in storages]
+
+
+def test_storages_of_names_the_records_dumps_writes(tmp_path):
+    """A dry run counts every output's storage records without pickling it (storages_of): the
+    same records, in the same order, with the same sources, as the pickle dumps writes; one
+    storage named twice (a shared tensor, two views) is one record in both."""
+    from pyckpt.formats.pickle_write import Constructed, dumps, storages_of
+    import pyckpt.testing as mc
+    from pyckpt.universal.write import build_plan
+    from pyckpt.zero.discovery import discover
+
+    src_path = tmp_path / "src.pt"
+    base = torch.arange(12, dtype=torch.float32)
+    torch.save({"a": base, "b": base[4:], "c": torch.ones(3, dtype=torch.bfloat16)}, src_path)
+    loaded = SourceFile(src_path).load()
+    new = NewTensor("float32", (2, 3), [Piece(SourceFile(src_path), 0, 24, 0)])
+    scaler = type("Scaler", (Opaque, ), {"_global": ("m", "Scaler")})
+    opaque = scaler.__new__(scaler)
+    opaque.__setstate__({"t": loaded["c"]})
+    opaque._items.append(new)
+    opaque._setitems.append(("k", loaded["a"]))
+    obj = {"first": loaded["b"], "again": loaded["a"], "new": new, "tied": new, "set": {1, 2},
+           "od": OrderedDict([("x", [loaded["c"], (new, )])]), "opaque": opaque,
+           "built": Constructed("m", "C", (loaded["a"], ), state={"s": loaded["c"]}), "size": torch.Size([2])}
+    assert _records(storages_of(obj)) == _records(dumps(obj)[1])
+    assert len(storages_of(obj)) == 3
+
+    # every output of real plans: AutoEP ZeRO-2 (the resaved model states), ZeRO-3, AutoTP
+    for i, kwargs in enumerate((dict(stage=2, experts=4, ep=2, moe_layers=2),
+                                dict(stage=3, family="llama", vocab=64),
+                                dict(stage=2, family="llama", tp=2, vocab=64))):
+        tag = mc.make_checkpoint(tmp_path / f"ck{i}", dp=4, layers=2, hidden=8, **kwargs)
+        plan, _ = build_plan(discover(tag), False, False, True)
+        assert plan.archives
+        for arc in plan.archives:
+            assert _records(storages_of(arc.obj)) == _records(dumps(arc.obj)[1]), arc.relpath

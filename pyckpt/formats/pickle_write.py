@@ -237,3 +237,59 @@ def dumps(obj) -> Tuple[bytes, List[StorageOut]]:
     em.dump(obj)
     em.out += b"."
     return bytes(em.out), em.storages
+
+
+_SCALARS = (type(None), bool, int, float, str, bytes, GlobalName)
+
+
+def storages_of(obj) -> List[StorageOut]:
+    """The storage records ``dumps(obj)`` would name, without writing the pickle: what a dry run
+    reports for every output. It walks the values ``dumps`` writes, in its order, so the records
+    (keys, dtypes, sizes, sources) are the same; a DeepSeek-shaped plan's optimizer state and model
+    states are large nested objects whose pickles took a third of its dry run."""
+    found: List[StorageOut] = []
+    keys: Dict[int, str] = {}
+
+    def storage(source, dtype, numel):
+        if id(source) not in keys:
+            keys[id(source)] = str(len(found))
+            found.append(StorageOut(keys[id(source)], dtype, numel, source))
+
+    def walk(value):
+        if isinstance(value, _SCALARS) and not isinstance(value, Opaque):
+            return
+        if isinstance(value, NewTensor):
+            storage(value, value.dtype, value.numel())
+        elif isinstance(value, TensorRef):
+            if value.is_parameter:
+                raise NotImplementedError("writing torch.nn.Parameter objects is not needed by any output")
+            storage(value.storage, value.storage.dtype, value.storage.numel)
+            if value.py_state is not None:
+                walk(value.py_state)
+        elif isinstance(value, TorchSize) or _is_torch_size(value):
+            return
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k)
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, (set, frozenset)):
+            for v in sorted(value, key=repr):
+                walk(v)
+        elif isinstance(value, Opaque):
+            walk(value._args)
+            walk(value._state)
+            walk(value._items)
+            for k, v in value._setitems:
+                walk(k)
+                walk(v)
+        elif isinstance(value, Constructed):
+            walk(value.args)
+            walk(value.state)
+        else:
+            raise TypeError(f"cannot write {type(value).__name__} into a checkpoint pickle")
+
+    walk(obj)
+    return found

@@ -12,7 +12,7 @@ from typing import Any, List, Tuple
 
 from ..errors import CheckpointFormatError
 from ..tensors import ITEMSIZE, NewTensor
-from ..formats.pickle_write import dumps
+from ..formats.pickle_write import storages_of
 from .collector import pauses_collector
 
 
@@ -163,7 +163,7 @@ class Plan:
         lines = []
         total = 0
         for arc in self.archives:
-            _, storages = dumps(arc.obj)
+            storages = storages_of(arc.obj)
             nbytes = sum(st.numel * ITEMSIZE[st.dtype] for st in storages)
             npieces = sum(len(st.source.pieces) if isinstance(st.source, NewTensor) else 1 for st in storages)
             total += nbytes
@@ -178,7 +178,7 @@ class Plan:
         for ser in self.series:
             nbytes = 0
             for obj in ser.members:
-                _, storages = dumps(obj)
+                storages = storages_of(obj)
                 nbytes += sum(st.numel * ITEMSIZE[st.dtype] for st in storages)
             total += nbytes
             if len(lines) < limit:
