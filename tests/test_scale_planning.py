@@ -295,7 +295,7 @@ def test_whole_row_blocks_copy_what_the_rows_hold(seed):
     any block layout; runs of whole rows become strided pieces."""
     import random
 
-    from pyckpt.zero.tp_merge import _blocks
+    from pyckpt.planning.plan import row_pieces
     from pyckpt.planning.plan import Segments
 
     rnd = random.Random(seed)
@@ -308,7 +308,7 @@ def test_whole_row_blocks_copy_what_the_rows_hold(seed):
     seg = Segments((sources[i], 1000 * i, bounds[i + 1] - bounds[i]) for i in range(len(bounds) - 1))
     dst_row, dst_off = block + rnd.randint(0, 5), rnd.randint(0, 3)
     got = {}
-    for p in _blocks(seg, outer, block, 0, dst_row, dst_off, block):
+    for p in row_pieces(seg, outer, block, 0, dst_row, dst_off, block):
         for r in range(p.rows):
             for b in range(p.nbytes):
                 dst = p.dst_off + r * (p.stride if p.rows > 1 else 0) + b

@@ -91,6 +91,40 @@ class Segments:
         return b"".join(sf.read_bytes(off, n) for sf, off, n in self.parts)
 
 
+def row_pieces(seg: Segments, outer: int, src_row: int, src_off: int, dst_row: int, dst_off: int,
+            block: int) -> List[Piece]:
+    """The pieces that copy ``block`` bytes at ``src_off`` of each of ``outer`` rows of ``seg`` (rows of
+    ``src_row`` bytes) to ``dst_off`` of each destination row (rows of ``dst_row`` bytes): a
+    tensor-parallel merge's columns, a row permutation's rows. Runs of whole source rows inside one
+    source range become one strided piece."""
+    if block == 0 or outer == 0:
+        return []
+    pieces: List[Piece] = []
+    if src_row == block:  # whole source rows: strided ops over each contiguous run of rows
+        pos = 0
+        for sf, off, n in seg.parts:
+            first, last = pos // block, (pos + n - 1) // block
+            r = first
+            while r <= last:
+                lo, hi = max(pos, r * block), min(pos + n, (r + 1) * block)
+                if lo == r * block and hi == (r + 1) * block:
+                    # the last row this part holds whole (row r is whole, so run_end >= r)
+                    run_end = min(last, (pos + n) // block - 1)
+                    rows = run_end - r + 1
+                    pieces.append(Piece(sf, off + (lo - pos), block, r * dst_row + dst_off, 0, rows,
+                                        dst_row if rows > 1 else 0))
+                    r = run_end + 1
+                else:
+                    pieces.append(Piece(sf, off + (lo - pos), hi - lo, r * dst_row + dst_off + (lo - r * block)))
+                    r += 1
+            pos += n
+        return pieces
+    for r in range(outer):
+        for p in seg.slice(r * src_row + src_off, block).pieces(r * dst_row + dst_off):
+            pieces.append(p)
+    return pieces
+
+
 @dataclass(slots=True)
 class ArchiveOut:
     relpath: str

@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 from ..errors import CheckpointFormatError, TpMergeError, UnsupportedCheckpointError
 from ..tensors import ITEMSIZE, NewTensor, numel
 from ..formats.pickle_read import Opaque
-from ..planning.plan import Piece, Segments
+from ..planning.plan import Piece, Segments, row_pieces
 from .schema import Schema
 
 PATTERN_KEYS = ("tp_replicated_parameter_patterns", "parameter_to_average_patterns",
@@ -261,7 +261,7 @@ class TpRules:
         for w in widths:
             for t, s in enumerate(slices):
                 width = w[t]
-                pieces += _blocks(s.seg, outer, rank_cols[t] * inner * isz, src_col[t] * inner * isz, full_row,
+                pieces += row_pieces(s.seg, outer, rank_cols[t] * inner * isz, src_col[t] * inner * isz, full_row,
                                   dst_col * inner * isz, width * inner * isz)
                 src_col[t] += width
                 dst_col += width
@@ -270,38 +270,6 @@ class TpRules:
 
 def _tensor(dtype, shape, pieces, slices) -> NewTensor:
     return NewTensor(dtype, tuple(int(d) for d in shape), pieces, any(s.requires_grad for s in slices))
-
-
-def _blocks(seg: Segments, outer: int, src_row: int, src_off: int, dst_row: int, dst_off: int,
-            block: int) -> List[Piece]:
-    """Copy ``block`` bytes at ``src_off`` of each of ``outer`` source rows to ``dst_off`` of each
-    destination row; contiguous runs become one strided op."""
-    if block == 0 or outer == 0:
-        return []
-    pieces: List[Piece] = []
-    if src_row == block:  # whole source rows: strided ops over each contiguous run of rows
-        pos = 0
-        for sf, off, n in seg.parts:
-            first, last = pos // block, (pos + n - 1) // block
-            r = first
-            while r <= last:
-                lo, hi = max(pos, r * block), min(pos + n, (r + 1) * block)
-                if lo == r * block and hi == (r + 1) * block:
-                    # the last row this part holds whole (row r is whole, so run_end >= r)
-                    run_end = min(last, (pos + n) // block - 1)
-                    rows = run_end - r + 1
-                    pieces.append(Piece(sf, off + (lo - pos), block, r * dst_row + dst_off, 0, rows,
-                                        dst_row if rows > 1 else 0))
-                    r = run_end + 1
-                else:
-                    pieces.append(Piece(sf, off + (lo - pos), hi - lo, r * dst_row + dst_off + (lo - r * block)))
-                    r += 1
-            pos += n
-        return pieces
-    for r in range(outer):
-        for p in seg.slice(r * src_row + src_off, block).pieces(r * dst_row + dst_off):
-            pieces.append(p)
-    return pieces
 
 
 def _concat(name, slices: List[Slice], cat_dim: int) -> NewTensor:
@@ -321,7 +289,7 @@ def _concat(name, slices: List[Slice], cat_dim: int) -> NewTensor:
     pieces, col = [], 0
     for s in slices:
         width = s.shape[cat_dim] * inner
-        pieces += _blocks(s.seg, outer, width, 0, full[cat_dim] * inner, col, width)
+        pieces += row_pieces(s.seg, outer, width, 0, full[cat_dim] * inner, col, width)
         col += width
     return _tensor(slices[0].dtype, full, pieces, slices)
 
@@ -442,7 +410,7 @@ def _runs_to_pieces(seg: Segments, runs, isz: int) -> List[Piece]:
         regular = fstride > n and all(r[2] == n and r[1] == s0 + i * n and r[0] == f0 + i * fstride
                                       for i, r in enumerate(runs))
         if regular:
-            return _blocks(seg.slice(s0 * isz, len(runs) * n * isz), len(runs), n * isz, 0, fstride * isz,
+            return row_pieces(seg.slice(s0 * isz, len(runs) * n * isz), len(runs), n * isz, 0, fstride * isz,
                            f0 * isz, n * isz)
     out: List[Piece] = []
     for full_off, shard_off, n in runs:
