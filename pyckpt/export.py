@@ -55,6 +55,12 @@ world size. --model-key/--optim-key rename the two entries (--model-key '' puts 
 level, as a model-only DCP checkpoint has it); --no-optimizer writes the model alone. --hf-names
 puts AutoEP layers and their optimizer state under the Hugging Face names of the config.json beside
 the checkpoint (as the Hugging Face export does), for a job that builds the transformers model.
+--torchtitan writes a Hugging Face Llama's state as torchtitan's checkpointer holds it for its own
+Llama3 model: the model at the top level under torchtitan's names (q and k rows in its rotary
+order), the optimizer flattened under "optimizer" with q, k and v's Adam state as its fused wqkv,
+and --initial-lr in every param group. Resume with --checkpoint.initial-load-path OUTPUT
+--checkpoint.no-initial-load-model-only --checkpoint.exclude-from-loading
+lr_scheduler,dataloader,train_state.
 """
 DESCRIPTION += "\n" + DCP
 
@@ -107,6 +113,13 @@ def add_arguments(p) -> None:
                    help="--format dcp: nested = get_state_dict's optimizer state (default); flat = with "
                    "flatten_optimizer_state_dict=True (param_groups.<name>.<key>), as torchtitan's checkpointer "
                    "keeps it (torchtitan: --model-key '' --optim-key optimizer --optim-layout flat)")
+    p.add_argument("--torchtitan", action="store_true",
+                   help="--format dcp: a Hugging Face Llama's state as torchtitan's checkpointer holds it for its "
+                   "Llama3 model (its names, layout and fused wqkv optimizer state; needs config.json beside the "
+                   "checkpoint and --initial-lr)")
+    p.add_argument("--initial-lr", "--initial_lr", dest="initial_lr", type=float, default=None,
+                   help="--format dcp: initial_lr of every param group (what torchtitan's LR scheduler starts from; "
+                   "its load asks for it)")
     p.add_argument("--chunk-mb", "--chunk_mb", dest="chunk_mb", type=float, default=16.0,
                    help="--format dcp: tensors are cut along their first dimension into chunks of about this many "
                    "MiB, so that a load at any world size reads little beyond its own rows (default: 16)")
@@ -139,9 +152,16 @@ def run(args) -> int:
     if dcp and not args.chunk_mb > 0:
         raise UsageError("--chunk-mb must be positive")
     if not dcp and (args.model_key != "model" or args.optim_key != "optim" or not args.optimizer or args.hf_names
-                    or args.optim_layout != "nested"):
-        raise UsageError("--model-key, --optim-key, --optim-layout, --no-optimizer and --hf-names are for --format dcp "
-                         "(the Hugging Face export always writes the Hugging Face names it knows)")
+                    or args.optim_layout != "nested" or args.torchtitan or args.initial_lr is not None):
+        raise UsageError("--model-key, --optim-key, --optim-layout, --no-optimizer, --hf-names, --torchtitan and "
+                         "--initial-lr are for --format dcp (the Hugging Face export always writes the Hugging Face "
+                         "names it knows)")
+    if args.torchtitan and (args.model_key != "model" or args.optim_key != "optim" or args.optim_layout != "nested"
+                            or args.hf_names):
+        raise UsageError("--torchtitan fixes the names and the layout: leave out --model-key, --optim-key, "
+                         "--optim-layout and --hf-names")
+    if args.initial_lr is not None and not args.initial_lr >= 0:
+        raise UsageError("--initial-lr must be a non-negative number")
     with cli_common.among_processes() as (ranks, lead):
         workers = args.workers if args.workers is not None or ranks is None else default_workers()
         if dcp:
@@ -150,7 +170,8 @@ def run(args) -> int:
                                 model_key=args.model_key, optim_key=args.optim_key,
                                 chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
                                 exclude_frozen_parameters=args.exclude_frozen_parameters, hf_names=args.hf_names,
-                                optim_layout=args.optim_layout, overwrite=args.overwrite, dry_run=args.dry_run,
+                                optim_layout=args.optim_layout, torchtitan=args.torchtitan,
+                                initial_lr=args.initial_lr, overwrite=args.overwrite, dry_run=args.dry_run,
                                 workers=workers, progress=lead and not args.quiet, fsync=args.fsync,
                                 notify=note if lead and not args.quiet else None, ranks=ranks)
             return report_done(args, report) if lead else 0

@@ -10,3 +10,8 @@ PY=${PYTHON:-python3}
 export PIP_CONSTRAINT="$PWD/constraints.txt"
 python -m pip install --quiet torch numpy
 python -m pip install --quiet ".[${PYCKPT_EXTRAS:-test}]"
+if [ "${PYCKPT_EXTRAS:-test}" = test ]; then
+    # torchtitan's wheel asks for a nightly torch: installed without dependencies, at the pins of
+    # constraints.txt (what its Llama3 model, state-dict adapter and optimizer utilities import)
+    python -m pip install --quiet --no-deps torchtitan spmd_types tyro docstring_parser
+fi

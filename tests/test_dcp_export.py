@@ -221,7 +221,8 @@ def test_hf_names_reads_a_hostile_config_beside_the_checkpoint_as_an_error(check
     assert digest(root) == before
 
 
-@pytest.mark.parametrize("field,value", [("optim_layout", "sideways"), ("hf_names", "yes")])
+@pytest.mark.parametrize("field,value", [("optim_layout", "sideways"), ("hf_names", "yes"), ("torchtitan", "yes"),
+                                         ("initial_lr", "0.1")])
 def test_verify_refuses_an_export_record_with_an_unknown_layout_or_naming(checkpoints, tmp_path, field, value):
     """The options verify plans again from are read from the folder under check: a value no export writes is
     a VerifyInputError naming the field, before anything is planned."""
@@ -235,7 +236,8 @@ def test_verify_refuses_an_export_record_with_an_unknown_layout_or_naming(checkp
         verify_dcp(out, against=checkpoints["s1_fp32_dp2"].root)
 
 
-@pytest.mark.parametrize("flags", [["--hf-names"], ["--optim-layout", "flat"]])
+@pytest.mark.parametrize("flags", [["--hf-names"], ["--optim-layout", "flat"], ["--torchtitan"],
+                                   ["--initial-lr", "0.1"]])
 def test_dcp_options_are_refused_without_format_dcp(tmp_path, flags):
     """--hf-names (the Hugging Face export always writes the names it knows) and --optim-layout without
     --format dcp are a usage error (exit 2), before any input is read."""
@@ -597,3 +599,108 @@ def test_verify_command_line_takes_a_dcp_folder_only_against_its_input(checkpoin
     unknown = subprocess.run([sys.executable, "-m", "pyckpt.verify", str(out), "--against", str(ck.root)],
                              capture_output=True, text=True, cwd=tmp_path, env=env)
     assert unknown.returncode == 2 and "only a DCP folder pyckpt exported" in unknown.stderr
+
+
+# -- torchtitan's names (no DeepSpeed run: the generator's Llama, whose layout DeepSpeed's converter
+# accepts, tests/test_make_checkpoint.py) ----------------------------------------------------------
+
+def _tt_reverse_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    # torchtitan 0.3.0, models/llama3/state_dict_adapter.py, _reverse_permute (what from_hf applies)
+    rows, cols = w.shape
+    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _tt_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    # torchtitan 0.3.0, models/common/attention.py, _merge_qkv_on_load
+    hd = k.shape[0] // kv_heads
+    cols = q.shape[1]
+    return torch.cat([q.reshape(kv_heads, -1, hd, cols), k.reshape(kv_heads, 1, hd, cols),
+                      v.reshape(kv_heads, 1, hd, cols)], dim=1).reshape(-1, cols)
+
+
+@pytest.mark.parametrize("stage,dp", [(2, 8), (3, 3)])
+def test_torchtitan_export_is_torchtitans_conversion_of_the_universal_state(tmp_path, stage, dp):
+    """--torchtitan on a Llama (4 query heads, 2 key/value heads of 8 rows; ZeRO-2 at dp 8 cuts
+    parameters mid-row): the model entries under torchtitan's names with q and k rows in its rotary
+    order, the optimizer flattened under "optimizer" with q, k and v's moments fused into wqkv, each
+    exactly what torchtitan's own formulas (quoted above) make of the Universal Checkpoint's tensors,
+    and the steps and groups (with initial_lr) under the fused name."""
+    import pyckpt.testing as mc
+
+    tag = mc.make_checkpoint(tmp_path / "ck", dp=dp, stage=stage, family="llama", layers=2, hidden=32, heads=4,
+                             kv_heads=2, vocab=64)
+    (tag.parent / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32,
+                                                        "num_attention_heads": 4, "num_key_value_heads": 2}))
+    universal = tmp_path / "universal"
+    pyckpt.convert_to_universal(tag, universal)
+    out = tmp_path / "tt"
+    pyckpt.export_dcp(tag.parent, out, torchtitan=True, initial_lr=0.25)
+    got = _read_back(out, tmp_path)
+
+    shapes = {"q": (32, 32), "k": (16, 32), "v": (16, 32), "o": (32, 32)}
+
+    def uni(name, state):
+        t = torch.load(universal / "zero" / name / f"{state}.pt", weights_only=True)
+        t = t["param"] if isinstance(t, dict) else t
+        proj = re.search(r"\.([qkvo])_proj\.", name)
+        return t.reshape(shapes[proj.group(1)]) if proj else t  # ZeRO-3's are flat
+
+    names = sorted(p.name for p in (universal / "zero").iterdir() if p.is_dir())
+    assert "optimizer" in got and not any(k in got for k in ("model", "optim"))
+    for layer in range(2):
+        hf = f"model.layers.{layer}.self_attn."
+        tt = f"layers.{layer}.attention.qkv_linear."
+        q, k, v = (uni(hf + f"{x}_proj.weight", "fp32") for x in "qkv")
+        assert _same(got[tt + "wq.weight"], _tt_reverse_permute(q, 4))
+        assert _same(got[tt + "wk.weight"], _tt_reverse_permute(k, 2))
+        assert _same(got[tt + "wv.weight"], v)
+        fused = f"layers.{layer}.attention.qkv_linear.wqkv.weight"
+        for s in ("exp_avg", "exp_avg_sq"):
+            q, k, v = (uni(hf + f"{x}_proj.weight", s) for x in "qkv")
+            want = _tt_fuse(_tt_reverse_permute(q, 4), _tt_reverse_permute(k, 2), v, 2)
+            assert _same(got["optimizer"]["state"][fused][s], want), (fused, s)
+        assert not any(f"{tt}w{x}.weight" in got["optimizer"]["state"] for x in "qkv")
+        w1 = got[f"layers.{layer}.feed_forward.w1.weight"]
+        assert _same(w1, uni(f"model.layers.{layer}.mlp.gate_proj.weight", "fp32").reshape(w1.shape))
+        assert _same(got[f"layers.{layer}.ffn_norm.weight"],
+                     uni(f"model.layers.{layer}.post_attention_layernorm.weight", "fp32"))
+        assert _same(got["optimizer"]["state"][f"layers.{layer}.attention.wo.weight"]["exp_avg"],
+                     uni(hf + "o_proj.weight", "exp_avg"))
+    emb = got["tok_embeddings.weight"]
+    assert _same(emb, uni("model.embed_tokens.weight", "fp32").reshape(emb.shape))
+    state = got["optimizer"]["state"]
+    assert len(state) == len(names) - 4  # per layer, k and v live in the fused wqkv
+    groups = got["optimizer"]["param_groups"]
+    assert set(groups) == set(state)
+    assert all(g["initial_lr"] == 0.25 and g["lr"] == 0.01 for g in groups.values())
+
+
+def test_torchtitan_names_refuse_what_torchtitan_has_no_place_for(checkpoints, tmp_path):
+    """Without a Llama config beside the checkpoint, or with a parameter torchtitan's Llama3 has no
+    name for, the export is refused naming why, before anything is written; the layout options cannot
+    be mixed with it."""
+    root = _copy(checkpoints["z2_groups_dp2"], tmp_path).parent
+    out = tmp_path / "tt"
+    with pytest.raises(pyckpt.UnsupportedCheckpointError, match="no config.json beside it"):
+        pyckpt.export_dcp(root, out, torchtitan=True, initial_lr=1.0)
+    (root / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(pyckpt.UnsupportedCheckpointError, match="model_type 'gpt2'"):
+        pyckpt.export_dcp(root, out, torchtitan=True, initial_lr=1.0)
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2}))
+    with pytest.raises(pyckpt.UnsupportedCheckpointError, match="has no torchtitan Llama3 name"):
+        pyckpt.export_dcp(root, out, torchtitan=True, initial_lr=1.0)
+    assert not out.exists()
+    with pytest.raises(ValueError, match="choose one"):
+        pyckpt.export_dcp(root, out, torchtitan=True, hf_names=True)
+    with pytest.raises(ValueError, match="fixes the layout"):
+        pyckpt.export_dcp(root, out, torchtitan=True, optim_layout="flat", model_key="m")
+
+
+@pytest.mark.parametrize("flags,error", [(["--torchtitan", "--optim-layout", "flat"], "fixes the names and the layout"),
+                                         (["--torchtitan", "--hf-names"], "fixes the names and the layout"),
+                                         (["--initial-lr", "-1"], "non-negative")])
+def test_torchtitan_flags_that_contradict_it_are_usage_errors(tmp_path, flags, error):
+    proc = subprocess.run([sys.executable, "-m", "pyckpt.export", str(tmp_path / "absent"), str(tmp_path / "out"),
+                           "--format", "dcp"] + flags, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 2 and error in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -340,3 +340,64 @@ def test_fsdp2_resumes_the_autoep_mixtral_from_its_dcp_export_under_its_own_name
     for n, state in a["optim"]["state"].items():
         for key, t in state.items():
             assert _bits_equal(t, b["optim"]["state"][n][key]), (n, key)
+
+
+@pytest.mark.parametrize("name", ["trainer_z2_fp32_groups", "trainer_z3_bf16_groups"])
+def test_torchtitans_llama3_resumes_the_trainers_run_from_its_torchtitan_export(hf_trained, ds_environ, tmp_path,
+                                                                              name):
+    """The Trainer's checkpoint-2/ (ZeRO-2 fp32 / ZeRO-3 bf16, tied embeddings, its decay and no-decay
+    groups) exported with --torchtitan, loaded as torchtitan's checkpointer loads into torchtitan 0.3.0's
+    own Llama3 model (its names, fused wqkv) and torch AdamW in the same two groups with torchtitan's
+    LambdaLR made first (tests/torchtitan_worker.py): every parameter and Adam moment is bit-equal to
+    torchtitan's own conversion (its state-dict adapter's from_hf) of the Universal Checkpoint's, the
+    steps are DeepSpeed's, the groups keep the Trainer's hyper-parameters and its scheduler's initial_lr
+    (or the one given), the
+    logits equal the Hugging Face model's with the same weights (to 1e-5: torchtitan's attention and
+    rotary code round differently), and an AdamW step runs on the loaded state (its gradients set by
+    hand: torch 2.13 has no CPU backward for FlexAttention, the attention torchtitan's Llama3 builds)."""
+    ckpt = hf_trained[name] / "checkpoint-2"
+    export, universal = tmp_path / "dcp", tmp_path / "universal"
+    # The Trainer's LR scheduler left initial_lr in its groups; a given one replaces it.
+    initial_lr = {"trainer_z2_fp32_groups": None, "trainer_z3_bf16_groups": 3e-3}[name]
+    pyckpt.export_dcp(ckpt, export, torchtitan=True, initial_lr=initial_lr)
+    pyckpt.convert_to_universal(ckpt, universal, inject_missing_state=True)
+    from transformers import AutoTokenizer
+    torch.save(worker.batch(AutoTokenizer.from_pretrained(str(ckpt))), tmp_path / "batch.pt")
+    cmd = [sys.executable, str(HERE / "torchtitan_worker.py"), str(ckpt), str(export), str(universal),
+           str(tmp_path / "batch.pt"), str(tmp_path / "loaded.pt")]
+    proc = subprocess.run(cmd, env={**ds_environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    assert got["ok"] and all(got["ok"].values()), [k for k, v in got["ok"].items() if not v]
+    assert any(k.endswith("qkv_linear.wqkv.weight") for k in got["ok"])
+    some = next(p for p in (universal / "zero").iterdir())
+    assert set(got["steps"].values()) == {float(_universal_step(universal, some.name))}
+    assert got["group_sizes"][0] == got["decay_count"] and got["group_sizes"][1] > 0
+    for group, wd in zip(got["groups"], (0.1, 0.0)):
+        assert (group["lr"], group["weight_decay"], group["betas"], group["eps"], group["initial_lr"]) == \
+            (1e-2, wd, (0.9, 0.999), 1e-8, initial_lr or 1e-2)
+    assert torch.allclose(got["tt_logits"], got["hf_logits"], atol=1e-5, rtol=0), \
+        (got["tt_logits"] - got["hf_logits"]).abs().max()
+    assert got["moved"] and set(got["steps_after"].values()) == {float(_universal_step(universal, some.name)) + 1}
+
+
+def test_torchtitan_export_asks_for_initial_lr_where_the_groups_lack_it(hf_trained, tmp_path):
+    """torchtitan's load asks every param group for initial_lr (its LR scheduler put one in before the
+    load): a DeepSpeed run without a torch LR scheduler saved none, so the export asks for it, before
+    anything is written; given, every group has it."""
+    root = hf_trained["llama_z2_fp32"]
+    out = tmp_path / "dcp"
+    with pytest.raises(pyckpt.UnsupportedCheckpointError, match="pass initial_lr"):
+        pyckpt.export_dcp(root, out, torchtitan=True)
+    assert not out.exists()
+    pyckpt.export_dcp(root, out, torchtitan=True, initial_lr=0.5)
+    import torch.distributed.checkpoint as dcp
+    meta = dcp.FileSystemReader(str(out)).read_metadata().state_dict_metadata
+    lrs = [k for k in meta if k.startswith("optimizer.param_groups.") and k.endswith(".initial_lr")]
+    assert lrs and "optimizer.param_groups.layers.0.attention.qkv_linear.wqkv.weight.initial_lr" in lrs
+    assert "layers.0.attention.qkv_linear.wq.weight" in meta and "tok_embeddings.weight" in meta
+    assert not any(k.startswith(("model.", "optim.")) or "q_proj" in k for k in meta)
+    from pyckpt.dcp.verify import verify_dcp
+    report = verify_dcp(out, against=root)
+    assert report.ok, report.problems

@@ -45,17 +45,22 @@ from ..zero.shards import Step
 from .layout import (DEFAULT_CHUNK_BYTES, MODEL_KEY, OPTIM_KEY, BytesEntry, Layout, TensorEntry, assign_files,
                      chunk_tensor, data_file_name)
 from .metadata import metadata_bytes
+from .torchtitan import (Heads, fused_members, optimizer_renames, to_torchtitan_model, to_torchtitan_optimizer,
+                         torchtitan_name)
 
 METADATA_NAME = ".metadata"
 # The export's options beside the DCP files, for verify
 EXPORT_RECORD = ".pyckpt-export.json"
 EXPORT_RECORD_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
-# The keys of a torch Adam/AdamW param group that DeepSpeed's own optimizers (FusedAdam, CPUAdam) do
-# not keep, with torch's defaults: a load into torch's optimizer needs every key its groups have.
 # "nested": get_state_dict's optimizer state ({"state": {fqn: ...}, "param_groups": [{..., "params": [fqn]}]});
 # "flat": the same with StateDictOptions(flatten_optimizer_state_dict=True)
 OPTIM_LAYOUTS = ("nested", "flat")
+# (model_key, optim_key, optim_layout) of torchtitan's checkpointer: the model's entries at the top level, the
+# optimizer flattened under "optimizer" (components/checkpointer, components/optimizer/utils.py)
+TORCHTITAN_LAYOUT = ("", "optimizer", "flat")
+# The keys of a torch Adam/AdamW param group that DeepSpeed's own optimizers (FusedAdam, CPUAdam) do
+# not keep, with torch's defaults: a load into torch's optimizer needs every key its groups have.
 TORCH_ADAM_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                        "differentiable": False, "fused": None}
 
@@ -168,8 +173,18 @@ def _param_groups(ck, groups: List[dict], trainable: Dict[str, tuple]) -> List[d
 def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer: bool = True,
              model_key: str = MODEL_KEY, optim_key: str = OPTIM_KEY, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
              exclude_frozen: bool = False, hf_names: bool = False, optim_layout: str = "nested",
-             min_files: int = 1, save_id: str = ""):
+             min_files: int = 1, save_id: str = "", torchtitan: bool = False, initial_lr: Optional[float] = None):
     """(checkpoint, plan, layout, dtype) of a DCP export, nothing written."""
+    if torchtitan:
+        if hf_names:
+            raise ValueError("torchtitan and hf_names name the parameters two ways; choose one")
+        if (model_key, optim_key, optim_layout) not in ((MODEL_KEY, OPTIM_KEY, "nested"), TORCHTITAN_LAYOUT):
+            raise ValueError("torchtitan's checkpointer fixes the layout (the model at the top level, the optimizer "
+                             "flattened under 'optimizer'): leave model_key, optim_key and optim_layout unset")
+        model_key, optim_key, optim_layout = TORCHTITAN_LAYOUT
+    if initial_lr is not None and not (isinstance(initial_lr, (int, float)) and not isinstance(initial_lr, bool)
+                                       and initial_lr >= 0):
+        raise ValueError(f"initial_lr must be a non-negative number, not {initial_lr!r}")
     if optim_layout not in OPTIM_LAYOUTS:
         raise ValueError(f"optim_layout must be one of {', '.join(OPTIM_LAYOUTS)}, not {optim_layout!r}")
     if optimizer and not optim_key:
@@ -183,7 +198,10 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
     save_id = save_id or str(uuid.uuid4())
     plan = Plan()
     naming = _hf_naming(ck, cstate, plan.notes) if hf_names else None
+    heads = Heads(read_model_config(companion_folder(ck.folder))[0], ck.folder) if torchtitan else None
     model = cstate.tensors if naming is None else to_hf_names(cstate.tensors, *naming, ck.folder)
+    if heads is not None:
+        model = to_torchtitan_model(model, heads)
     layout = Layout()
     prefix = (model_key,) if model_key else ()
     holders: Dict[str, TensorEntry] = {}
@@ -193,10 +211,15 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
         holders[name] = entry
         layout.tensors.append(entry)
     for alias, holder in cstate.aliases.items():
+        if heads is not None:
+            alias, holder = torchtitan_name(alias, ck.folder), torchtitan_name(holder, ck.folder)
         h = holders[holder]
         layout.tensors.append(TensorEntry(prefix + (alias,), h.dtype, h.shape, [], same_as=h))
     if optimizer:
-        _add_optimizer(ck, cstate, layout, (optim_key,), chunk_bytes, naming, optim_layout == "flat")
+        _add_optimizer(ck, cstate, layout, (optim_key,), chunk_bytes, naming, optim_layout == "flat", heads,
+                       initial_lr)
+    elif initial_lr is not None:
+        raise ValueError("initial_lr is a value of the optimizer's param groups, which optimizer=False leaves out")
     if not model_key and optimizer and (optim_key in model or optim_key in cstate.aliases):
         raise CheckpointFormatError(f"{ck.folder}: the model has an entry named {optim_key!r}, the optimizer state's "
                                     "top-level key; choose another --optim-key")
@@ -219,7 +242,7 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
                "dtype": target, "optimizer": optimizer, "model_key": model_key, "optim_key": optim_key,
                "chunk_bytes": chunk_bytes, "exclude_frozen": exclude_frozen, "hf_names": hf_names,
                "optim_layout": optim_layout, "data_files": len(names),
-               "save_id": save_id}
+               "save_id": save_id, "torchtitan": torchtitan, "initial_lr": initial_lr}
     plan.add_raw_file(EXPORT_RECORD, (json.dumps(options, indent=1, sort_keys=True) + "\n").encode())
     plan.notes.append(f"  torch.distributed.checkpoint: {len(layout.tensors)} tensors, {len(layout.objects)} other "
                       f"values, {sum(len(f) for f in layout.files)} archives in {len(names)} data files")
@@ -234,7 +257,7 @@ def _hf_naming(ck, cstate, notes: list) -> tuple:
 
 
 def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, naming: Optional[tuple],
-                   flat: bool) -> None:
+                   flat: bool, heads: Optional[Heads] = None, initial_lr: Optional[float] = None) -> None:
     skip = set(cstate.buffers) | set(cstate.frozen)
     trainable = {name: tuple(t.shape) for name, t in cstate.tensors.items() if name not in skip}
     with metadata_errors(ck.folder):
@@ -274,7 +297,21 @@ def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, 
     param_groups = _param_groups(ck, groups, trainable)
     if naming is not None:
         moments = {s: to_hf_names(m, *naming, ck.folder) for s, m in moments.items()}
-        param_groups, steps = _renamed_groups(ck, param_groups, steps, hf_renames(*naming))
+        renames = hf_renames(*naming)
+        folded = {n: n[:-len("w3")] + "w1" for n, hf in renames.items() if hf is None}
+        param_groups, steps = _renamed_groups(ck, param_groups, steps, renames, folded)
+    if heads is not None:
+        moments = {s: to_torchtitan_optimizer(m, heads) for s, m in moments.items()}
+        renames = optimizer_renames(steps, ck.folder)
+        folded = {member: q for q, k, v in fused_members(steps, ck.folder) for member in (k, v)}
+        param_groups, steps = _renamed_groups(ck, param_groups, steps, renames, folded)
+        if initial_lr is None and any("initial_lr" not in g for g in param_groups):
+            raise UnsupportedCheckpointError(
+                f"{ck.folder}: torchtitan's LR scheduler puts initial_lr in every param group before it loads a "
+                "checkpoint, and its load asks the checkpoint for it, which this one's groups lack: pass "
+                "initial_lr (--initial-lr), the learning rate the torchtitan job's schedule starts from")
+    if initial_lr is not None:
+        param_groups = [dict(g, initial_lr=float(initial_lr)) for g in param_groups]
     for name in moments[MOMENTS[0]]:
         for s in MOMENTS:
             t = moments[s][name]
@@ -300,19 +337,22 @@ def _step_key(step: NewTensor) -> tuple:
     return step.dtype, tuple((p.kind, p.nbytes) for p in step.pieces), data
 
 
-def _renamed_groups(ck, groups: List[dict], steps: "OrderedDict[str, NewTensor]", renames: Dict[str, Optional[str]]):
-    """The param groups' members and the steps under the Hugging Face names: gate_up_proj takes w1's
-    step and group, so w1 and w3 must share both (DeepSpeed keeps one step per group)."""
+def _renamed_groups(ck, groups: List[dict], steps: "OrderedDict[str, NewTensor]", renames: Dict[str, Optional[str]],
+                    folded: Dict[str, str]):
+    """The param groups' members and the steps under other names (Hugging Face's, torchtitan's). A
+    parameter renamed to None is folded into another (``folded``: w3 into w1's gate_up_proj, k and v
+    into q's fused wqkv), which takes its step and group, so the two must share both (DeepSpeed keeps
+    one step per group)."""
     group_of = {name: i for i, g in enumerate(groups) for name in g["params"]}
-    for name, hf in renames.items():
-        if hf is None and name in group_of:
-            w1 = name[:-len("w3")] + "w1"
-            if group_of.get(w1) != group_of[name]:
-                raise UnsupportedCheckpointError(f"{ck.folder}: {w1} and {name} are in different param groups, so "
-                                                 "they cannot become one gate_up_proj")
-            if _step_key(steps[w1]) != _step_key(steps[name]):
-                raise UnsupportedCheckpointError(f"{ck.folder}: {w1} and {name} do not share one Adam step, so "
-                                                 "they cannot become one gate_up_proj")
+    for name, kept in folded.items():
+        if name in group_of:
+            what = renames.get(kept) or kept
+            if group_of.get(kept) != group_of[name]:
+                raise UnsupportedCheckpointError(f"{ck.folder}: {kept} and {name} are in different param groups, so "
+                                                 f"they cannot become one {what}")
+            if _step_key(steps[kept]) != _step_key(steps[name]):
+                raise UnsupportedCheckpointError(f"{ck.folder}: {kept} and {name} do not share one Adam step, so "
+                                                 f"they cannot become one {what}")
     out = []
     for g in groups:
         g = dict(g)
@@ -325,6 +365,7 @@ def _renamed_groups(ck, groups: List[dict], steps: "OrderedDict[str, NewTensor]"
 def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer: bool = True,
                model_key: str = MODEL_KEY, optim_key: str = OPTIM_KEY, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                exclude_frozen_parameters: bool = False, hf_names: bool = False, optim_layout: str = "nested",
+               torchtitan: bool = False, initial_lr: Optional[float] = None,
                overwrite: bool = False, dry_run: bool = False, workers: Optional[int] = None,
                progress: bool = False, fsync: bool = False, notify: Optional[Callable[[str], None]] = None,
                ranks=None) -> DcpReport:
@@ -340,6 +381,12 @@ def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     writes the optimizer state as ``get_state_dict(..., options=StateDictOptions(
     flatten_optimizer_state_dict=True))`` gives it (``param_groups.<fqn>.<key>``), the layout
     torchtitan's checkpointer uses (with ``model_key=""``, ``optim_key="optimizer"``).
+    ``torchtitan=True`` writes what torchtitan's checkpointer holds for its own Llama3 module trained
+    from the same state (a Hugging Face Llama, as config.json beside the checkpoint says): its layout
+    above, its parameter names, q and k rows in its rotary order, and the optimizer state of q, k and
+    v as the one fused ``wqkv`` parameter it trains (:mod:`pyckpt.dcp.torchtitan`). ``initial_lr``
+    is added to every param group (torchtitan's LR scheduler puts it there and its load asks for
+    it; required with ``torchtitan`` unless DeepSpeed's groups have it).
     ``model_key``/``optim_key`` name the top-level entries (``{"model": ..., "optim": ...}`` by
     default; ``model_key=""`` puts the model's entries at the top level). ``chunk_bytes``: tensors are
     cut along dimension 0 into chunks of about this size, so a load at any world size reads little
@@ -355,7 +402,8 @@ def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
         ranks, "planning the DCP export", input, output, dry_run,
         lambda: plan_dcp(input, tag=tag, dtype=dtype, optimizer=optimizer, model_key=model_key, optim_key=optim_key,
                          chunk_bytes=chunk_bytes, exclude_frozen=exclude_frozen_parameters, hf_names=hf_names,
-                         optim_layout=optim_layout, min_files=ranks.size if ranks else 1, save_id=save_id))
+                         optim_layout=optim_layout, min_files=ranks.size if ranks else 1, save_id=save_id,
+                         torchtitan=torchtitan, initial_lr=initial_lr))
     chunks = sum(len(f) for f in layout.files)
     total = sum(numel(c.sizes) * ITEMSIZE[c.tensor.dtype] for f in layout.files for c in f if hasattr(c, "tensor"))
     report = DcpReport(ck.folder, output, target, len(layout.tensors) + len(layout.objects), chunks,

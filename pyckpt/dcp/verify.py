@@ -77,6 +77,10 @@ def _options(folder: str) -> dict:
         bad = ["hf_names"]
     if not bad and opts.get("optim_layout", "nested") not in OPTIM_LAYOUTS:
         bad = ["optim_layout"]
+    if not bad and type(opts.get("torchtitan", False)) is not bool:
+        bad = ["torchtitan"]
+    if not bad and opts.get("initial_lr") is not None and type(opts["initial_lr"]) not in (int, float):
+        bad = ["initial_lr"]
     if bad or opts.get("version") != EXPORT_RECORD_VERSION:
         raise VerifyInputError(f"{os.path.join(folder, EXPORT_RECORD)}: not an export record of this pyckpt "
                                f"({'field ' + bad[0] if bad else 'version'})")
@@ -97,7 +101,9 @@ def verify_dcp(output, *, against, content: bool = True) -> VerifyReport:
                                            chunk_bytes=opts["chunk_bytes"], exclude_frozen=opts["exclude_frozen"],
                                            hf_names=opts.get("hf_names", False),
                                            optim_layout=opts.get("optim_layout", "nested"),
-                                           min_files=opts["data_files"], save_id=opts["save_id"])
+                                           min_files=opts["data_files"], save_id=opts["save_id"],
+                                           torchtitan=opts.get("torchtitan", False),
+                                           initial_lr=opts.get("initial_lr"))
     except (PyckptError, OSError, ValueError) as exc:
         raise VerifyInputError(f"cannot plan the DCP export of {os.fspath(against)}: {exc}") from None
     report.stage = getattr(ck, "stage", None)

@@ -1,0 +1,210 @@
+"""A Hugging Face Llama's training state under torchtitan's own names, for a torchtitan job to resume.
+
+torchtitan (0.3.0) trains its own Llama3 module, whose names and layouts differ from the Hugging
+Face model a DeepSpeed job trains. Its state-dict adapter (``models/llama3/state_dict_adapter.py``,
+``from_hf``) renames (``model.embed_tokens`` -> ``tok_embeddings``, ``self_attn.q_proj`` ->
+``attention.qkv_linear.wq``, ``mlp.gate_proj``/``up_proj``/``down_proj`` -> ``feed_forward.w1``/
+``w3``/``w2``, the two norms -> ``attention_norm``/``ffn_norm``) and permutes the rows of every q
+and k projection: Hugging Face's rotary embedding rotates the two halves of a head, torchtitan's
+rotates adjacent pairs, so within a head of ``hd`` rows, torchtitan's row ``2*i + c`` is Hugging
+Face's row ``c*hd/2 + i`` (``_reverse_permute``).
+
+The model's state dict keeps q, k and v apart (a save hook splits them), but the parameter the
+optimizer holds is one fused ``attention.qkv_linear.wqkv.weight``: for each key/value head ``g``,
+the rows of its ``heads/kv_heads`` query heads, then its key head, then its value head
+(``attention.py``, ``_merge_qkv_on_load``). torchtitan's checkpointer keys the optimizer state by
+that parameter, so the Adam moments of q, k and v become one tensor there, and q, k and v must
+share a param group and a step.
+
+Everything here is byte pieces: a permuted or fused tensor is the same source ranges placed at
+other rows, nothing read or computed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+from ..errors import UnsupportedCheckpointError
+from ..native import KIND_COPY
+from ..planning.plan import Piece, Segments, row_pieces
+from ..tensors import ITEMSIZE, NewTensor
+
+MODEL_TYPES = ("llama",)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Hugging Face name inside a layer -> torchtitan's, as the adapter's from_hf map has them
+_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attention.qkv_linear.wq.weight",
+    "self_attn.k_proj.weight": "attention.qkv_linear.wk.weight",
+    "self_attn.v_proj.weight": "attention.qkv_linear.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+FUSED = "attention.qkv_linear.wqkv.weight"
+
+
+class Heads:
+    """The attention shape the permutation and the fusion need, from the model's config."""
+
+    def __init__(self, config: Optional[dict], where: str):
+        model_type = (config or {}).get("model_type")
+        if model_type not in MODEL_TYPES:
+            found = "no config.json beside it" if config is None else f"model_type {model_type!r}"
+            raise UnsupportedCheckpointError(f"{where}: torchtitan names are known for {', '.join(MODEL_TYPES)} "
+                                             f"models; the checkpoint has {found}")
+        try:
+            self.heads = int(config["num_attention_heads"])
+            self.kv_heads = int(config.get("num_key_value_heads") or self.heads)
+            hidden = int(config["hidden_size"])
+            self.head_dim = int(config.get("head_dim") or hidden // self.heads)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UnsupportedCheckpointError(f"{where}: config.json lacks a usable attention shape ({exc})") from None
+        if (min(self.heads, self.kv_heads, self.head_dim) < 1 or self.heads % self.kv_heads
+                or self.head_dim % 2):
+            raise UnsupportedCheckpointError(f"{where}: config.json's attention shape ({self.heads} heads, "
+                                             f"{self.kv_heads} key/value heads of {self.head_dim}) is not one "
+                                             "torchtitan's Llama3 builds")
+        self.where = where
+
+
+def torchtitan_name(name: str, where: str) -> str:
+    """torchtitan's name of one Hugging Face Llama parameter (or refusal, naming it)."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _LAYER.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise UnsupportedCheckpointError(f"{where}: {name} has no torchtitan Llama3 name (torchtitan's adapter maps "
+                                     "embeddings, attention, MLP, norms and lm_head only)")
+
+
+def optimizer_name(name: str, where: str) -> Optional[str]:
+    """The torchtitan parameter that holds ``name`` for the optimizer: q, k and v all go to the fused
+    ``wqkv`` (q names it, k and v give None: their state is inside q's)."""
+    tt = torchtitan_name(name, where)
+    for part, fused in ((".wq.weight", True), (".wk.weight", False), (".wv.weight", False)):
+        if tt.endswith(".qkv_linear" + part):
+            return tt[:-len("attention.qkv_linear" + part)] + FUSED if fused else None
+    return tt
+
+
+def to_torchtitan_model(tensors: "OrderedDict[str, NewTensor]", heads: Heads) -> "OrderedDict[str, NewTensor]":
+    """The model's entries as torchtitan's state dict has them: renamed, q and k rows permuted."""
+    out: "OrderedDict[str, NewTensor]" = OrderedDict()
+    for name, t in tensors.items():
+        tt = torchtitan_name(name, heads.where)
+        if tt.endswith(".wq.weight"):
+            t = _permuted(name, t, heads.heads, heads)
+        elif tt.endswith(".wk.weight"):
+            t = _permuted(name, t, heads.kv_heads, heads)
+        out[tt] = t
+    return out
+
+
+def to_torchtitan_optimizer(tensors: "OrderedDict[str, NewTensor]", heads: Heads) -> "OrderedDict[str, NewTensor]":
+    """One Adam moment of every parameter keyed as torchtitan's optimizer holds it: q, k and v fused
+    into ``wqkv`` (at q's place), the others renamed."""
+    out: "OrderedDict[str, NewTensor]" = OrderedDict()
+    for name, t in tensors.items():
+        fused = optimizer_name(name, heads.where)
+        if fused is None:
+            continue
+        if fused.endswith(FUSED):
+            k_name, v_name = name.replace(".q_proj.", ".k_proj."), name.replace(".q_proj.", ".v_proj.")
+            missing = [n for n in (k_name, v_name) if n not in tensors]
+            if missing:
+                raise UnsupportedCheckpointError(f"{heads.where}: {missing[0]} is missing, so {name} cannot become "
+                                                 "torchtitan's fused wqkv")
+            t = _fused_qkv(name, t, tensors[k_name], tensors[v_name], heads)
+        out[fused] = t
+    orphans = [n for n in tensors if optimizer_name(n, heads.where) is None
+               and n.replace(".k_proj.", ".q_proj.").replace(".v_proj.", ".q_proj.") not in tensors]
+    if orphans:
+        raise UnsupportedCheckpointError(f"{heads.where}: {orphans[0]} has no q_proj beside it to fuse with")
+    return out
+
+
+def _segments(name: str, t: NewTensor, where: str) -> Segments:
+    """``t``'s bytes as source ranges in order: the tensor must be plain copies that tile it."""
+    if t.data is not None or any(p.src is None or p.rows != 1 or p.kind != KIND_COPY for p in t.pieces):
+        raise UnsupportedCheckpointError(f"{where}: {name} is not assembled from plain copies (a tensor-parallel "
+                                         "merge or a conversion), which torchtitan's row order cannot be laid over")
+    seg, at = Segments(), 0
+    for p in sorted(t.pieces, key=lambda p: p.dst_off):
+        if p.dst_off != at:
+            raise UnsupportedCheckpointError(f"{where}: the pieces of {name} do not tile it (a gap at byte {at})")
+        seg.append(p.src, p.src_off, p.nbytes)
+        at += p.nbytes
+    if at != t.numel() * ITEMSIZE[t.dtype]:
+        raise UnsupportedCheckpointError(f"{where}: the pieces of {name} cover {at} of its "
+                                         f"{t.numel() * ITEMSIZE[t.dtype]} bytes")
+    return seg
+
+
+def _rows(name: str, t: NewTensor, count: int, heads: Heads) -> int:
+    if len(t.shape) != 2 or t.shape[0] != count * heads.head_dim:
+        raise UnsupportedCheckpointError(f"{heads.where}: {name} is {list(t.shape)}, not {count} heads of "
+                                         f"{heads.head_dim} rows as config.json says")
+    return t.shape[1] * ITEMSIZE[t.dtype]
+
+
+def _head(seg: Segments, head: int, row: int, hd: int, dst_row: int, permute: bool) -> List[Piece]:
+    """Head ``head`` of ``seg`` (rows of ``row`` bytes) placed at destination row ``dst_row``, its rows
+    in torchtitan's rotary order when ``permute``: the rows of each half land on every other row."""
+    base = head * hd * row
+    if not permute:
+        return row_pieces(seg.slice(base, hd * row), hd, row, 0, row, dst_row * row, row)
+    half = hd // 2
+    return [p for c in (0, 1)
+            for p in row_pieces(seg.slice(base + c * half * row, half * row), half, row, 0, 2 * row,
+                                (dst_row + c) * row, row)]
+
+
+def _permuted(name: str, t: NewTensor, count: int, heads: Heads) -> NewTensor:
+    row = _rows(name, t, count, heads)
+    seg = _segments(name, t, heads.where)
+    hd = heads.head_dim
+    pieces = [p for h in range(count) for p in _head(seg, h, row, hd, h * hd, True)]
+    return NewTensor(t.dtype, tuple(t.shape), pieces, t.requires_grad)
+
+
+def _fused_qkv(name: str, q: NewTensor, k: NewTensor, v: NewTensor, heads: Heads) -> NewTensor:
+    """``wqkv``: per key/value head g, its query heads (permuted), its key head (permuted), its value head."""
+    row = _rows(name, q, heads.heads, heads)
+    for other, t in (("k", k), ("v", v)):
+        if _rows(f"{name} ({other})", t, heads.kv_heads, heads) != row or t.dtype != q.dtype:
+            raise UnsupportedCheckpointError(f"{heads.where}: the {other} projection beside {name} does not fuse with "
+                                             "it")
+    qs, ks, vs = (_segments(n, t, heads.where) for n, t in ((name, q), (name, k), (name, v)))
+    hd, per = heads.head_dim, heads.heads // heads.kv_heads
+    pieces: List[Piece] = []
+    at = 0  # destination head slot
+    for g in range(heads.kv_heads):
+        for r in range(per):
+            pieces += _head(qs, g * per + r, row, hd, at * hd, True)
+            at += 1
+        pieces += _head(ks, g, row, hd, at * hd, True)
+        pieces += _head(vs, g, row, hd, (at + 1) * hd, False)
+        at += 2
+    rows = (heads.heads + 2 * heads.kv_heads) * hd
+    return NewTensor(q.dtype, (rows, q.shape[1]), pieces, q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def optimizer_renames(names, where: str) -> Dict[str, Optional[str]]:
+    """Every parameter name -> the torchtitan parameter its param group membership and step move to
+    (None for k and v, which the fused wqkv's q entry stands for)."""
+    return {n: optimizer_name(n, where) for n in names}
+
+
+def fused_members(names, where: str) -> List[Tuple[str, str, str]]:
+    """(q, k, v) Hugging Face names of each fused wqkv: they must share one group and one step."""
+    return [(n, n.replace(".q_proj.", ".k_proj."), n.replace(".q_proj.", ".v_proj."))
+            for n in names if (optimizer_name(n, where) or "").endswith(FUSED)]
