@@ -704,3 +704,47 @@ def test_torchtitan_flags_that_contradict_it_are_usage_errors(tmp_path, flags, e
                            "--format", "dcp"] + flags, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 2 and error in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("config", ["outside", "proc", "heads_text", "heads_zero", "heads_not_dividing",
+                                    "kv_not_dividing", "odd_head_dim", "heads_huge", "not_json"])
+def test_torchtitan_reads_a_hostile_config_beside_the_checkpoint_as_one_error(tmp_path, config):
+    """--torchtitan takes the attention shape from the config.json beside the checkpoint: one that
+    links out of it (a secret, /proc) is refused, not followed; heads that are not a number, zero, a
+    shape that does not divide the q/k rows, or an odd head size are one error naming why, before
+    anything is written; the checkpoint is unchanged."""
+    import pyckpt.testing as mc
+    from compare import digest
+
+    tag = mc.make_checkpoint(tmp_path / "ck", dp=2, stage=2, family="llama", layers=1, hidden=32, heads=4,
+                             kv_heads=2, vocab=64)
+    root = tag.parent
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4,
+                                  "token": "s3cr3t"}))
+    base = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
+    bad = {"heads_text": {"num_attention_heads": "four"}, "heads_zero": {"num_attention_heads": 0},
+           "heads_not_dividing": {"num_attention_heads": 3, "num_key_value_heads": 1},
+           "kv_not_dividing": {"num_key_value_heads": 3}, "odd_head_dim": {"head_dim": 7},
+           "heads_huge": {"num_attention_heads": 10 ** 18, "num_key_value_heads": 1}}
+    target = root / "config.json"
+    if config == "outside":
+        target.symlink_to(secret)
+    elif config == "proc":
+        target.symlink_to("/proc/self/environ")
+    elif config == "not_json":
+        target.write_bytes(b"\x80not json")
+    else:
+        target.write_text(json.dumps(dict(base, **bad[config])))
+    before = digest(root)
+    with pytest.raises(pyckpt.PyckptError) as err:
+        pyckpt.export_dcp(root, tmp_path / "out", torchtitan=True, initial_lr=0.1)
+    message = str(err.value)
+    assert "s3cr3t" not in message and "\n" not in message
+    expected = {"outside": "config.json", "proc": "config.json", "not_json": "config.json",
+                "heads_text": "attention shape", "heads_zero": "attention shape",
+                "heads_not_dividing": "not 3 heads", "kv_not_dividing": "attention shape",
+                "odd_head_dim": "attention shape", "heads_huge": "attention shape"}[config]
+    assert expected in message, message
+    assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["ck", "secret.json"]
+    assert digest(root) == before

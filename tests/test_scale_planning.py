@@ -185,6 +185,32 @@ def test_convert_and_export_succeed_under_a_descriptor_limit_far_below_the_file_
         assert outs[64] == outs[None] and outs[64]
 
 
+@pytest.mark.slow
+def test_verify_and_the_torchtitan_export_succeed_under_a_descriptor_limit(tmp_path):
+    """verify --against reads the input's bytes to compare them: with more rank files than the
+    descriptor limit (a Llama at dp 1,200 under 1,024, the shell default) it still checks every
+    file, of a Universal Checkpoint and of a DCP export, and the --torchtitan export (whose q/k
+    permutation makes pieces of every rank) is written and verified too."""
+    import json
+
+    limit = 1024
+    # the real vocabulary (128,256 rows of 8): every rank's partition holds bytes of some parameter
+    tag = mc.make_checkpoint(tmp_path / "ck", dp=limit + 176, stage=2, family="llama", layers=2, hidden=8,
+                             heads=2, kv_heads=1)
+    (tag.parent / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8,
+                                                        "num_attention_heads": 2, "num_key_value_heads": 1}))
+    assert len(os.listdir(tag)) > limit
+    uni, dcp, titan = tmp_path / "universal", tmp_path / "dcp", tmp_path / "titan"
+    for args in ([str(tag), str(uni)], ["export", str(tag.parent), str(dcp), "--format", "dcp"],
+                 ["export", str(tag.parent), str(titan), "--format", "dcp", "--torchtitan", "--initial-lr", "0.1"],
+                 ["verify", str(uni), "--against", str(tag)], ["verify", str(dcp), "--against", str(tag.parent)],
+                 ["verify", str(titan), "--against", str(tag.parent)]):
+        module = "pyckpt.convert" if args[0] not in ("export", "verify") else "pyckpt"
+        run = subprocess.run([sys.executable, "-m", module, *args, "--quiet"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600, preexec_fn=_limited(limit))
+        assert run.returncode == 0, (args, run.stdout[-1000:], run.stderr[-2000:])
+
+
 def test_a_released_file_parses_again_and_notices_a_change(tmp_path):
     """Discovery lets go of each rank's parsed shard once it has its records (memory flat in dp); a
     later load() reads the file again, and refuses one whose records changed meanwhile."""

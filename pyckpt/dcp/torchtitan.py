@@ -64,7 +64,7 @@ class Heads:
             self.heads = int(config["num_attention_heads"])
             self.kv_heads = int(config.get("num_key_value_heads") or self.heads)
             hidden = int(config["hidden_size"])
-            self.head_dim = int(config.get("head_dim") or hidden // self.heads)
+            self.head_dim = int(config.get("head_dim") or (hidden // self.heads if self.heads > 0 else 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise UnsupportedCheckpointError(f"{where}: config.json lacks a usable attention shape ({exc})") from None
         if (min(self.heads, self.kv_heads, self.head_dim) < 1 or self.heads % self.kv_heads

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Dict, Optional, Tuple
+from collections import OrderedDict
+from typing import Optional, Tuple
 
 from ...errors import CheckpointFormatError, PyckptError, VerifyInputError, metadata_errors
 from ...formats.dtype_cast import cast_bytes
@@ -25,6 +26,8 @@ from .report import VerifyReport
 # Planned tensors whose bytes need reordering or dtype conversion are assembled in memory to be
 # CRC'd; above this size they are checked for shape and size only (counted in the report).
 _ASSEMBLE_LIMIT = 512 << 20
+# Descriptors the comparison keeps open at once (_Reader), well under a soft `ulimit -n` of 1024
+_OPEN_FILES = 128
 
 
 def verify_against(folder, against, report, files: CheckedFiles, inject_missing_state, dense_only, content):
@@ -199,17 +202,24 @@ def _planned_crc(t, reader: "_Reader") -> Optional[int]:
 
 
 class _Reader:
-    """Reads byte ranges of checked files through one descriptor per file: a ZeRO plan has a piece
-    per parameter per rank, and opening the shard for each would dominate the comparison."""
+    """Reads byte ranges of checked files through a descriptor kept per file: a ZeRO plan has a
+    piece per parameter per rank, and opening the shard for each would dominate the comparison. At
+    most _OPEN_FILES stay open (the least recently read is closed first), so a checkpoint of
+    thousands of rank files is compared under a soft `ulimit -n` of 1024; pieces come in output
+    order, which walks the ranks in order, so a file is rarely opened twice."""
 
     def __init__(self):
-        self._fds: Dict[str, Tuple[int, int]] = {}
+        self._fds: "OrderedDict[str, Tuple[int, int]]" = OrderedDict()
 
     def read(self, sf, off: int, n: int) -> bytes:
         entry = self._fds.get(sf.path)
         if entry is None:
+            if len(self._fds) >= _OPEN_FILES:
+                os.close(self._fds.popitem(last=False)[1][0])
             fd = open_regular(sf.path)
             entry = self._fds[sf.path] = (fd, os.fstat(fd).st_size)
+        else:
+            self._fds.move_to_end(sf.path)
         fd, size = entry
         if off < 0 or n < 0 or off + n > size:
             raise CheckpointFormatError(f"{sf.path}: byte range [{off}, {off + n}) is outside the {size}-byte file")
