@@ -96,6 +96,16 @@ def optimizer_name(name: str, where: str) -> Optional[str]:
     return tt
 
 
+def _kv_of(q_name: str) -> Tuple[str, str]:
+    """The Hugging Face k and v projections fused with the q projection ``q_name``."""
+    return q_name.replace(".q_proj.", ".k_proj."), q_name.replace(".q_proj.", ".v_proj.")
+
+
+def _q_of(member: str) -> str:
+    """The q projection a k or v projection is fused with."""
+    return member.replace(".k_proj.", ".q_proj.").replace(".v_proj.", ".q_proj.")
+
+
 def to_torchtitan_model(tensors: "OrderedDict[str, NewTensor]", heads: Heads) -> "OrderedDict[str, NewTensor]":
     """The model's entries as torchtitan's state dict has them: renamed, q and k rows permuted."""
     out: "OrderedDict[str, NewTensor]" = OrderedDict()
@@ -118,15 +128,14 @@ def to_torchtitan_optimizer(tensors: "OrderedDict[str, NewTensor]", heads: Heads
         if fused is None:
             continue
         if fused.endswith(FUSED):
-            k_name, v_name = name.replace(".q_proj.", ".k_proj."), name.replace(".q_proj.", ".v_proj.")
-            missing = [n for n in (k_name, v_name) if n not in tensors]
+            kv = _kv_of(name)
+            missing = [n for n in kv if n not in tensors]
             if missing:
                 raise UnsupportedCheckpointError(f"{heads.where}: {missing[0]} is missing, so {name} cannot become "
                                                  "torchtitan's fused wqkv")
-            t = _fused_qkv(name, t, tensors[k_name], tensors[v_name], heads)
+            t = _fused_qkv((name, *kv), (t, *(tensors[n] for n in kv)), heads)
         out[fused] = t
-    orphans = [n for n in tensors if optimizer_name(n, heads.where) is None
-               and n.replace(".k_proj.", ".q_proj.").replace(".v_proj.", ".q_proj.") not in tensors]
+    orphans = [n for n in tensors if optimizer_name(n, heads.where) is None and _q_of(n) not in tensors]
     if orphans:
         raise UnsupportedCheckpointError(f"{heads.where}: {orphans[0]} has no q_proj beside it to fuse with")
     return out
@@ -176,14 +185,15 @@ def _permuted(name: str, t: NewTensor, count: int, heads: Heads) -> NewTensor:
     return NewTensor(t.dtype, tuple(t.shape), pieces, t.requires_grad)
 
 
-def _fused_qkv(name: str, q: NewTensor, k: NewTensor, v: NewTensor, heads: Heads) -> NewTensor:
+def _fused_qkv(names: Tuple[str, str, str], qkv: Tuple[NewTensor, NewTensor, NewTensor], heads: Heads) -> NewTensor:
     """``wqkv``: per key/value head g, its query heads (permuted), its key head (permuted), its value head."""
-    row = _rows(name, q, heads.heads, heads)
-    for other, t in (("k", k), ("v", v)):
-        if _rows(f"{name} ({other})", t, heads.kv_heads, heads) != row or t.dtype != q.dtype:
-            raise UnsupportedCheckpointError(f"{heads.where}: the {other} projection beside {name} does not fuse with "
-                                             "it")
-    qs, ks, vs = (_segments(n, t, heads.where) for n, t in ((name, q), (name, k), (name, v)))
+    q, k, v = qkv
+    row = _rows(names[0], q, heads.heads, heads)
+    for n, t in zip(names[1:], (k, v)):
+        if _rows(n, t, heads.kv_heads, heads) != row or t.dtype != q.dtype:
+            raise UnsupportedCheckpointError(f"{heads.where}: {n} does not fuse with {names[0]} (its rows' size "
+                                             "or dtype differ)")
+    qs, ks, vs = (_segments(n, t, heads.where) for n, t in zip(names, qkv))
     hd, per = heads.head_dim, heads.heads // heads.kv_heads
     pieces: List[Piece] = []
     at = 0  # destination head slot
@@ -206,5 +216,4 @@ def optimizer_renames(names, where: str) -> Dict[str, Optional[str]]:
 
 def fused_members(names, where: str) -> List[Tuple[str, str, str]]:
     """(q, k, v) Hugging Face names of each fused wqkv: they must share one group and one step."""
-    return [(n, n.replace(".q_proj.", ".k_proj."), n.replace(".q_proj.", ".v_proj."))
-            for n in names if (optimizer_name(n, where) or "").endswith(FUSED)]
+    return [(n, *_kv_of(n)) for n in names if (optimizer_name(n, where) or "").endswith(FUSED)]
