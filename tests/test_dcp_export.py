@@ -201,15 +201,7 @@ def test_hf_names_reads_a_hostile_config_beside_the_checkpoint_as_an_error(check
     shutil.copytree(checkpoints["ep_s2_bf16"].root, root)
     secret = tmp_path / "secret.json"
     secret.write_text(json.dumps({"model_type": "mixtral", "token": "s3cr3t"}))
-    target = root / "config.json"
-    if config == "outside":
-        target.symlink_to(secret)
-    elif config == "proc":
-        target.symlink_to("/proc/self/environ")
-    elif config == "model_type_list":
-        target.write_text(json.dumps({"model_type": ["mixtral"]}))
-    else:
-        target.write_bytes(b"\x80not json")
+    _plant_config(root / "config.json", secret, config, {"model_type": ["mixtral"]})
     before = digest(root)
     with pytest.raises(pyckpt.PyckptError) as err:
         pyckpt.export_dcp(root, tmp_path / "out", hf_names=True)
@@ -219,6 +211,19 @@ def test_hf_names_reads_a_hostile_config_beside_the_checkpoint_as_an_error(check
             "not_json": "config.json"}[config] in message, message
     assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["ckpt", "secret.json"]
     assert digest(root) == before
+
+
+def _plant_config(target: Path, secret: Path, config: str, values: dict) -> None:
+    """A config.json beside a checkpoint: a link to ``secret`` outside it ("outside"), to /proc
+    ("proc"), bytes that are not JSON ("not_json"), or ``values``."""
+    if config == "outside":
+        target.symlink_to(secret)
+    elif config == "proc":
+        target.symlink_to("/proc/self/environ")
+    elif config == "not_json":
+        target.write_bytes(b"\x80not json")
+    else:
+        target.write_text(json.dumps(values))
 
 
 @pytest.mark.parametrize("field,value", [("optim_layout", "sideways"), ("hf_names", "yes"), ("torchtitan", "yes"),
@@ -727,15 +732,7 @@ def test_torchtitan_reads_a_hostile_config_beside_the_checkpoint_as_one_error(tm
            "heads_not_dividing": {"num_attention_heads": 3, "num_key_value_heads": 1},
            "kv_not_dividing": {"num_key_value_heads": 3}, "odd_head_dim": {"head_dim": 7},
            "heads_huge": {"num_attention_heads": 10 ** 18, "num_key_value_heads": 1}}
-    target = root / "config.json"
-    if config == "outside":
-        target.symlink_to(secret)
-    elif config == "proc":
-        target.symlink_to("/proc/self/environ")
-    elif config == "not_json":
-        target.write_bytes(b"\x80not json")
-    else:
-        target.write_text(json.dumps(dict(base, **bad[config])))
+    _plant_config(root / "config.json", secret, config, dict(base, **bad.get(config, {})))
     before = digest(root)
     with pytest.raises(pyckpt.PyckptError) as err:
         pyckpt.export_dcp(root, tmp_path / "out", torchtitan=True, initial_lr=0.1)
