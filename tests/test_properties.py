@@ -28,7 +28,7 @@ from pyckpt.formats.pickle_read import StorageRef, TensorRef
 from pyckpt.tensors import ITEMSIZE
 from pyckpt.zero.tp_merge import Slice, TpRules
 from pyckpt.zero.optimizer_state import STATES
-from pyckpt.zero.stage12 import _fragments, _state_segments
+from pyckpt.zero.stage12 import _gather
 from pyckpt.zero.shards import zero_shard_of
 from pyckpt.zero.stage3_partition import rank_pieces
 
@@ -209,15 +209,15 @@ def test_zero12_fragments_reassemble_each_parameter(workdir, groups, dp, dtype, 
         }
         shards.append(zero_shard_of(sf, osd, r, dp))
 
-    frags = _fragments(shards)
-    assert set(frags) == {n for ns in numels_by_group for n in ns}
+    # one walk over the shards (iter: a row is walked once, as a ShardRow reads them)
+    held, holdings = _gather(iter(shards), STATES, dp, False, set(), None)
+    assert holdings == {}
+    assert set(held) == {n for ns in numels_by_group for n in ns}
     for g, numels in enumerate(numels_by_group):
         pos = 0
         for name, n in numels.items():
-            ranks_in_order = [shard.dp_rank for shard, _, _ in frags[name]]
-            assert ranks_in_order == sorted(ranks_in_order)
             for state in STATES:
-                seg, got_dtype, _ = _state_segments(name, state, frags[name])
+                seg, got_dtype, _ = held[name].states[state]
                 assert got_dtype == dtype
                 assert_exact(seg.pieces(), flat[(g, state)][pos:pos + n].tobytes())
             pos += n

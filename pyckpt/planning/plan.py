@@ -45,6 +45,9 @@ class Segments:
     rows of the full expert tensor) on these, and only the final pieces become copy ops.
     """
 
+    # One per parameter and state while a plan is made, each holding a range per rank it spans.
+    __slots__ = ("parts", "nbytes")
+
     def __init__(self, parts=()):
         self.parts: List[Tuple[Any, int, int]] = []  # (source file, absolute offset, nbytes)
         self.nbytes = 0

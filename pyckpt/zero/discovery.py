@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..formats.confined import check_links_inside, inside, read_small_text
@@ -18,6 +18,7 @@ from ..formats.torch_zip import SourceFile, iter_sources
 from ..planning.collector import pauses_collector
 from .model_states import ModelStates, read_model_states
 from .names import check_tag, missing_ranks
+from .shard_row import ShardRow
 from .shards import ZeroShard, read_zero_shard, read_zero_stage
 
 _ZERO_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -96,8 +97,9 @@ class ZeroCheckpoint:
     dp: int
     tp: int = 1
     pp: int = 1
-    # optim_grid[mp][dp]: the ZeRO shards (mp = pp_rank * tp_degree + tp_rank; ZeRO-3: the tp rank)
-    optim_grid: List[List[ZeroShard]] = field(default_factory=list)
+    # optim_grid[mp][dp]: the ZeRO shards (mp = pp_rank * tp_degree + tp_rank; ZeRO-3: the tp rank);
+    # ZeRO-1/2: rows that read their shards when walked (ShardRow), ZeRO-3: lists of records
+    optim_grid: List[Sequence[ZeroShard]] = field(default_factory=list)
     # ZeRO-1/2: the mp_rank_* model states, by mp rank; ZeRO-3: model_grid[tp][dp]
     model: List[ModelStates] = field(default_factory=list)
     model_grid: List[List[ModelStates]] = field(default_factory=list)
@@ -184,20 +186,18 @@ def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
     if sorted(grid) != list(range(pp * tp)):
         raise CheckpointFormatError(f"{folder}: ZeRO shards exist for mp ranks {sorted(grid)}, but the model states "
                                     f"say pp={pp} x tp={tp}")
-    optim_grid = _read_shards(folder, grid, first, range(pp * tp), dp, stage)
-    for shard in (shard for row in optim_grid for shard in row):
-        counts = shard.partition_counts
-        # Dense groups are partitioned over all dp ranks; expert groups over their expert-data-parallel
-        # group, a divisor of dp. A missing top rank file shows up as a largest count != files present.
-        if counts and (max(counts) != dp or any(dp % c for c in counts)):
-            raise CheckpointFormatError(f"{shard.path}: partition_count {list(counts)} disagrees with the {dp} optimizer "
-                                        "shards present in the folder (a rank file is missing or foreign)")
+    # Each row reads its dp rank 0 here and the others when a planner walks it (see ShardRow).
+    optim_grid = []
+    for m in range(pp * tp):
+        row = [grid[m][r] for r in range(dp)]
+        rank0 = first if os.path.basename(first.path) == row[0] else SourceFile(os.path.join(folder, row[0]))
+        optim_grid.append(ShardRow(folder, row, read_zero_shard(rank0, 0, dp), stage))
     return ZeroCheckpoint(folder, stage, dp, tp, pp, optim_grid, model, model_files=list(model),
                           bf16_prefix=zero_names[0].startswith("bf16_"), names=list(names))
 
 
 def _read_shards(folder, grid, first, mp_ranks, dp, stage) -> List[List[ZeroShard]]:
-    """Every shard read into its record, by mp rank then dp rank; all of one ZeRO stage."""
+    """ZeRO-3: every shard read into its record, by tp rank then dp rank."""
     opened = {os.path.basename(first.path): first}
     rows = []
     for m in mp_ranks:

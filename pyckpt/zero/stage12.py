@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import AutoEPError, CheckpointFormatError, UnsupportedCheckpointError
@@ -19,12 +20,13 @@ from ..formats.pickle_read import TensorRef
 from ..native import CONVERT_TO_F32
 from ..planning.plan import Piece, Segments
 from ..planning.state import CheckpointState
-from .autoep.layers import ZERO12_PATTERNS, aggregate_zero12, check_expert_files, resaved_model_states
+from .autoep.layers import (ZERO12_PATTERNS, aggregate_zero12, check_expert_files, resaved_model_states,
+                            zero12_param_info)
 from .autoep.stage12 import Holding, plan_zero12_experts
 from .discovery import ZeroCheckpoint, expert_files_in
-from .optimizer_state import STATES, agreed_step, universal_optimizer_state
+from .optimizer_state import STATES, universal_optimizer_state
 from .tp_merge import Slice, TpRules
-from .shards import ZeroShard
+from .shards import Step
 
 
 def universal_checkpoint_info(ck: ZeroCheckpoint, inject_missing_state: bool):
@@ -39,30 +41,62 @@ def universal_checkpoint_info(ck: ZeroCheckpoint, inject_missing_state: bool):
     return info
 
 
-def _fragments(shards: List[ZeroShard]) -> Dict[str, List[Holding]]:
-    """name -> [(shard, group, fragment)] in dp order, from one mp rank's shards."""
-    out: Dict[str, List[Holding]] = {}
-    for shard in shards:
+@dataclass(slots=True)
+class _Held:
+    """One parameter's fragments on one mp rank, gathered in dp order: per wanted state its bytes
+    (Segments), dtype and requires_grad; the step of the first rank that saved one, and whether a
+    later rank's differs."""
+
+    states: Dict[str, list]
+    step: Optional[Step] = None
+    steps_differ: bool = False
+
+
+def _gather(row, wanted, dp: int, want_step: bool, keep: set, expert_groups: Optional[set]
+            ) -> Tuple[Dict[str, _Held], Dict[str, List[Holding]]]:
+    """One walk over an mp rank's shards (a ShardRow reads them as it goes): every parameter's byte
+    ranges of each wanted state, so that no shard record outlives its turn. Parameters in ``keep``
+    (AutoEP experts, planned by their own rules) get their (shard, group, fragment) holdings instead;
+    with ``expert_groups`` (a set to fill), parameters of groups partitioned over fewer than dp ranks
+    (DeepSpeed-MoE expert groups) are named there and not gathered."""
+    held_by_name: Dict[str, _Held] = {}
+    holdings: Dict[str, List[Holding]] = {}
+    for shard in row:
+        skipped = ()
+        if expert_groups is not None:
+            counts = shard.partition_counts
+            skipped = {g for g in range(len(shard.slice_mappings)) if g < len(counts) and counts[g] != dp}
+            for g in skipped:
+                expert_groups.update(shard.slice_mappings[g])
         for group in shard.groups:
+            if group.index in skipped:
+                continue
             for name, frag in shard.slice_mappings[group.index].items():
-                out.setdefault(name, []).append((shard, group, frag))
-    return out
-
-
-def _state_segments(name, state_name, held: List[Holding]) -> Tuple[Segments, str, bool]:
-    seg, dtype, requires_grad = Segments(), None, False
-    for shard, group, frag in held:
-        src = group.tensor(state_name)
-        if src is None:
-            raise CheckpointFormatError(f"{shard.path}: group {group.index} has no {state_name} tensor for {name}")
-        if dtype is None:
-            dtype = src.dtype
-        elif src.dtype != dtype:
-            raise CheckpointFormatError(f"{shard.path}: {state_name} of {name} is {src.dtype} here but {dtype} on a "
-                                        "lower dp rank")
-        requires_grad |= src.requires_grad
-        seg.append(shard.file, *shard.file.tensor_byte_range(src, frag.start, frag.numel))
-    return seg, dtype, requires_grad
+                if name in keep:
+                    holdings.setdefault(name, []).append((shard, group, frag))
+                    continue
+                held = held_by_name.get(name)
+                if held is None:
+                    held = held_by_name[name] = _Held({s: [Segments(), None, False] for s in wanted})
+                for state_name, acc in held.states.items():
+                    src = group.tensor(state_name)
+                    if src is None:
+                        raise CheckpointFormatError(f"{shard.path}: group {group.index} has no {state_name} tensor "
+                                                    f"for {name}")
+                    if acc[1] is None:
+                        acc[1] = src.dtype
+                    elif src.dtype != acc[1]:
+                        raise CheckpointFormatError(f"{shard.path}: {state_name} of {name} is {src.dtype} here but "
+                                                    f"{acc[1]} on a lower dp rank")
+                    acc[2] |= src.requires_grad
+                    acc[0].append(shard.file, *shard.file.tensor_byte_range(src, frag.start, frag.numel))
+                step = group.step if want_step else None
+                if step is not None:
+                    if held.step is None:
+                        held.step = step
+                    elif not held.steps_differ and step.key() != held.step.key():
+                        held.steps_differ = True
+    return held_by_name, holdings
 
 
 def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state: bool = False,
@@ -80,7 +114,6 @@ def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state
     if layers is not None and ck.tp * ck.pp != 1:
         raise UnsupportedCheckpointError(f"{ck.folder}: ZeRO-1/2 Universal Checkpoint conversion for AutoEP with "
                                          f"tensor or pipeline parallelism (tp={ck.tp}, pp={ck.pp}) is not supported.")
-    frags_by_mp = [_fragments(shards) for shards in ck.optim_grid]
     replicated_pp = list(info.get("pipeline_replicated_parameter_patterns") or [])
 
     # name -> per-tp shape (pipeline stages of one tp rank must agree), in DeepSpeed's union
@@ -96,12 +129,20 @@ def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state
 
     written = set()
     experts = set()
+    expert_files = check_expert_files(ck.folder, ck.names, layers) if layers is not None else None
+    autoep_names = set(zero12_param_info(layers, ck.model[0].path)) if layers is not None else set()
+    # dense_only: leave out what lives in expert-parallel param groups
+    expert_groups = set() if layers is None and expert_file_names else None
+    wanted = state.wanted(STATES)
+    gathered, holdings = [], {}
+    for row in ck.optim_grid:  # AutoEP has one row (tp = pp = 1, checked above)
+        held, holdings = _gather(row, wanted, ck.dp, state.wants("step"), autoep_names, expert_groups)
+        gathered.append(held)
     if layers is not None:
-        expert_files = check_expert_files(ck.folder, ck.names, layers)
-        experts = plan_zero12_experts(ck, state, frags_by_mp[0], layers, data_before_expert, expert_files)
+        experts = plan_zero12_experts(ck, state, holdings, layers, data_before_expert, expert_files)
         written |= experts
-    elif expert_file_names:  # dense_only: leave out what lives in expert-parallel param groups
-        experts = _expert_group_params([shard for row in ck.optim_grid for shard in row], ck.dp)
+    elif expert_groups is not None:
+        experts = expert_groups
         written |= experts
         state.notes.append(f"  dense only: {len(experts)} expert parameter(s) and {len(expert_file_names)} native "
                           "MoE expert files left out")
@@ -116,14 +157,14 @@ def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state
                 if pp > 0 and any(re.match(p, name) for p in replicated_pp):
                     continue  # tied weights replicated on the last stage are taken from the first
                 m = pp * ck.tp + t
-                if frags_by_mp[m].get(name):
-                    holders.append((m, frags_by_mp[m][name]))
+                if name in gathered[m]:
+                    holders.append((m, gathered[m][name]))
             sources.append(holders)
         if not any(sources):
             continue  # no optimizer state: the module fallback below writes fp32.pt, as DeepSpeed does
         params += 1
         written.add(name)
-        for state_name in state.wanted(STATES):
+        for state_name in wanted:
             slices = []
             for t, holders in enumerate(sources):
                 shape = shapes[t]
@@ -135,7 +176,7 @@ def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state
                                                     f"recorded shape {shape} is not empty.")
                     slices.append(Slice(Segments(), shape, "float32"))
                     continue
-                segs = [(_state_segments(name, state_name, fr), m) for m, fr in holders]
+                segs = [(held.states[state_name], m) for m, held in holders]
                 (seg, dtype, rg), m0 = segs[0]
                 for (other, _, _), m in segs[1:]:
                     if other.read() != seg.read():
@@ -153,15 +194,16 @@ def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state
             merged = rules.merge(name, slices, state_name)
             if merged is not None:
                 state.put(name, state_name, merged)
-        # On each tp rank the dp ranks of the first stage holding the parameter must agree on its
-        # step; DeepSpeed writes the first tp rank's.
+        for m in range(len(gathered)):
+            gathered[m].pop(name, None)  # its byte ranges are pieces now
         if not state.wants("step"):
             continue
-        steps = [agreed_step([g.step for _, g, _ in holders[0][1] if g.step is not None],
-                             lambda _: CheckpointFormatError(f"{ck.folder}: dp ranks disagree on the Adam step of "
-                                                             f"{name}"))
-                 for holders in sources if holders]
-        step = next((s for s in steps if s is not None), None)
+        # On each tp rank the dp ranks of the first stage holding the parameter must agree on its
+        # step; DeepSpeed writes the first tp rank's.
+        for held in (holders[0][1] for holders in sources if holders):
+            if held.steps_differ:
+                raise CheckpointFormatError(f"{ck.folder}: dp ranks disagree on the Adam step of {name}")
+        step = next((holders[0][1].step for holders in sources if holders and holders[0][1].step is not None), None)
         if step is not None:
             state.put(name, "step", step.output())
 
@@ -186,16 +228,6 @@ def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state
         else:
             state.copy_model_file(os.path.basename(mf.path), mf.file)
     return {"params": params, "fallback_params": fallback, "experts": len(experts)}
-
-
-def _expert_group_params(shards: List[ZeroShard], dp: int) -> set:
-    """Parameters of param groups partitioned over fewer ranks than dp: DeepSpeed-MoE expert groups."""
-    names = set()
-    for shard in shards:
-        for g, mapping in enumerate(shard.slice_mappings):
-            if g < len(shard.partition_counts) and shard.partition_counts[g] != dp:
-                names.update(mapping)
-    return names
 
 
 def _as_float32(sf, name: str, t: TensorRef) -> NewTensor:
