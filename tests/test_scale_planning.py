@@ -403,12 +403,12 @@ def test_the_shared_value_table_is_bounded(monkeypatch):
     assert pickle_read.shared_value(late) is late
 
 
-def test_a_plan_holds_a_few_kilobytes_per_rank(tmp_path):
-    """What a ZeRO-2 plan keeps per rank (its source file, its record, its pieces), measured as
-    the Python heap still held after planning, between dp 64 and dp 512 of one model: 3.3 KB per
-    rank when written, 4.9 KB before the records lost their per-instance dicts and shared their
-    equal values. The ceiling catches a record that starts keeping a parsed file again (a rank's
-    parsed optimizer state is several KB)."""
+def test_a_plan_holds_about_a_kilobyte_per_rank(tmp_path):
+    """What a ZeRO-2 plan keeps per rank (its source file and its pieces), measured as the Python
+    heap still held after planning, between dp 64 and dp 512 of one model: 1.0 KB per rank since
+    the shard records are read as walked and pieces are packed; 3.3 KB while every rank's record
+    was kept, 4.9 KB before the records lost their per-instance dicts. The ceiling catches a plan
+    that starts keeping a rank's record or parsed file again (each is 2 KB or more)."""
     import gc
     import tracemalloc
 
@@ -425,4 +425,4 @@ def test_a_plan_holds_a_few_kilobytes_per_rank(tmp_path):
             tracemalloc.stop()
         del ck, plan
     per_rank = (held[512] - held[64]) / (512 - 64)
-    assert 0 < per_rank <= 4096, per_rank
+    assert 0 < per_rank <= 1536, per_rank

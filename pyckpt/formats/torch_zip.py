@@ -50,14 +50,14 @@ class SourceFile:
     read the member table and data.pkl already; without it the file is opened here."""
 
     # One per rank file of a checkpoint, held for the whole plan: no per-instance dict.
-    __slots__ = ("path", "size", "prefix", "_members", "_members_digest", "_pickle_bytes", "_obj", "_loaded",
+    __slots__ = ("path", "size", "_prefix", "_members", "_members_digest", "_pickle_bytes", "_obj", "_loaded",
                  "_scan")
 
     def __init__(self, path: str, head=None):
         self.path = os.fspath(path)
         if head is None:
             head = self._read_head()
-        self.size, self.prefix, self._members, self._pickle_bytes = head
+        self.size, self._prefix, self._members, self._pickle_bytes = head
         self._members_digest = None  # set while the member table is let go (release)
         pkl = self.prefix + "/data.pkl"
         if pkl not in self.members:
@@ -87,6 +87,13 @@ class SourceFile:
             raise CheckpointFormatError(f"{self.path}: file not found") from None
 
     @property
+    def prefix(self) -> str:
+        """The folder name every member sits under (torch.save's archive name), read again if let go."""
+        if self._prefix is None:
+            self._reread()
+        return self._prefix
+
+    @property
     def members(self) -> Dict[str, Tuple[int, int, int]]:
         """Member name -> (absolute data offset, size, CRC-32), read again if it was let go."""
         if self._members is None:
@@ -94,7 +101,7 @@ class SourceFile:
         return self._members
 
     def release(self) -> None:
-        """Let go of the parsed pickle, its bytes and the member table. A planner reading thousands
+        """Let go of the parsed pickle, its bytes, the member table and its prefix. A planner reading thousands
         of files (one per rank, one per AutoEP expert) keeps the records it took from each, not
         every file's whole object: the member table alone was 2.4 KB a file, the largest per-rank
         cost of a 4,096-rank plan. A later load() or members reads the file again, and refuses it if
@@ -102,6 +109,7 @@ class SourceFile:
         if self._members is not None:
             self._members_digest = _members_digest(self.size, self.prefix, self._members)
         self._obj, self._loaded, self._scan, self._pickle_bytes, self._members = None, False, None, None, None
+        self._prefix = None
 
     def _reread(self) -> None:
         size, prefix, members, data = self._read_head()
@@ -112,7 +120,7 @@ class SourceFile:
         if not same or data is None:
             raise CheckpointFormatError(f"{self.path}: changed while pyckpt was reading it (its records differ from "
                                         "when it was first opened)")
-        self._members, self._members_digest = members, None
+        self._members, self._members_digest, self._prefix = members, None, prefix
         self._pickle_bytes = data
 
     def _pickle_scan(self):

@@ -13,6 +13,9 @@ from .tp_merge import PATTERN_KEYS
 
 def describe(path) -> dict:
     ck = discover(path)
+    for row in ck.optim_grid:  # every shard read and checked, as a conversion would (ZeRO-1/2 rows read when walked)
+        for _ in row:
+            pass
     model = ck.model[0]
     shapes, frozen = model.shapes, model.frozen
     lp_dtypes = Counter(t.dtype for t in model.module.values() if t.numel() > 0)
