@@ -67,7 +67,8 @@ def raw_source(workdir, records, gap=3):
     with open(path, "wb") as f:
         f.write(blob)
     sf = SourceFile.__new__(SourceFile)
-    sf.path, sf.size, sf._prefix, sf._members, sf._members_digest = path, len(blob), "arc", members, None
+    sf._dir, sf._name = os.path.dirname(path) + "/", os.path.basename(path)
+    sf.size, sf._prefix, sf._members, sf._members_digest = len(blob), "arc", members, None
     sf._obj, sf._loaded = None, True
     return sf
 

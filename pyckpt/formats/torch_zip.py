@@ -10,7 +10,8 @@ import concurrent.futures
 import hashlib
 import os
 import stat
-from typing import Any, Dict, Iterator, Tuple
+import sys
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from ..errors import CheckpointFormatError
 from ..native import _core, native_errors, scan_pickle
@@ -49,12 +50,16 @@ class SourceFile:
     ``head`` is the file's entry from ``_core.read_archive_heads`` (see :func:`iter_sources`), which
     read the member table and data.pkl already; without it the file is opened here."""
 
-    # One per rank file of a checkpoint, held for the whole plan: no per-instance dict.
-    __slots__ = ("path", "size", "_prefix", "_members", "_members_digest", "_pickle_bytes", "_obj", "_loaded",
-                 "_scan")
+    # One per rank file of a checkpoint, held for the whole plan: no per-instance dict, and the path
+    # kept as its folder (one string for all the files in it) and its name (the folder listing's
+    # string where iter_sources is given one).
+    __slots__ = ("_dir", "_name", "size", "_prefix", "_members", "_members_digest", "_pickle_bytes", "_obj",
+                 "_loaded", "_scan")
 
     def __init__(self, path: str, head=None):
-        self.path = os.fspath(path)
+        path = os.fspath(path)
+        cut = path.rfind("/") + 1
+        self._dir, self._name = sys.intern(path[:cut]), path[cut:]
         if head is None:
             head = self._read_head()
         self.size, self._prefix, self._members, self._pickle_bytes = head
@@ -85,6 +90,10 @@ class SourceFile:
                 return ar.size, ar.prefix, members, ar.read(pkl) if small else None
         except FileNotFoundError:
             raise CheckpointFormatError(f"{self.path}: file not found") from None
+
+    @property
+    def path(self) -> str:
+        return self._dir + self._name
 
     @property
     def prefix(self) -> str:
@@ -231,33 +240,44 @@ class SourceFile:
         return f"SourceFile({self.path!r})"
 
 
-def iter_sources(paths, workers: int = 0) -> Iterator[SourceFile]:
-    """``SourceFile(p)`` for every path, in order, the archives opened and indexed on native threads.
+def iter_sources(paths, workers: int = 0, folder: Optional[str] = None) -> Iterator[SourceFile]:
+    """``SourceFile(p)`` for every path, in order, the archives opened and indexed on native threads;
+    with ``folder``, ``paths`` are names in it (a listing's strings, which the files then keep).
 
     Planning at frontier scale reads tens of thousands of files' metadata; this leaves the calling
     thread only the unpickling. Reads go in chunks so that the pickles waiting for the parser stay
-    a bounded amount of memory (two chunks), and the next chunk is read while the caller parses
-    this one: on a DeepSeek-V3-shaped checkpoint the 14,848 expert files took as long to open as to
-    parse. A file the batch could not read is opened alone when its turn comes, so its refusal is
-    the one ``SourceFile`` gives, after every file before it."""
-    paths = [os.fspath(p) for p in paths]
-    chunks = [paths[lo:lo + _HEAD_CHUNK] for lo in range(0, len(paths), _HEAD_CHUNK)]
+    a bounded amount of memory (two chunks; the paths of a chunk are made when it is read), and the
+    next chunk is read while the caller parses this one: on a DeepSeek-V3-shaped checkpoint the
+    14,848 expert files took as long to open as to parse. A file the batch could not read is opened
+    alone when its turn comes, so its refusal is the one ``SourceFile`` gives, after every file
+    before it."""
+    items = paths if isinstance(paths, (list, tuple)) else list(paths)
+    chunks = [items[lo:lo + _HEAD_CHUNK] for lo in range(0, len(items), _HEAD_CHUNK)]
     cap = max_pickle_bytes()
 
+    def full(item) -> str:
+        return os.path.join(folder, item) if folder is not None else os.fspath(item)
+
     def read(chunk):
-        return _core.read_archive_heads(chunk, "data.pkl", cap, workers)
+        return _core.read_archive_heads([full(item) for item in chunk], "data.pkl", cap, workers)
+
+    def opened(item, head) -> SourceFile:
+        sf = SourceFile(full(item), head)
+        if folder is not None and sf._name == item:
+            sf._name = item  # the listing's string, not a copy
+        return sf
 
     if len(chunks) <= 1:
         for chunk in chunks:
-            yield from (SourceFile(p, head) for p, head in zip(chunk, read(chunk)))
+            yield from (opened(item, head) for item, head in zip(chunk, read(chunk)))
         return
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pyckpt-heads") as pool:
         pending = pool.submit(read, chunks[0])
         for i, chunk in enumerate(chunks):
             heads = pending.result()
             pending = pool.submit(read, chunks[i + 1]) if i + 1 < len(chunks) else None
-            for p, head in zip(chunk, heads):
-                yield SourceFile(p, head)
+            for item, head in zip(chunk, heads):
+                yield opened(item, head)
 
 
 # Two chunks of heads (member tables and pickles) are in memory at once: at 1,024 files a chunk they

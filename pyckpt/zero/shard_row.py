@@ -39,8 +39,7 @@ class ShardRow:
 
     def __iter__(self) -> Iterator[ZeroShard]:
         yield self.first
-        paths = (os.path.join(self.folder, n) for n in self.names[1:])
-        for r, sf in enumerate(iter_sources(paths), start=1):
+        for r, sf in enumerate(iter_sources(self.names[1:], folder=self.folder), start=1):
             yield self._read(sf, r)
 
     def __getitem__(self, index):
