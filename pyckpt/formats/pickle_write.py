@@ -240,6 +240,8 @@ def dumps(obj) -> Tuple[bytes, List[StorageOut]]:
 
 
 _SCALARS = (type(None), bool, int, float, str, bytes, GlobalName)
+# exactly these types (not subclasses): nothing to walk into
+_PLAIN = frozenset((type(None), bool, int, float, str, bytes))
 
 
 def storages_of(obj) -> List[StorageOut]:
@@ -256,7 +258,7 @@ def storages_of(obj) -> List[StorageOut]:
             found.append(StorageOut(keys[id(source)], dtype, numel, source))
 
     def walk(value):
-        if isinstance(value, _SCALARS) and not isinstance(value, Opaque):
+        if type(value) in _PLAIN or isinstance(value, _SCALARS) and not isinstance(value, Opaque):
             return
         if isinstance(value, NewTensor):
             storage(value, value.dtype, value.numel())
@@ -269,12 +271,15 @@ def storages_of(obj) -> List[StorageOut]:
         elif isinstance(value, TorchSize) or _is_torch_size(value):
             return
         elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(k)
-                walk(v)
+            for k, v in value.items():  # most keys and many values are plain: no call for them
+                if type(k) not in _PLAIN:
+                    walk(k)
+                if type(v) not in _PLAIN:
+                    walk(v)
         elif isinstance(value, (list, tuple)):
             for v in value:
-                walk(v)
+                if type(v) not in _PLAIN:
+                    walk(v)
         elif isinstance(value, (set, frozenset)):
             for v in sorted(value, key=repr):
                 walk(v)
