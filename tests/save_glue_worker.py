@@ -270,6 +270,8 @@ def async_equal(task: dict, rank: int, ws: int) -> dict:
         ok = handle.wait()
     held = engine._pyckpt_arena.held
     after = W.gather_state(engine)
+    # whether DeepSpeed took its ZeRO-Offload path (host-resident partitions and optimizer state)
+    offloaded = bool(getattr(engine.optimizer, "offload_optimizer" if cfg["stage"] == 3 else "cpu_offload", False))
     engine.destroy()
     loaded, path, client_loaded = _reload(cfg, ws, os.path.join(root, "async"))
     return {"ok": _gather(ok), "done_at_return": _gather(done_at_return), "done_after_steps": done_after_steps,
@@ -277,7 +279,7 @@ def async_equal(task: dict, rank: int, ws: int) -> dict:
             "changed": compare_states(saved, after) != [], "load_path": str(path),
             "client_note": client_loaded.get("note"), "global_steps": loaded["meta"]["global_steps"],
             "steps_before": steps_before, "losses": losses,
-            "snapshot_held": held}
+            "snapshot_held": held, "offloaded": offloaded}
 
 
 @contextlib.contextmanager

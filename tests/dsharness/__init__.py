@@ -105,6 +105,10 @@ class Config:
     # checkpoints stay as they were.
     lr_scheduler: bool = False
     client_payload: bool = False
+    # ZeRO-Offload to host memory: zero_optimization.offload_optimizer.device "cpu" (ZeRO-3: the
+    # parameters too). DeepSpeed then keeps the fp32 partitions and the optimizer state on the host
+    # and steps them there; with the config's torch_adam that is torch's Adam (no compiled op).
+    offload: bool = False
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):

@@ -115,6 +115,10 @@ def ds_config(cfg: dict, world_size: int, load_universal: bool = False) -> dict:
     zero = {"stage": cfg["stage"]}
     if cfg["stage"] == 3 and cfg.get("sub_group_size"):
         zero["sub_group_size"] = cfg["sub_group_size"]
+    if cfg.get("offload"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if cfg["stage"] == 3:
+            zero["offload_param"] = {"device": "cpu"}
     config = {
         "train_micro_batch_size_per_gpu": models.MICRO_BATCH,
         "gradient_accumulation_steps": 1,
