@@ -130,16 +130,16 @@ def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state
     written = set()
     experts = set()
     expert_files = check_expert_files(ck.folder, ck.names, layers) if layers is not None else None
-    autoep_names = set(zero12_param_info(layers, ck.model[0].path)) if layers is not None else set()
+    autoep_info = zero12_param_info(layers, ck.model[0].path) if layers is not None else {}
     # dense_only: leave out what lives in expert-parallel param groups
     expert_groups = set() if layers is None and expert_file_names else None
     wanted = state.wanted(STATES)
     gathered, holdings = [], {}
     for row in ck.optim_grid:  # AutoEP has one row (tp = pp = 1, checked above)
-        held, holdings = _gather(row, wanted, ck.dp, state.wants("step"), autoep_names, expert_groups)
+        held, holdings = _gather(row, wanted, ck.dp, state.wants("step"), autoep_info.keys(), expert_groups)
         gathered.append(held)
     if layers is not None:
-        experts = plan_zero12_experts(ck, state, holdings, layers, data_before_expert, expert_files)
+        experts = plan_zero12_experts(ck, state, holdings, autoep_info, data_before_expert, expert_files)
         written |= experts
     elif expert_groups is not None:
         experts = expert_groups

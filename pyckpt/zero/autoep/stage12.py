@@ -20,18 +20,19 @@ from ...planning.plan import Segments
 from ...planning.state import CheckpointState
 from ..optimizer_state import STATES, agreed_step
 from ..shards import FlatGroup, Fragment, ZeroShard
-from .layers import in_files, zero12_dp_ranks, zero12_param_info
+from .layers import in_files, zero12_dp_ranks
 
 Holding = Tuple[ZeroShard, FlatGroup, Fragment]
 
 
-def plan_zero12_experts(ck, out: CheckpointState, fragments: Dict[str, List[Holding]], layers, data_before_expert,
+def plan_zero12_experts(ck, out: CheckpointState, fragments: Dict[str, List[Holding]], info, data_before_expert,
                         expert_files) -> set:
     """Universal expert files from the fp32 master fragments in the ZeRO shards of mp rank 0;
-    ``fragments`` maps each parameter to the (shard, group, fragment) holding it, in dp order."""
+    ``info`` is zero12_param_info's record of each expert parameter (the caller has it already: its
+    names are what the shard walk keeps holdings for), ``fragments`` maps each parameter to the
+    (shard, group, fragment) holding it, in dp order."""
     meta_file = ck.model[0].path  # aggregate_zero12 required the model-state files to agree
     shapes = ck.model[0].shapes
-    info = zero12_param_info(layers, meta_file)
     dp = ck.dp
     for name, meta in info.items():
         if name not in shapes:
