@@ -19,6 +19,11 @@ deleted and the page cache synced after each (so every save starts with no dirty
 ``--universal-rounds``, a resumable-anywhere checkpoint two ways: ``save_checkpoint(universal=True)``
 (the ranks convert together) against a bare save followed by DeepSpeed's ``ds_to_universal.py``
 (defaults, run from rank 0 while the others wait, as a job script would).
+
+With ``DS_ACCELERATOR=cuda`` (one rank a GPU, NCCL) the engine and its state live on the GPU; the
+memcpy floor is then a device-to-host copy of the snapshot's bytes into pinned memory, and the
+asynchronous rounds also report when the snapshot's copies (in flight on a side stream when the call
+returns) have landed: ``alone_snapshot`` is the call plus that wait.
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ def _slowest(value: float) -> float:
     return max(gathered)
 
 
+def _batch(args, engine):
+    import torch
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    return torch.randn(1, args.width, dtype=dtype, device=engine.device)
+
+
 def _async_rounds(args, engine, client, rank, world, clear) -> dict:
     """DeepSpeed's synchronous save against an asynchronous one, alternating which goes first.
 
@@ -73,13 +85,15 @@ def _async_rounds(args, engine, client, rank, world, clear) -> dict:
 
     import pyckpt.deepspeed as pd
 
-    width = args.width
+    cuda = engine.device.type == "cuda"
 
     def step() -> float:
         t0 = time.perf_counter()
-        loss = engine(torch.randn(1, width)).pow(2).mean()
+        loss = engine(_batch(args, engine)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
+        if cuda:
+            torch.cuda.synchronize()  # the step's own time, not its launch
         return time.perf_counter() - t0
 
     # the first asynchronous save allocates the snapshot buffers; later ones reuse them
@@ -89,9 +103,15 @@ def _async_rounds(args, engine, client, rank, world, clear) -> dict:
     clear()
     arena = engine._pyckpt_arena
     snapshot_bytes = arena.used
-    dst = torch.empty(arena.held, dtype=torch.uint8).fill_(2)  # warm: no page faults in the timed copy
+    # warm: no page faults in the timed copy
+    dst = torch.empty(arena.held, dtype=torch.uint8, pin_memory=cuda).fill_(2)
+    src = torch.ones(snapshot_bytes, dtype=torch.uint8, device=engine.device) if cuda else None
 
     def memcpy():
+        if cuda:  # the state's bytes from the device into pinned host memory, the floor on a GPU
+            dst[:snapshot_bytes].copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            return
         at = 0
         for chunk, filled in zip(arena.chunks, arena.extents):  # the bytes the snapshot copied, into a warm buffer
             dst[at:at + filled].copy_(chunk[:filled])
@@ -107,7 +127,11 @@ def _async_rounds(args, engine, client, rank, world, clear) -> dict:
             elif way == "alone":
                 # the same asynchronous save with nothing running beside its write: the pipeline's own cost
                 dist.barrier()
+                t0 = time.perf_counter()
                 handle = pd.save_checkpoint(engine, folder, tag=f"r{r}", client_state=client, async_save=True)
+                if cuda:
+                    torch.cuda.current_stream().synchronize()  # it waits on the snapshot's copies
+                    row["alone_snapshot"] = _slowest(time.perf_counter() - t0)
                 handle.wait()
                 row["alone_published"] = _slowest(handle.published_s)
             else:
@@ -125,6 +149,9 @@ def _async_rounds(args, engine, client, rank, world, clear) -> dict:
         t0 = time.perf_counter()
         memcpy()
         row["memcpy"] = _slowest(time.perf_counter() - t0)
+        if cuda:
+            row["sync_over_snapshot"] = row["sync_stall"] / row["alone_snapshot"]
+            row["snapshot_over_memcpy"] = row["alone_snapshot"] / row["memcpy"]
         row["sync_over_async_stall"] = row["sync_stall"] / row["async_stall"]
         row["async_stall_over_memcpy"] = row["async_stall"] / row["memcpy"]
         row["overlap_step_over_plain"] = row["overlap_step"] / row["plain_step"]
@@ -139,10 +166,17 @@ def _async_rounds(args, engine, client, rank, world, clear) -> dict:
                   f"published after {row['async_published']:.2f} s ({row['published_over_sync']:.2f}x the sync save; "
                   f"{row['alone_published_over_sync']:.2f}x with no training beside the write)",
                   flush=True)
-    med = {k: statistics.median(r[k] for r in rounds) for k in
-           ("sync_over_async_stall", "async_stall_over_memcpy", "overlap_step_over_plain", "published_over_sync",
-            "alone_published_over_sync",
-            "async_stall", "sync_stall", "memcpy")}
+    keys = ["sync_over_async_stall", "async_stall_over_memcpy", "overlap_step_over_plain", "published_over_sync",
+            "alone_published_over_sync", "async_stall", "sync_stall", "memcpy", "plain_step", "overlap_step",
+            "async_published", "alone_published"]
+    if cuda:
+        keys += ["alone_snapshot", "sync_over_snapshot", "snapshot_over_memcpy"]
+        if rank == 0:
+            print(f"snapshot copies landed {statistics.median(r['alone_snapshot'] for r in rounds):.3f} s after the "
+                  f"call ({statistics.median(r['sync_over_snapshot'] for r in rounds):.1f}x less than DeepSpeed's "
+                  f"save; {statistics.median(r['snapshot_over_memcpy'] for r in rounds):.2f}x the device-to-host "
+                  "copy of the same bytes)", flush=True)
+    med = {k: statistics.median(r[k] for r in rounds) for k in keys}
     return {"rounds": rounds, "snapshot_bytes_rank0": snapshot_bytes, "first_call_stall": first_call,
             "medians": med}
 
@@ -159,6 +193,7 @@ def main() -> int:
                    help="rounds of DeepSpeed's save vs save_checkpoint(async_save=True) (issue 26's figures)")
     p.add_argument("--overlap-steps", type=int, default=3,
                    help="training steps timed while an asynchronous save is written, and without one")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -168,11 +203,17 @@ def main() -> int:
 
     import pyckpt.deepspeed as pd
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    from deepspeed.accelerator import get_accelerator
+
+    on_cpu = get_accelerator().device_name() == "cpu"
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else get_accelerator().communication_backend_name())
     rank, world = dist.get_rank(), dist.get_world_size()
     model, layers = build_model(args.params, args.width)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(args.stage), model_parameters=model.parameters())
-    loss = engine(torch.randn(1, args.width)).pow(2).mean()
+    config = ds_config(args.stage)
+    if args.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    loss = engine(_batch(args, engine)).float().pow(2).mean()
     engine.backward(loss)
     engine.step()
     client = {"universal_checkpoint_info": {}}
@@ -262,7 +303,9 @@ def main() -> int:
 
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        result = {"params": params, "stage": args.stage, "world_size": world, "cores": os.cpu_count(),
+        result = {"params": params, "stage": args.stage, "dtype": args.dtype, "world_size": world,
+                  "cores": os.cpu_count(), "device": str(engine.device),
+                  "device_name": None if on_cpu else torch.cuda.get_device_name(engine.device),
                   "checkpoint_bytes": written, "rounds": rounds, "universal": universal,
                   "median_glue_over_bare": statistics.median(r["glue_over_bare"] for r in rounds) if rounds else None,
                   "median_glue_own_over_bare": statistics.median(r["glue_own_over_bare"] for r in rounds) if rounds else None,

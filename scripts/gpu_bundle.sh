@@ -10,6 +10,8 @@
 #     PYTHONPATH=/tmp/site:$PWD/.gpu python3 scripts/gpu_load_check.py
 set -euo pipefail
 . .venv/bin/activate
+# DeepSpeed prints its accelerator warning on stdout when it has to guess; the guess is the CPU here
+export DS_ACCELERATOR=cpu
 site=$(python -c "import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))")
 rm -rf .gpu .whl && mkdir -p .gpu .whl
 cp -r "$site/deepspeed" "$site"/deepspeed-*.dist-info .gpu/
@@ -18,7 +20,6 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     "pydantic==$(pip show pydantic | awk '/^Version/{print $2}')" \
     "pydantic_core==$(pip show pydantic_core | awk '/^Version/{print $2}')" annotated_types typing_inspection hjson
-export DS_ACCELERATOR=cpu
 for stage in 2 3; do
     torchrun --standalone --nproc_per_node 2 benchmarks/make_real_checkpoint.py .gpu/z$stage --params 400K \
         --width 128 --stage $stage --dtype bf16 > /dev/null
