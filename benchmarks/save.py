@@ -40,7 +40,7 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from make_real_checkpoint import build_model, ds_config  # noqa: E402
+from make_real_checkpoint import build_model, ds_config, skip_shm_comm_op  # noqa: E402
 
 
 def _timed(fn) -> float:
@@ -206,9 +206,12 @@ def main() -> int:
     from deepspeed.accelerator import get_accelerator
 
     on_cpu = get_accelerator().device_name() == "cpu"
+    if on_cpu:
+        skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu else get_accelerator().communication_backend_name())
     rank, world = dist.get_rank(), dist.get_world_size()
     model, layers = build_model(args.params, args.width)
+    params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
     config = ds_config(args.stage)
     if args.dtype == "bf16":
         config["bf16"] = {"enabled": True}
@@ -302,7 +305,6 @@ def main() -> int:
     asynchronous = _async_rounds(args, engine, client, rank, world, clear) if args.async_rounds else None
 
     if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
         result = {"params": params, "stage": args.stage, "dtype": args.dtype, "world_size": world,
                   "cores": os.cpu_count(), "device": str(engine.device),
                   "device_name": None if on_cpu else torch.cuda.get_device_name(engine.device),

@@ -23,7 +23,8 @@ import tempfile
 import time
 import traceback
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29518", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.setdefault("MASTER_PORT", "29518")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 
@@ -35,7 +36,7 @@ if DEVICE == "cpu":
 import deepspeed  # noqa: E402
 
 import pyckpt.deepspeed as pd  # noqa: E402
-from make_real_checkpoint import build_model  # noqa: E402
+from make_real_checkpoint import build_model, skip_shm_comm_op  # noqa: E402
 from pyckpt.deepspeed.save import collective_save  # noqa: E402
 
 WIDTH = int(os.environ.get("PYCKPT_GPU_SAVE_WIDTH", "1024"))
@@ -182,6 +183,8 @@ def check(name: str, spec, root: str) -> bool:
 
 
 def main() -> int:
+    if DEVICE == "cpu":
+        skip_shm_comm_op()
     deepspeed.init_distributed(dist_backend="nccl" if DEVICE == "cuda" else "gloo")
     print(f"device {DEVICE}: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, model {PARAMS} "
           f"width {WIDTH}", flush=True)
