@@ -1,7 +1,7 @@
 #!/bin/bash
-# Every GPU check of the project in one device call (the device machine has torch and CUDA, no
-# DeepSpeed and no package index). Prepare here with `bash scripts/gpu_bundle.sh`, then run there
-# from the repository root, carrying .gpu and .whl:
+# Every GPU check of the project in one bounded run, for a CUDA machine that has torch but no
+# DeepSpeed and no package index. Prepare on a machine with the project's .venv with
+# `bash scripts/gpu_bundle.sh`, copy the checkout with .gpu and .whl over, then from its root:
 #     bash scripts/gpu_run.sh [bench-rounds]
 # In order of importance, each step bounded so that a hang in one leaves time for the rest:
 #   1. build pyckpt there, install DeepSpeed's missing dependencies;
@@ -10,7 +10,7 @@
 #   4. benchmarks/save.py --async-rounds at 201M, bf16 ZeRO-2, one GPU rank (issue 26's figures);
 #   5. scripts/gpu_load_check.py: the load backend into GPU partitions, bit for bit;
 #   6. the same benchmark under ZeRO-3, if time is left.
-# Logs and the benchmark's JSON go to $OUT (the device tool brings that folder back).
+# Logs and the benchmarks' JSON go to $OUT (default /tmp/pyckpt_gpu_out); the last lines of each step print.
 set -u
 OUT=${OUT:-/tmp/pyckpt_gpu_out}
 mkdir -p "$OUT"
