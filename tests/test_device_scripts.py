@@ -28,9 +28,9 @@ def _free_port() -> int:
 
 
 def _env(tmp_path: Path, **extra) -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), **extra)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
+    # the host path on any machine, a GPU one too (the script picks CUDA wherever torch sees it)
+    return dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
+                **extra)
 
 
 def test_the_gpu_save_check_passes_on_the_host_path(tmp_path):
