@@ -106,9 +106,7 @@ def main():
     from make_real_checkpoint import build_model, ds_config
 
     model, _ = build_model(args.params, args.width)
-    cfg = dict(ds_config(args.stage), checkpoint={"load_universal": True})
-    if args.dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    cfg = dict(ds_config(args.stage, args.dtype), checkpoint={"load_universal": True})
     deepspeed.init_distributed(dist_backend="gloo")
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     rank, world = tdist.get_rank(), tdist.get_world_size()

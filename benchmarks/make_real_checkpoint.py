@@ -32,13 +32,16 @@ def build_model(params: str, width: int):
     return torch.nn.Sequential(*blocks, torch.nn.Linear(width, 7)), layers
 
 
-def ds_config(stage: int) -> dict:
-    return {
+def ds_config(stage: int, dtype: str = "fp32") -> dict:
+    cfg = {
         "train_batch_size": int(os.environ.get("WORLD_SIZE", "1")),
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
     }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def skip_shm_comm_op() -> None:
@@ -66,9 +69,7 @@ def main():
 
     w = args.width
     model, layers = build_model(args.params, w)
-    cfg = ds_config(args.stage)
-    if args.dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    cfg = ds_config(args.stage, args.dtype)
     deepspeed.init_distributed(dist_backend="gloo")
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -212,10 +212,8 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, layers = build_model(args.params, args.width)
     params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
-    config = ds_config(args.stage)
-    if args.dtype == "bf16":
-        config["bf16"] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(args.stage, args.dtype),
+                                      model_parameters=model.parameters())
     loss = engine(_batch(args, engine)).float().pow(2).mean()
     engine.backward(loss)
     engine.step()

@@ -26,8 +26,7 @@ from make_real_checkpoint import build_model, ds_config  # noqa: E402
 
 def engine_for(stage: int, universal: bool):
     model, _ = build_model("400K", 128)
-    cfg = ds_config(stage)
-    cfg["bf16"] = {"enabled": True}
+    cfg = ds_config(stage, "bf16")
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())

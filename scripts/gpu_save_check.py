@@ -36,7 +36,7 @@ if DEVICE == "cpu":
 import deepspeed  # noqa: E402
 
 import pyckpt.deepspeed as pd  # noqa: E402
-from make_real_checkpoint import build_model, skip_shm_comm_op  # noqa: E402
+from make_real_checkpoint import build_model, ds_config, skip_shm_comm_op  # noqa: E402
 from pyckpt.deepspeed.save import collective_save  # noqa: E402
 
 WIDTH = int(os.environ.get("PYCKPT_GPU_SAVE_WIDTH", "1024"))
@@ -54,17 +54,13 @@ CONFIGS = {
 }
 
 
-def ds_config(stage: int, bf16: bool, offload: bool, grad_accum_dtype) -> dict:
-    zero = {"stage": stage}
+def config_of(stage: int, bf16: bool, offload: bool, grad_accum_dtype) -> dict:
+    """The benchmarks' DeepSpeed config (torch's Adam, one sample a step) with the layout's options."""
+    cfg = ds_config(stage, "bf16" if bf16 else "fp32")
     if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if stage == 3:
-            zero["offload_param"] = {"device": "cpu"}
-    cfg = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True, "adam_w_mode": False}},
-           "steps_per_print": 1_000_000}
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     if grad_accum_dtype:
         cfg["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
     return cfg
@@ -72,7 +68,7 @@ def ds_config(stage: int, bf16: bool, offload: bool, grad_accum_dtype) -> dict:
 
 def make_engine(spec):
     model, _ = build_model(PARAMS, WIDTH)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config(*spec), model_parameters=model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=config_of(*spec), model_parameters=model.parameters())
     return engine
 
 
