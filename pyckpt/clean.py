@@ -30,13 +30,15 @@ def run(args) -> int:
 
 
 def clean_beside(target: str, args) -> int:
+    from .errors import printable
     from .execution.publish import clean
     done = clean(target, notify=note)
     if args.json:
         print(json.dumps({"output": target, "removed": done}, indent=2))
     elif not args.quiet:
-        for name in done:
-            print(f"pyckpt: cleaned {name}", file=sys.stderr)
-        print(f"pyckpt: nothing left behind by earlier runs into {target}" if not done else
-              f"pyckpt: cleaned {len(done)} entr{'y' if len(done) == 1 else 'ies'} beside {target}", file=sys.stderr)
+        for name in done:  # names found beside OUTPUT: shown escaped, as any name from a listing
+            print(f"pyckpt: cleaned {printable(name)}", file=sys.stderr)
+        print(f"pyckpt: nothing left behind by earlier runs into {printable(target)}" if not done else
+              f"pyckpt: cleaned {len(done)} entr{'y' if len(done) == 1 else 'ies'} beside {printable(target)}",
+              file=sys.stderr)
     return 0

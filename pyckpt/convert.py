@@ -13,7 +13,7 @@ if __name__ == "__main__":
 import argparse  # noqa: E402  (after the start-up handler on purpose)
 
 from .cli import common as cli_common  # noqa: E402
-from .cli.common import UsageError, add_common_flags, note, report_done  # noqa: E402
+from .cli.common import UsageError, add_common_flags, note, report_done, workers_flag  # noqa: E402
 
 DESCRIPTION = """\
 Convert a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint to DeepSpeed's Universal Checkpoint layout,
@@ -59,11 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("output", nargs="?", help="universal checkpoint folder to create")
     p.add_argument("--input_folder", "--input-folder", dest="input_folder", help="alias of INPUT")
     p.add_argument("--output_folder", "--output-folder", dest="output_folder", help="alias of OUTPUT")
-    p.add_argument("--workers", "-j", type=int, default=None,
+    p.add_argument("--workers", "-j", type=workers_flag, default=None,
                    help="copy threads (default: one per CPU core; under torchrun, the cores divided among the "
                    "node's processes)")
-    p.add_argument("--num_extract_workers", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--num_merge_workers", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--num_extract_workers", type=workers_flag, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--num_merge_workers", type=workers_flag, default=None, help=argparse.SUPPRESS)
     p.add_argument("--inject_missing_state", "--inject-missing-state", action="store_true",
                    help="convert checkpoints saved without client_state['universal_checkpoint_info'] "
                    "(as ds_to_universal.py --inject_missing_state; the copied model files are unchanged)")

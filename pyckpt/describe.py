@@ -27,20 +27,23 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from .errors import printable, printable_line
     from .zero.describe import describe
     info = describe(args.checkpoint)
     if args.json:
-        print(json.dumps(info, indent=2, default=str))
+        print(json.dumps(info, indent=2, default=str))  # escapes every control character itself
         return 0
+    # The values come from the checkpoint (ds_version, the tag `latest` names, file names): a string is
+    # shown escaped, so that none can forge a line of this output or drive the terminal.
     for key, value in info.items():
         if key == "file_sizes":
             print("files:")
             for name, size in value.items():
-                print(f"  {size:>14,d}  {name}")
+                print(f"  {size:>14,d}  {printable(name)}")
         elif key == "resumable_at":
-            print(f"resumable at: {value}")
+            print(f"resumable at: {printable_line(value)}")
         elif key != "resumable":  # the same in words above
-            print(f"{key}: {value}")
+            print(f"{key}: {printable(value) if isinstance(value, str) else printable_line(str(value))}")
     return 0
 
 

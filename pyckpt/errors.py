@@ -4,11 +4,55 @@ Every error about input names the file and the rule it broke, so a user can act 
 """
 
 import contextlib
+import math
+import numbers
 import os
+import re
+
+
+# -- text from a checkpoint --------------------------------------------------------------------
+
+# Candidates only (anything but printable ASCII); str.isprintable decides, as repr does.
+_UNUSUAL = re.compile(r"[^\x20-\x7e]|\\")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
+
+
+def _escape(c: str, backslash: bool) -> str:
+    if c == "\\":
+        return "\\\\" if backslash else c
+    if c.isprintable():
+        return c
+    if c in _NAMED:
+        return _NAMED[c]
+    code = ord(c)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def printable(text) -> str:
+    """``text`` (a name, a version, a file name read from a checkpoint) as it may be shown: what
+    ``str.isprintable`` refuses (C0 and C1 controls, line and paragraph separators, bidirectional
+    overrides and other format characters, lone surrogates) and the backslash are written as repr
+    writes them (``\\x1b``, ``\\n``, ``\\u202e``, ``\\\\``), so it cannot move the cursor, clear the
+    screen, start a line of its own or reorder what follows; printable text is left as it is."""
+    text = text if isinstance(text, str) else str(text)
+    return _UNUSUAL.sub(lambda m: _escape(m.group(), True), text) if _UNUSUAL.search(text) else text
+
+
+def printable_line(text: str) -> str:
+    """A message as one line: :func:`printable`'s escapes, except that a backslash stays as it is, so
+    that a message whose values were escaped already (``{name!r}``, :func:`printable`) reads the same."""
+    return _UNUSUAL.sub(lambda m: _escape(m.group(), False), text) if _UNUSUAL.search(text) else text
 
 
 class PyckptError(Exception):
-    """Base class of pyckpt's own errors."""
+    """Base class of pyckpt's own errors. A message (one text argument) is made :func:`printable_line`:
+    a name from a checkpoint inside it cannot forge a line of output or drive the terminal. The
+    OSError form (errno, text, filename) is left alone: it shows the filename as repr does."""
+
+    def __init__(self, *args):
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (printable_line(args[0]), )
+        super().__init__(*args)
 
 
 class CheckpointFormatError(PyckptError, ValueError):
@@ -131,3 +175,51 @@ def metadata_errors(folder):
         detail = f"missing key {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else str(exc)
         raise CheckpointFormatError(f"{os.fspath(folder)}: malformed checkpoint metadata ({type(exc).__name__}: "
                                     f"{' '.join(detail.split())[:300]})") from exc
+
+
+# -- numbers a caller passes -------------------------------------------------------------------
+
+def check_number(name: str, value, *, integer: bool = False, low=None, high=None, low_open: bool = False):
+    """``value`` if it is a finite number (an integer with ``integer``) from ``low`` to ``high`` (either
+    end may be None; ``low`` itself excluded with ``low_open``); else a ValueError naming ``name`` and
+    the range. A bool is not a number here."""
+    kind = numbers.Integral if integer else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, bool) and (integer or math.isfinite(value))
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        raise ValueError(f"{name} must be {number_rule(integer, low, high, low_open)}, not {_shown(value)}")
+    return value
+
+
+def _shown(value) -> str:
+    # repr of a 5,000-digit int raises (Python's digit limit), and a long one is no help in a message
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(value).bit_length() > 200:
+        return f"an integer of {abs(value).bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def number_rule(integer: bool = False, low=None, high=None, low_open: bool = False) -> str:
+    """What :func:`check_number` asks for, in words."""
+    what = "an integer" if integer else "a finite number"
+    if low == 0 and high is None:
+        sign = "positive" if low_open else "non-negative"
+        return f"a {sign} integer" if integer else f"a finite {sign} number"
+    if low is not None and high is not None and not low_open:
+        return f"{what} from {low} to {high}"
+    parts = [f"{'>' if low_open else '>='} {low}"] if low is not None else []
+    parts += [f"<= {high}"] if high is not None else []
+    return f"{what} {' and '.join(parts)}".rstrip()
+
+
+# More copy threads than any machine has cores is a typo (the executor itself runs at most 1,024).
+WORKERS_MAX = 1 << 16
+
+
+def check_workers(workers, name: str = "workers"):
+    """``workers`` as the library's entry points take it: None or 0 (one thread per core) up to
+    :data:`WORKERS_MAX`; else a ValueError naming ``name``."""
+    return workers if workers is None else check_number(name, workers, integer=True, low=0, high=WORKERS_MAX)

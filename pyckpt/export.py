@@ -14,7 +14,7 @@ if __name__ == "__main__":
     starting()
 
 from .cli import common as cli_common  # noqa: E402  (after the start-up handler on purpose)
-from .cli.common import UsageError, add_common_flags, note, report_done
+from .cli.common import UsageError, add_common_flags, note, number_flag, report_done, workers_flag
 
 DESCRIPTION = """\
 Export a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint as Hugging Face model files: model.safetensors,
@@ -77,6 +77,10 @@ IMPORTS = ("pyckpt.huggingface.export",)  # numpy and the native module: loaded 
 WRITES_OUTPUT = True
 
 
+# A chunk of 4 EiB is more than any file holds: beyond it --chunk-mb is a typo, not a size.
+CHUNK_MB_MAX = 1 << 42
+
+
 def add_arguments(p) -> None:
     p.add_argument("input", help="ZeRO checkpoint tag folder, or its parent holding `latest`; or a Universal "
                    "Checkpoint folder, or its parent holding `latest_universal`")
@@ -117,15 +121,16 @@ def add_arguments(p) -> None:
                    help="--format dcp: a Hugging Face Llama's state as torchtitan's checkpointer holds it for its "
                    "Llama3 model (its names, layout and fused wqkv optimizer state; needs config.json beside the "
                    "checkpoint and --initial-lr)")
-    p.add_argument("--initial-lr", "--initial_lr", dest="initial_lr", type=float, default=None,
+    p.add_argument("--initial-lr", "--initial_lr", dest="initial_lr", type=number_flag(low=0), default=None,
                    help="--format dcp: initial_lr of every param group (what torchtitan's LR scheduler starts from; "
                    "its load asks for it)")
-    p.add_argument("--chunk-mb", "--chunk_mb", dest="chunk_mb", type=float, default=16.0,
+    p.add_argument("--chunk-mb", "--chunk_mb", dest="chunk_mb", default=16.0,
+                   type=number_flag(low=0, low_open=True, high=CHUNK_MB_MAX),
                    help="--format dcp: tensors are cut along their first dimension into chunks of about this many "
                    "MiB, so that a load at any world size reads little beyond its own rows (default: 16)")
     p.add_argument("--exclude_frozen_parameters", "--exclude-frozen-parameters", action="store_true",
                    help="leave frozen (requires_grad=False) parameters out")
-    p.add_argument("--workers", "-j", type=int, default=None,
+    p.add_argument("--workers", "-j", type=workers_flag, default=None,
                    help="copy threads (default: one per CPU core; under torchrun, the cores divided among the "
                    "node's processes)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (swapped in when complete)")
@@ -139,18 +144,20 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from .execution.distributed import default_workers
     from .huggingface.export import export_hf
-    if args.workers is not None and args.workers < 0:
-        raise UsageError("--workers must be 0 (one per core) or more")
     if args.torch_bin and args.safe_serialization:
         raise UsageError("--torch-bin and --safe_serialization ask for different formats: choose one")
     dcp = args.format == "dcp"
+    if not dcp:
+        from .huggingface.shards import parse_size
+        try:
+            parse_size(args.max_shard_size)
+        except ValueError as exc:
+            raise UsageError(f"argument --max_shard_size/--max-shard-size: {exc}") from None
     if dcp and (args.torch_bin or args.safe_serialization or args.max_shard_size != "5GB"):
         raise UsageError("--max_shard_size, --torch-bin and --safe_serialization are for Hugging Face files, not "
                          "--format dcp")
     if dcp and args.dtype == "auto":
         raise UsageError("--format dcp takes --dtype fp32, bf16 or fp16")
-    if dcp and not args.chunk_mb > 0:
-        raise UsageError("--chunk-mb must be positive")
     if not dcp and (args.model_key != "model" or args.optim_key != "optim" or not args.optimizer or args.hf_names
                     or args.optim_layout != "nested" or args.torchtitan or args.initial_lr is not None):
         raise UsageError("--model-key, --optim-key, --optim-layout, --no-optimizer, --hf-names, --torchtitan and "
@@ -160,8 +167,6 @@ def run(args) -> int:
                             or args.hf_names):
         raise UsageError("--torchtitan fixes the names and the layout: leave out --model-key, --optim-key, "
                          "--optim-layout and --hf-names")
-    if args.initial_lr is not None and not args.initial_lr >= 0:
-        raise UsageError("--initial-lr must be a non-negative number")
     with cli_common.among_processes() as (ranks, lead):
         workers = args.workers if args.workers is not None or ranks is None else default_workers()
         if dcp:

@@ -79,6 +79,29 @@ def add_common_flags(parser, json: str, quiet: str = None) -> None:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def number_flag(*, integer: bool = False, low=None, high=None, low_open: bool = False):
+    """An argparse ``type`` taking what :func:`pyckpt.errors.check_number` takes (finite, in range):
+    anything else (inf, nan, a negative count, 1e999) is a usage error naming the flag (exit 2)."""
+    import argparse
+
+    def parse(text: str):
+        from ..errors import check_number, number_rule
+        rule = number_rule(integer, low, high, low_open)
+        try:
+            return check_number("", int(text) if integer else float(text), integer=integer, low=low, high=high,
+                                low_open=low_open)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {rule}, not {text!r}") from None
+    parse.__name__ = "integer" if integer else "number"
+    return parse
+
+
+def workers_flag(text: str) -> int:
+    """The ``type`` of --workers/-j: 0 (one per core) up to pyckpt.errors.WORKERS_MAX."""
+    from ..errors import WORKERS_MAX
+    return number_flag(integer=True, low=0, high=WORKERS_MAX)(text)
+
+
 def build_parser(command, prog: str):
     import argparse
     parser = argparse.ArgumentParser(prog=prog, **parser_options(command))
@@ -101,6 +124,9 @@ def execute(command, parser, args) -> int:
     # job (SIGINT) ask a program to outlive the terminal.
     caught = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) is not signal.SIG_IGN] if writes else []
     previous = {sig: signal.signal(sig, _terminate) for sig in caught}
+    import warnings  # loaded by Python itself at start-up
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = _escaped_warnings(formatwarning)
     try:
         # Under the start-up handler: numpy turns a KeyboardInterrupt inside its import into an
         # ImportError, which would be reported as a broken installation.
@@ -120,8 +146,17 @@ def execute(command, parser, args) -> int:
         print(f"pyckpt: error: {one_line(exc)}", file=sys.stderr)
         return getattr(command, "ERROR_EXIT", 1)
     finally:
+        warnings.formatwarning = formatwarning
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _escaped_warnings(formatwarning):
+    """A warning's text may hold names from the checkpoint: shown escaped as an error would be."""
+    def escaped(message, category, filename, lineno, line=None):
+        from ..errors import printable_line
+        return formatwarning(printable_line(str(message)), category, filename, lineno, line)
+    return escaped
 
 
 def interrupted(exc: KeyboardInterrupt, writes: bool) -> int:
@@ -148,14 +183,16 @@ def interrupted(exc: KeyboardInterrupt, writes: bool) -> int:
 def report_done(args, report) -> int:
     """What a command that writes an output prints at the end: the plan of a dry run, the report as
     JSON on request, and a closing line on stderr unless quiet."""
+    from ..errors import printable_line
     if args.dry_run:
-        print(report.plan_text)
+        # Line by line: the plan's own lines stay lines, and what a name left in them cannot drive the terminal.
+        print("\n".join(printable_line(line) for line in report.plan_text.split("\n")))
         return 0
     if args.json:
         import json
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps(report.to_dict(), indent=2))  # escapes every control character itself
     if not args.quiet:
-        print(f"pyckpt: {report.summary()}", file=sys.stderr)
+        print(f"pyckpt: {printable_line(report.summary())}", file=sys.stderr)
     return 0
 
 
@@ -187,12 +224,16 @@ def among_processes():
 
 
 def note(text: str) -> None:
-    print(f"pyckpt: {text}", file=sys.stderr)
+    from ..errors import printable_line
+    print(f"pyckpt: {printable_line(text)}", file=sys.stderr)
 
 
 def one_line(exc: BaseException) -> str:
-    """The message on one line whatever it holds (a name with a newline must not split it)."""
+    """The message on one line whatever it holds: a name with a newline must not split it, nor a
+    control character in it drive the terminal (pyckpt's own errors are escaped when made; this is
+    for everyone else's)."""
+    from ..errors import printable_line
     text = str(exc) or type(exc).__name__
     if isinstance(exc, KeyError) and exc.args:
         text = f"missing key {exc.args[0]!r}"
-    return " ".join(text.split("\n")) if "\n" in text else text
+    return printable_line(" ".join(text.split("\n")) if "\n" in text else text)

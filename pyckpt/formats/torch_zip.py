@@ -7,6 +7,7 @@ the executor copies them.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
 import stat
 import sys
@@ -294,6 +295,11 @@ def open_regular(path: str) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointFormatError(f"{path}: file not found") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link naming itself, or too long a chain: not a file at all
+            raise CheckpointFormatError(f"{path}: a link in a loop (or a chain of more than 40), not a regular "
+                                        "file") from None
+        raise
     return regular_fd(fd, path)
 
 

@@ -13,6 +13,7 @@ key, aliases included, to its file.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Sequence, Union
@@ -32,7 +33,10 @@ def parse_size(size: Union[int, str]) -> int:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]B)\s*", str(size), re.IGNORECASE)
     if not m:
         raise ValueError(f"max_shard_size {size!r} is not a size like '5GB', '500MB' or a number of bytes")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not math.isfinite(value):  # 400 digits: more than a float holds
+        raise ValueError(f"max_shard_size {str(size)[:24]!r}... is too large a number")
+    value = int(value)
     if value <= 0:
         raise ValueError(f"max_shard_size {size!r} is not positive")
     return value

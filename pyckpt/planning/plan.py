@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, List, Tuple
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, printable_line
 from ..tensors import ITEMSIZE, NewTensor, Piece  # noqa: F401  (Piece: planners import it from here)
 from ..formats.pickle_write import storages_of
 from .collector import pauses_collector
@@ -165,6 +165,9 @@ class Plan:
     raw_files: List[RawFileOut] = field(default_factory=list)
     series: List[ArchiveSeriesOut] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)  # what a --dry-run should tell besides the files
+    # Files of the input read outside the checkpoint's own folder (a model config, a tokenizer beside
+    # it): the output may not replace them (execution.publish.check_apart).
+    input_files: List[str] = field(default_factory=list)
 
     _relpaths: set = field(default_factory=set, repr=False)
 
@@ -195,6 +198,8 @@ class Plan:
     # -- describing ----------------------------------------------------------------------------
     @pauses_collector
     def describe(self, limit: int = 40) -> str:
+        """The dry run's text. Its names come from the checkpoint (files copied, notes naming what was
+        read) and each is escaped, so that none can start a line of its own or drive the terminal."""
         lines = []
         total = 0
         for arc in self.archives:
@@ -203,13 +208,14 @@ class Plan:
             npieces = sum(len(st.source.pieces) if isinstance(st.source, NewTensor) else 1 for st in storages)
             total += nbytes
             if len(lines) < limit:
-                lines.append(f"  {arc.relpath}: {nbytes} bytes from {npieces} piece(s)")
+                lines.append(f"  {printable_line(arc.relpath)}: {nbytes} bytes from {npieces} piece(s)")
         if len(self.archives) > limit:
             lines.append(f"  ... and {len(self.archives) - limit} more archive(s)")
         for raw in self.raw_files:
             nbytes = sum(ITEMSIZE[t.dtype] * t.numel() for _, t in raw.tensors)
             total += nbytes
-            lines.append(f"  {raw.relpath}: {len(raw.head)} header bytes, {len(raw.tensors)} tensor(s), {nbytes} bytes")
+            lines.append(f"  {printable_line(raw.relpath)}: {len(raw.head)} header bytes, "
+                         f"{len(raw.tensors)} tensor(s), {nbytes} bytes")
         for ser in self.series:
             nbytes = 0
             for obj in ser.members:
@@ -217,10 +223,11 @@ class Plan:
                 nbytes += sum(st.numel * ITEMSIZE[st.dtype] for st in storages)
             total += nbytes
             if len(lines) < limit:
-                lines.append(f"  {ser.relpath}: {len(ser.members)} archive(s) back to back, {nbytes} tensor bytes")
+                lines.append(f"  {printable_line(ser.relpath)}: {len(ser.members)} archive(s) back to back, "
+                             f"{nbytes} tensor bytes")
         for c in self.copies:
-            lines.append(f"  {c.relpath}: copy of {c.src.path}")
+            lines.append(f"  {printable_line(c.relpath)}: copy of {printable_line(c.src.path)}")
         raw = f", {len(self.raw_files)} other file(s)" if self.raw_files else ""
         raw += f", {len(self.series)} file(s) of archives" if self.series else ""
         head = [f"{len(self.archives)} archive(s){raw}, {total} tensor bytes; {len(self.copies)} file copies"]
-        return "\n".join(head + self.notes + lines)
+        return "\n".join(head + [printable_line(note) for note in self.notes] + lines)

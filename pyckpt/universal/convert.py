@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from ..zero.discovery import discover
 from .write import build_plan
-from ..errors import metadata_errors
+from ..errors import check_workers, metadata_errors
 from ..execution.distributed import several
 from ..execution.publish import agreed_plan, check_pointer_name, write_published
 from ..execution.report import WrittenReport
@@ -72,6 +72,7 @@ def convert_to_universal(input, output, *, workers: Optional[int] = None, inject
     naming each failing rank; nothing is published then.
     """
     t0 = time.perf_counter()
+    check_workers(workers)
     ranks = several(ranks)
     output = os.path.abspath(os.fspath(output))
     check_pointer_name(output, "latest_universal")

@@ -9,7 +9,8 @@ from typing import Dict, Optional, Sequence, Tuple
 from ..errors import CheckpointFormatError
 from ..tensors import numel
 from ..formats.pickle_read import TensorRef
-from ..zero.autoep.layers import WEIGHTS, positive_int, valid_ep_sizes
+from ..zero.autoep.ep_sizes import divisors, valid_ep_sizes
+from ..zero.autoep.layers import WEIGHTS, positive_int
 
 
 def check_load_topology(layers: Sequence[dict], autoep_size: int, world_size: int, *, pp_size: int = 1,
@@ -27,9 +28,8 @@ def check_load_topology(layers: Sequence[dict], autoep_size: int, world_size: in
         raise ValueError(f"world_size={world_size} is not divisible by pp_size={pp_size}")
     stage = world_size // pp_size
     if stage % autoep_size != 0:
-        sizes = [e for e in range(1, stage + 1) if stage % e == 0]
         raise ValueError(f"autoep_size={autoep_size} must divide the stage size (world_size={world_size} / "
-                         f"pp_size={pp_size} = {stage}). Valid autoep_size values: {sizes}")
+                         f"pp_size={pp_size} = {stage}). Valid autoep_size values: {divisors(stage)}")
     for entry in layers:
         layer = entry.get("module_path", entry.get("expert_key_prefix"))
         n = entry["num_experts"]

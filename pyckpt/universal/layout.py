@@ -13,8 +13,8 @@ from typing import Dict, List, Optional, Tuple
 from ..tensors import numel
 from ..formats.pickle_read import TensorRef
 LATEST_UNIVERSAL = "latest_universal"
-ZERO12_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+ZERO12_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt\Z")
+ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt\Z")
 # The layout keys of a universal state dict that DeepSpeed's loader reads, and their types.
 STATE_META_TYPES = {"cat_dim": int, "vocab_tensor": bool, "is_expert_param": bool, "ep_num_experts": int,
                     "param_n_sub_params": int}

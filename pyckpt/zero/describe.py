@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from collections import Counter
 
 from .discovery import discover
-from .autoep.layers import positive_int, valid_ep_sizes
+from .autoep.ep_sizes import valid_ep_sizes
+from .autoep.layers import positive_int
 from .tp_merge import PATTERN_KEYS
 
 
@@ -20,8 +22,8 @@ def describe(path) -> dict:
     shapes, frozen = model.shapes, model.frozen
     lp_dtypes = Counter(t.dtype for t in model.module.values() if t.numel() > 0)
     groups = ck.optim[0].groups
-    files = sorted(os.listdir(ck.folder))
-    sizes = {f: os.path.getsize(os.path.join(ck.folder, f)) for f in files}
+    sizes = file_sizes(ck.folder)
+    files = list(sizes)
     resumable = resumable_topologies(ck.stage, ck.tp, model)
     return {
         "folder": ck.folder,
@@ -48,21 +50,40 @@ def describe(path) -> dict:
     }
 
 
+def file_sizes(folder: str) -> dict:
+    """The tag folder's files and their sizes, in name order. Only regular files count (through a link
+    that resolves): a dangling or looping link, a FIFO, a folder or a socket beside the shards is no
+    checkpoint file, and discovery has already refused it where a checkpoint file was expected."""
+    sizes = {}
+    for name in sorted(os.listdir(folder)):
+        try:
+            st = os.stat(os.path.join(folder, name))
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            sizes[name] = st.st_size
+    return sizes
+
+
 def resumable_topologies(stage: int, tp: int, model) -> dict:
     """The topologies a DeepSpeed engine can resume this checkpoint at through the universal load
     (``pyckpt.deepspeed.enable()``, or a conversion), as its metadata allows them: any data-parallel
     size (a multiple of the expert-parallel size under AutoEP); ZeRO-1 and ZeRO-2 interchangeably,
     ZeRO-3 as saved; tensor-parallel sizes other than the saved one only where the merge rules are
     recorded (AutoTP's or Megatron's patterns); expert-parallel sizes dividing every MoE layer's
-    expert count (DeepSpeed's AutoEP rule)."""
+    expert count (DeepSpeed's AutoEP rule): the smallest of them, with ``expert_parallel_more`` saying
+    how many more there are (None: not counted) where the list stops short."""
     layers = model.autoep_layers if isinstance(model.autoep_layers, (list, tuple)) else []
     counts = [layer.get("num_experts") for layer in layers if isinstance(layer, dict)]
     counts = [n for n in counts if positive_int(n)]
     ep = valid_ep_sizes(math.gcd(*counts)) if counts else None
     info = model.universal_info or {}
     tp_rules = any(info.get(k) for k in PATTERN_KEYS) or bool(info.get("affine_map"))
-    return {"zero_stages": [3] if stage == 3 else [1, 2], "data_parallel": "any", "tensor_parallel": "any" if tp_rules
-            else [tp], "expert_parallel": ep}
+    found = {"zero_stages": [3] if stage == 3 else [1, 2], "data_parallel": "any", "tensor_parallel": "any" if tp_rules
+             else [tp], "expert_parallel": list(ep.listed) if ep else None}
+    if ep and ep.more != 0:  # the smallest sizes only: an absurd expert count has more than anyone reads
+        found["expert_parallel_more"] = ep.more  # None: not counted (a factor too large to split)
+    return found
 
 
 def _say(r: dict) -> str:
@@ -72,5 +93,7 @@ def _say(r: dict) -> str:
                  if r["tensor_parallel"] == "any" else
                  f"tensor-parallel {r['tensor_parallel'][0]} only (no tensor-parallel merge rules recorded)")
     if r["expert_parallel"]:
-        parts.append(f"expert-parallel {', '.join(map(str, r['expert_parallel']))}")
+        more = r.get("expert_parallel_more", 0)
+        parts.append(f"expert-parallel {', '.join(map(str, r['expert_parallel']))}"
+                     + (" and more (not counted)" if more is None else f" and {more} more" if more else ""))
     return "; ".join(parts)

@@ -9,7 +9,8 @@ that can come out of that *and* are safe as one folder name:
 * a non-empty ``str`` whose ``.``-separated parts are all non-empty (so never ``.``/``..``, no
   leading, trailing or doubled dot);
 * no ``/`` or ``\\`` (torch would allow them in a ``ModuleDict`` key, but DeepSpeed would then
-  write nested folders that no loader looks up the same way), no NUL or other control character;
+  write nested folders that no loader looks up the same way), no NUL or other control character
+  (C0, DEL or C1);
 * at most 255 bytes in UTF-8, the longest folder name Linux filesystems take.
 
 Anything else is refused with an error naming the file and the key, before any output exists.
@@ -24,7 +25,7 @@ import re
 from ..errors import CheckpointFormatError
 
 NAME_MAX = 255
-_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f/\\]")
+_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f/\\]")  # C0 and C1 controls, DEL, both slashes
 
 
 def name_problem(name) -> str:

@@ -12,10 +12,11 @@ its siblings.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ...errors import AutoEPError, MissingExpertFileError, UnsupportedCheckpointError
 from ...formats.torch_zip import SourceFile, iter_sources
@@ -36,24 +37,43 @@ ZERO3_PATTERNS = [r".*\.experts\.w[123]$"]
 
 @dataclass(frozen=True)
 class Placement:
-    """Which global experts each EP rank holds, in its local row order."""
+    """Which global experts each EP rank holds, in its local row order.
+
+    ``explicit`` lists them per rank; None is the uniform placement (rank r holds experts
+    ``[r*n/ep, (r+1)*n/ep)``), kept as that rule rather than as lists, since the counts come from the
+    checkpoint and only the files behind them bound them. A descriptor listing the uniform placement
+    is stored as uniform, so that equal placements compare equal."""
 
     num_experts: int
     ep_size: int
-    experts_by_rank: Tuple[Tuple[int, ...], ...]
+    explicit: Optional[Tuple[Tuple[int, ...], ...]] = None
 
-    def experts_of(self, ep_rank: int) -> Tuple[int, ...]:
-        return self.experts_by_rank[ep_rank]
+    def __post_init__(self):
+        if self.explicit is not None and _is_uniform(self.num_experts, self.ep_size, self.explicit):
+            object.__setattr__(self, "explicit", None)
+
+    def experts_of(self, ep_rank: int) -> Sequence[int]:
+        if self.explicit is not None:
+            return self.explicit[ep_rank]
+        local = self.num_experts // self.ep_size
+        return range(ep_rank * local, (ep_rank + 1) * local)
+
+    @property
+    def experts_by_rank(self) -> Iterator[Sequence[int]]:
+        return (self.experts_of(r) for r in range(self.ep_size))
+
+
+def _is_uniform(n: int, ep: int, ranks) -> bool:
+    # Costs what the lists hold (read from a file), never n.
+    if n % ep or len(ranks) != ep:
+        return False
+    local = n // ep
+    return all(len(held) == local and tuple(held) == tuple(range(r * local, (r + 1) * local))
+               for r, held in enumerate(ranks))
 
 
 def positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def valid_ep_sizes(num_experts: int, stage_size: Optional[int] = None) -> List[int]:
-    """The AutoEP sizes DeepSpeed accepts for ``num_experts`` experts (and a stage of ``stage_size`` ranks)."""
-    return [e for e in range(1, num_experts + 1) if num_experts % e == 0 and (stage_size is None or stage_size % e == 0)]
-
 
 
 def aggregate_zero12(model_files: List[ModelStates]) -> Tuple[Optional[list], bool]:
@@ -133,7 +153,7 @@ def zero12_dp_ranks(ep_rank: int, dp: int, ep: int, data_before_expert: bool, wh
 
 # DeepSpeed's per-expert file name; the metadata's ids are matched as the text DeepSpeed formats
 # into it (so "01" is not expert 1), the mp-rank part as its glob does (anything).
-_EXPERT_FILE_RE = re.compile(r"^layer_([^_]*)_expert_([^_]*)_mp_rank_(.*)_model_states\.pt$")
+_EXPERT_FILE_RE = re.compile(r"^layer_([^_]*)_expert_([^_]*)_mp_rank_(.*)_model_states\.pt\Z")
 
 
 def index_expert_files(names) -> Dict[Tuple[str, str], List[str]]:
@@ -276,7 +296,7 @@ def placement_of(entry: dict, where: str) -> Placement:
         if not all(positive_int(v) for v in (n, nl, ep)) or nl * ep != n:
             raise AutoEPError(f"{where}: AutoEP placement metadata is invalid: inconsistent legacy AutoEP metadata "
                               f"(num_local_experts={nl!r}, ep_size={ep!r}, num_experts={n!r})")
-        p = Placement(n, ep, tuple(tuple(range(r * nl, (r + 1) * nl)) for r in range(ep)))
+        p = Placement(n, ep)
     if p.num_experts != entry["num_experts"] or p.ep_size != entry["ep_size"]:
         raise AutoEPError(f"{where}: AutoEP placement metadata disagrees with its layer entry "
                           f"(num_experts {p.num_experts} vs {entry['num_experts']}, ep_size {p.ep_size} vs "
@@ -308,7 +328,9 @@ def _placement(p, where: str) -> Placement:
                                                 for x in experts) or len(set(experts)) != len(experts):
             bad(f"experts of rank {r['rank']} must be distinct ids in [0, {n})")
         by_rank[r["rank"]] = tuple(experts)
-    missing = sorted(set(range(n)).difference(*by_rank.values()))
-    if missing:
-        bad(f"AutoEP placement descriptor does not cover global expert IDs {missing}.")
+    covered = set().union(*by_rank.values())
+    if len(covered) != n:  # every id lies in [0, n): only a count can fall short, found without counting to n
+        missing = list(itertools.islice((i for i in itertools.count() if i not in covered), 8))
+        bad(f"AutoEP placement descriptor does not cover global expert IDs {missing}"
+            f"{f' and {n - len(covered) - len(missing)} more' if n - len(covered) > len(missing) else ''}.")
     return Placement(n, ep, tuple(by_rank[r] for r in range(ep)))

@@ -95,9 +95,14 @@ def plan_zero3_experts(ck, out: CheckpointState) -> set:
             continue
         placement = placement_of_param[name]
         e0 = layer_of[name]
-        missing = [r for r in range(placement.ep_size) if r not in by_ep and placement.experts_of(r)]
+        # EP ranks holding experts that gave no fragment. A uniform placement's ep_size is a bare number from
+        # the checkpoint and each of its ranks holds experts: the first len(by_ep) + 8 ranks show up to eight.
+        ranks = range(placement.ep_size if placement.explicit is not None else min(placement.ep_size, len(by_ep) + 8))
+        missing = [r for r in ranks if r not in by_ep and placement.experts_of(r)]
         if missing:
+            more = placement.ep_size - len(by_ep) - len(missing) if len(ranks) < placement.ep_size else 0
             raise AutoEPError(f"Missing AutoEP universal fragments for {name}/{state} EP ranks: {missing}"
+                              f"{f' and {more} more' if more > 0 else ''}"
                               f"{in_files([it[5] for items in by_ep.values() for it in items], ck.folder)}")
         locals_: Dict[int, Tuple[Segments, str, bool]] = {}
         for ep_rank, items in sorted(by_ep.items()):
