@@ -241,6 +241,35 @@ def test_verify_refuses_an_export_record_with_an_unknown_layout_or_naming(checkp
         verify_dcp(out, against=checkpoints["s1_fp32_dp2"].root)
 
 
+@pytest.mark.parametrize("edit,rule", [
+    (lambda text: text.replace('"initial_lr": null', '"initial_lr": NaN'), "NaN is not a JSON number"),
+    (lambda text: text.replace('"initial_lr": null', '"initial_lr": 1e999'), "beyond a float's range"),
+    (lambda text: text.replace('"chunk_bytes": ', '"chunk_bytes": 1, "chunk_bytes": '), "appears twice"),
+    (lambda text: text.replace('"data_files": ', '"data_files": ' + "9" * 100_000 + ', "x": '), "100000 digits"),
+    (lambda text: "[" * 100_000 + text + "]" * 100_000, "nested deeper"),
+    (lambda text: f"[{text}]", "must be a JSON object"),
+], ids=["nan", "1e999", "duplicate", "long-integer", "deep", "array"])
+def test_verify_reads_a_hostile_export_record_as_one_error_naming_it(tmp_path, edit, rule):
+    """The export record lies in the folder under check, as hostile as a checkpoint: what Python's
+    json would take (NaN, 1e999 as infinity, a repeated key), refuse naming no file (deep nesting) or
+    stop on (a 100,000-digit integer) is a VerifyInputError naming the record and the rule."""
+    import pyckpt.testing as mc
+    from pyckpt.dcp.verify import verify_dcp
+    from pyckpt.errors import VerifyInputError
+
+    root = mc.make_checkpoint(tmp_path / "ck", params=20000, dp=2, stage=2).parent
+    out = tmp_path / "dcp"
+    pyckpt.export_dcp(root, out)
+    record = out / ".pyckpt-export.json"
+    text = record.read_text()
+    assert edit(text) != text
+    record.write_text(edit(text))
+    with pytest.raises(VerifyInputError) as ei:
+        verify_dcp(out, against=root)
+    message = str(ei.value)
+    assert message.startswith(f"{record}: ") and rule in message and "\n" not in message, message
+
+
 @pytest.mark.parametrize("flags", [["--hf-names"], ["--optim-layout", "flat"], ["--torchtitan"],
                                    ["--initial-lr", "0.1"]])
 def test_dcp_options_are_refused_without_format_dcp(tmp_path, flags):
@@ -711,13 +740,33 @@ def test_torchtitan_flags_that_contradict_it_are_usage_errors(tmp_path, flags, e
     assert not (tmp_path / "out").exists()
 
 
+# config.json bytes Python's json takes (Infinity, 1e999, a 100,000-digit integer) or fails on
+# naming no file (100,000 nested lists: RecursionError), and values json.dumps cannot write
+RAW_CONFIGS = {
+    "heads_infinity": b'{"model_type": "llama", "hidden_size": 32, "num_attention_heads": Infinity}',
+    "heads_nan": b'{"model_type": "llama", "hidden_size": 32, "num_attention_heads": NaN}',
+    "hidden_1e999": b'{"model_type": "llama", "hidden_size": 1e999, "num_attention_heads": 4}',
+    "deep_lists": (b'{"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "x": '
+                   + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "heads_100000_digits": b'{"model_type": "llama", "hidden_size": 32, "num_attention_heads": ' + b"4" * 100_000
+                           + b"}",
+    "duplicate_heads": (b'{"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, '
+                        b'"num_attention_heads": 2}'),
+    "top_level_list": b'[{"model_type": "llama"}]',
+}
+
+
 @pytest.mark.parametrize("config", ["outside", "proc", "heads_text", "heads_zero", "heads_not_dividing",
-                                    "kv_not_dividing", "odd_head_dim", "heads_huge", "not_json"])
+                                    "kv_not_dividing", "odd_head_dim", "heads_huge", "not_json", "heads_float",
+                                    "heads_bool", "heads_negative", "hidden_missing", "head_dim_huge",
+                                    *RAW_CONFIGS])
 def test_torchtitan_reads_a_hostile_config_beside_the_checkpoint_as_one_error(tmp_path, config):
     """--torchtitan takes the attention shape from the config.json beside the checkpoint: one that
-    links out of it (a secret, /proc) is refused, not followed; heads that are not a number, zero, a
-    shape that does not divide the q/k rows, or an odd head size are one error naming why, before
-    anything is written; the checkpoint is unchanged."""
+    links out of it (a secret, /proc) is refused, not followed; heads that are not a positive JSON
+    integer of sane size, a shape that does not divide the q/k rows, or an odd head size are one error
+    naming why, before anything is written; so are NaN, infinities, deep nesting, a 100,000-digit
+    integer, a duplicate key or a top level that is not an object (issue 36, item 8), naming
+    config.json; the checkpoint is unchanged."""
     import pyckpt.testing as mc
     from compare import digest
 
@@ -731,8 +780,14 @@ def test_torchtitan_reads_a_hostile_config_beside_the_checkpoint_as_one_error(tm
     bad = {"heads_text": {"num_attention_heads": "four"}, "heads_zero": {"num_attention_heads": 0},
            "heads_not_dividing": {"num_attention_heads": 3, "num_key_value_heads": 1},
            "kv_not_dividing": {"num_key_value_heads": 3}, "odd_head_dim": {"head_dim": 7},
-           "heads_huge": {"num_attention_heads": 10 ** 18, "num_key_value_heads": 1}}
-    _plant_config(root / "config.json", secret, config, dict(base, **bad.get(config, {})))
+           "heads_huge": {"num_attention_heads": 10 ** 18, "num_key_value_heads": 1},
+           "heads_float": {"num_attention_heads": 4.0}, "heads_bool": {"num_key_value_heads": True},
+           "heads_negative": {"num_attention_heads": -4}, "hidden_missing": {"hidden_size": None},
+           "head_dim_huge": {"head_dim": 2 ** 40}}
+    if config in RAW_CONFIGS:
+        (root / "config.json").write_bytes(RAW_CONFIGS[config])
+    else:
+        _plant_config(root / "config.json", secret, config, dict(base, **bad.get(config, {})))
     before = digest(root)
     with pytest.raises(pyckpt.PyckptError) as err:
         pyckpt.export_dcp(root, tmp_path / "out", torchtitan=True, initial_lr=0.1)
@@ -741,7 +796,16 @@ def test_torchtitan_reads_a_hostile_config_beside_the_checkpoint_as_one_error(tm
     expected = {"outside": "config.json", "proc": "config.json", "not_json": "config.json",
                 "heads_text": "attention shape", "heads_zero": "attention shape",
                 "heads_not_dividing": "not 3 heads", "kv_not_dividing": "attention shape",
-                "odd_head_dim": "attention shape", "heads_huge": "attention shape"}[config]
+                "odd_head_dim": "attention shape", "heads_huge": "attention shape",
+                "heads_float": "num_attention_heads is 4.0", "heads_bool": "num_key_value_heads is True",
+                "heads_negative": "num_attention_heads is -4", "hidden_missing": "hidden_size is None",
+                "head_dim_huge": "head_dim is 1099511627776", "heads_infinity": "Infinity is not a JSON number",
+                "heads_nan": "NaN is not a JSON number", "hidden_1e999": "beyond a float's range",
+                "deep_lists": "nested deeper than 64 levels", "heads_100000_digits": "an integer of 100000 digits",
+                "duplicate_heads": "the key 'num_attention_heads' appears twice",
+                "top_level_list": "must be a JSON object"}[config]
     assert expected in message, message
+    if config != "heads_not_dividing":  # that one is the q/k rows against the config, named by tensor
+        assert message.startswith(f"{root / 'config.json'}: "), message  # the file and the rule
     assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["ck", "secret.json"]
     assert digest(root) == before

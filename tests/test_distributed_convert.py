@@ -187,6 +187,22 @@ def test_rank_0_refusing_the_output_fails_every_rank(tmp_path):
     assert os.listdir(tmp_path / "out" / "u") == [] and _leftovers(tmp_path / "out", "u") == []
 
 
+@pytest.mark.parametrize("write", [convert_to_universal, export_hf])
+def test_every_rank_refuses_an_output_that_is_part_of_the_input(tmp_path, write):
+    """Spread over ranks, an OUTPUT that is the input's `latest` is refused on every rank before any
+    writes, --overwrite or not, and `latest` stays the file it was (issue 36, item 3)."""
+    import pyckpt.testing as mc
+    from compare import digest
+
+    root = mc.make_checkpoint(tmp_path / "ck", params=20000, dp=2, stage=2).parent
+    before = digest(root)
+    _, errors = _run_ranks(2, lambda r: write(root, root / "latest", overwrite=True, ranks=r))
+    for exc in errors:
+        assert isinstance(exc, RanksFailedError) and exc.failures.keys() == {0, 1}, errors
+        assert f"the output is the input checkpoint's file {root / 'latest'}" in str(exc), str(exc)
+    assert digest(root) == before and sorted(os.listdir(tmp_path)) == ["ck"]
+
+
 def test_ranks_that_plan_differently_are_refused(tmp_path):
     """Nodes that see different inputs (another checkpoint, another pyckpt) must not write one output."""
     a, b = _generated(tmp_path / "a", 2, "200k"), _generated(tmp_path / "b", 2, "300k")

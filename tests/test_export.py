@@ -317,6 +317,65 @@ def test_a_config_that_is_not_a_json_object_is_refused_before_anything_is_writte
     assert not (tmp_path / "out").exists()
 
 
+# A config.json beside the checkpoint is parsed, so it is hostile input like the shards (issue 36,
+# item 8): each of these must be one line naming the file and the rule, from every reader of it.
+HOSTILE_CONFIGS = {
+    # name: (the file's bytes, what the message must say)
+    "infinity": (b'{"model_type": "llama", "num_attention_heads": Infinity}', "Infinity is not a JSON number"),
+    "nan": (b'{"model_type": "llama", "dtype": NaN}', "NaN is not a JSON number"),
+    "float_overflow": (b'{"model_type": "llama", "rope_theta": 1e999}', "beyond a float's range"),
+    "deep_lists": (b'{"model_type": "llama", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                   "nested deeper than 64 levels"),
+    "deep_unclosed": (b'{"x": ' + b"[" * 100_000, "nested deeper than 64 levels"),
+    "huge_integer": (b'{"model_type": "llama", "vocab_size": ' + b"7" * 100_000 + b"}",
+                     "an integer of 100000 digits"),
+    "duplicate_keys": (b'{"model_type": "llama", "dtype": "bfloat16", "dtype": "float32"}',
+                       "the key 'dtype' appears twice"),
+    "top_level_list": (b'[{"model_type": "llama"}]', "must be a JSON object, not an array"),
+    "top_level_number": (b"7", "must be a JSON object, not a number"),
+    "invalid_utf8": (b'{"model_type": "ll\xff\xfeama"}', "not UTF-8 text"),
+    "not_json": (b"{not json", "not JSON"),
+}
+
+
+@pytest.mark.parametrize("config", list(HOSTILE_CONFIGS))
+@pytest.mark.parametrize("dtype", ["fp32", "auto"])
+def test_a_hostile_config_beside_the_checkpoint_is_one_line_naming_it(tmp_path, config, dtype):
+    """The export reads config.json for its dtype ("auto") and copies it either way: NaN or an
+    infinity, nesting deeper than the parser should recurse, a 100,000-digit integer, a key given
+    twice, a top level other than an object or bytes that are not UTF-8 are each refused naming the
+    file and the rule, before anything is written; the checkpoint is unchanged."""
+    import pyckpt.testing as mc
+    from compare import digest
+    from pyckpt.errors import CheckpointFormatError
+
+    root = mc.make_checkpoint(tmp_path / "ck", params=20000, dp=2, stage=2).parent
+    data, rule = HOSTILE_CONFIGS[config]
+    (root / "config.json").write_bytes(data)
+    before = digest(root)
+    with pytest.raises(CheckpointFormatError) as ei:
+        export_hf(root, tmp_path / "out", dtype=dtype)
+    message = str(ei.value)
+    assert message.startswith(f"{root / 'config.json'}: ") and rule in message, message
+    assert "\n" not in message and len(message) < 400, message
+    assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["ck"]
+    assert digest(root) == before
+
+
+def test_the_json_reader_keeps_what_a_model_config_holds():
+    """What the refusals leave alone: nesting up to the bound, brackets and quotes inside strings,
+    long strings, 20-digit integers, negative and fractional numbers, unicode."""
+    from pyckpt.formats.json_file import MAX_DEPTH, parse_json_object
+
+    nested = "[" * (MAX_DEPTH - 1) + "1" + "]" * (MAX_DEPTH - 1)
+    text = ('{"a": ' + nested + ', "s": "[[[{{{\\"]]]", "big": 18446744073709551615, "neg": -3, '
+            '"f": 1e-05, "u": "\u00e9\u4e2d", "brackets": "' + "[" * 1000 + '"}')
+    value = parse_json_object(text.encode(), "config.json")
+    assert value == json.loads(text)
+    with pytest.raises(ValueError, match="nested deeper"):
+        parse_json_object(('{"a": [' + nested + "]}").encode(), "config.json")
+
+
 def test_a_parameter_named_like_the_safetensors_metadata_key_is_refused_not_written(checkpoints, tmp_path):
     """``__metadata__`` is safetensors' header key for string metadata: a tensor under that name makes
     a file the reference reader refuses. Refused for safetensors (one line, nothing written);

@@ -300,6 +300,203 @@ def test_output_beside_the_tag_inside_the_save_dir_is_allowed(checkpoints, tmp_p
     assert digest(tag) == before
 
 
+# Every file and folder the input consists of, not only its tag folder, is off limits to OUTPUT, for
+# every writer and with or without --overwrite (issue 36, item 3: `export ck ck/latest --overwrite`
+# replaced `latest` with the export). Fast: a synthetic checkpoint, the commands run in this process.
+
+@pytest.fixture(scope="module")
+def _save_folder(tmp_path_factory):
+    """A save folder as a training run leaves it: a ZeRO-2 tag folder, `latest`, a Universal folder
+    converted beside it with its `latest_universal`, and a model config beside the checkpoint."""
+    import json
+
+    import pyckpt.testing as mc
+
+    tag = mc.make_checkpoint(tmp_path_factory.mktemp("made") / "ck", params=20000, dp=2, stage=2)
+    pyckpt.convert_to_universal(tag.parent, tag.parent / f"{tag.name}_universal")
+    (tag.parent / "config.json").write_text(json.dumps({"model_type": "toy", "dtype": "float32"}))
+    return tag.parent, tag.name
+
+
+def _save_copy(made, tmp_path):
+    src, name = made
+    root = tmp_path / "work" / "ck"
+    shutil.copytree(src, root, symlinks=True)
+    return root, root / name
+
+
+def _in_process(command, *args):
+    """(exit status, stderr) of ``pyckpt <command> ARGS`` run in this process."""
+    import contextlib
+    import io
+
+    import pyckpt.convert
+    import pyckpt.export
+
+    argv = [str(a) for a in args] + ["--quiet"]
+    main = pyckpt.convert.main if command == "convert" else pyckpt.export.main
+    if command == "export-dcp":
+        argv += ["--format", "dcp"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, err.getvalue()
+
+
+PART_OF_THE_INPUT = {
+    # name: (OUTPUT, the input path the message names), both relative to the save folder's parent
+    "latest": ("ck/latest", "ck/latest"),
+    "latest_universal": ("ck/latest_universal", "ck/latest_universal"),
+    "tag": ("ck/{tag}", "ck/{tag}"),
+    "shard": ("ck/{tag}/zero_pp_rank_1_mp_rank_00_optim_states.pt", "ck/{tag}"),
+    "model_states": ("ck/{tag}/mp_rank_00_model_states.pt", "ck/{tag}"),
+    "save_dir": ("ck", "ck"),
+    "ancestor": (".", "ck"),
+    "dot_latest": ("ck/./latest", "ck/latest"),
+    "climbing_latest": ("ck/../ck/latest", "ck/latest"),
+    "link_to_latest": ("link", "ck/latest"),
+    "link_to_tag": ("link", "ck/{tag}"),
+}
+
+
+@pytest.mark.parametrize("overwrite", [True, False], ids=["overwrite", "no-overwrite"])
+@pytest.mark.parametrize("given", ["save_dir", "tag"])
+@pytest.mark.parametrize("where", list(PART_OF_THE_INPUT))
+@pytest.mark.parametrize("command", ["convert", "export-hf", "export-dcp"])
+def test_an_output_that_is_part_of_the_input_is_refused(command, where, given, overwrite, _save_folder, tmp_path):
+    root, tag = _save_copy(_save_folder, tmp_path)
+    work = root.parent
+    output, named = (work / p.format(tag=tag.name) for p in PART_OF_THE_INPUT[where])
+    if where.startswith("link_to_"):
+        os.symlink(named, output)
+    before = digest(work)
+    status, err = _in_process(command, root if given == "save_dir" else tag, output,
+                              *(["--overwrite"] if overwrite else []))
+    assert status == 1, err
+    assert err.count("\n") == 1 and err.startswith(f"pyckpt: error: {os.path.abspath(output)}: the output "), err
+    assert "input checkpoint" in err and str(named.resolve()) in err, err
+    assert digest(work) == before
+    assert sorted(os.listdir(work)) == sorted(["ck"] + (["link"] if where.startswith("link_to_") else []))
+
+
+@pytest.mark.parametrize("given", ["save_dir", "tag"])
+@pytest.mark.parametrize("command", ["export-hf", "export-dcp-torchtitan"])
+def test_an_output_that_is_the_model_config_an_export_reads_is_refused(command, given, _save_folder, tmp_path):
+    """The model config beside the checkpoint is part of what an export reads (the Hugging Face
+    export copies it, the DCP export's --torchtitan takes the attention shape from it): an OUTPUT of
+    that name would replace it."""
+    import json
+
+    import pyckpt.testing as mc
+
+    if command == "export-hf":
+        root, tag = _save_copy(_save_folder, tmp_path)
+        flags = []
+    else:
+        tag = mc.make_checkpoint(tmp_path / "work" / "ck", dp=2, stage=2, family="llama", layers=1, hidden=32,
+                                 heads=4, kv_heads=2, vocab=64)
+        root = tag.parent
+        (root / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32,
+                                                      "num_attention_heads": 4, "num_key_value_heads": 2}))
+        flags = ["--torchtitan", "--initial-lr", "0.1"]
+    before = digest(root.parent)
+    status, err = _in_process(command.replace("-torchtitan", ""), root if given == "save_dir" else tag,
+                              root / "config.json", "--overwrite", *flags)
+    assert status == 1 and err.count("\n") == 1, err
+    assert f"the output is the input checkpoint's file {root / 'config.json'}" in err, err
+    assert digest(root.parent) == before
+
+
+UNIVERSAL_PARTS = {
+    "latest_universal": "ck/latest_universal",
+    "folder": "ck/{tag}_universal",
+    "zero": "ck/{tag}_universal/zero",
+    "fp32": "ck/{tag}_universal/zero/l0.weight/fp32.pt",
+    "save_dir": "ck",
+    "ancestor": ".",
+}
+
+
+@pytest.mark.parametrize("given", ["folder", "save_dir"])
+@pytest.mark.parametrize("where", list(UNIVERSAL_PARTS))
+@pytest.mark.parametrize("command", ["export-hf", "export-dcp"])
+def test_an_output_that_is_part_of_a_universal_input_is_refused(command, where, given, _save_folder, tmp_path):
+    """A Universal folder exported (its folder, or a save folder whose `latest_universal` names it):
+    its `zero/` tree, the pointer and the folders holding it are the input too."""
+    root, tag = _save_copy(_save_folder, tmp_path)
+    os.remove(root / "latest")  # a save folder with latest_universal alone is read as the Universal one
+    universal = root / f"{tag.name}_universal"
+    params = sorted(p.name for p in (universal / "zero").iterdir() if p.is_dir())
+    output = root.parent / UNIVERSAL_PARTS[where].format(tag=tag.name).replace("l0.weight", params[-1])
+    assert where in ("save_dir", "ancestor") or os.path.lexists(output), output
+    before = digest(root.parent)
+    status, err = _in_process(command, universal if given == "folder" else root, output, "--overwrite")
+    assert status == 1 and err.count("\n") == 1 and "input checkpoint" in err, err
+    assert digest(root.parent) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "export-hf", "export-dcp"])
+def test_the_cli_refuses_to_replace_latest_with_its_output(command, _save_folder, tmp_path):
+    """The issue's own command lines, as a user runs them: exit 1, one line, `latest` still the file
+    naming the tag."""
+    root, tag = _save_copy(_save_folder, tmp_path)
+    module = "pyckpt.convert" if command == "convert" else "pyckpt.export"
+    extra = ["--format", "dcp"] if command == "export-dcp" else []
+    proc = subprocess.run([sys.executable, "-m", module, "ck", "ck/latest", "--overwrite", *extra],
+                          capture_output=True, text=True, cwd=root.parent, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{root / 'latest'}: the output is the input checkpoint's file {root / 'latest'}" in proc.stderr
+    assert (root / "latest").read_text() == tag.name
+
+
+@pytest.mark.parametrize("command", ["convert", "export-hf", "export-dcp"])
+def test_the_library_refuses_an_output_that_is_part_of_the_input(command, _save_folder, tmp_path):
+    """The Python API, not only the command line: each writer's entry point refuses, overwrite or not."""
+    from pyckpt.dcp.export import export_dcp
+    from pyckpt.huggingface.export import export_hf
+    from pyckpt.universal.convert import convert_to_universal
+
+    root, tag = _save_copy(_save_folder, tmp_path)
+    write = {"convert": convert_to_universal, "export-hf": export_hf, "export-dcp": export_dcp}[command]
+    before = digest(root)
+    for output in (root / "latest", root / "latest_universal", root / "." / "latest"):
+        for overwrite in (True, False):
+            with pytest.raises(CheckpointFormatError, match="input checkpoint's file") as ei:
+                write(root, output, overwrite=overwrite)
+            assert "\n" not in str(ei.value)
+    assert digest(root) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "export-hf", "export-dcp"])
+def test_an_output_beside_the_checkpoint_is_still_allowed(command, _save_folder, tmp_path):
+    """What the refusals must leave alone: an output in the save folder under a name of its own, or
+    replacing another tag's folder there (what `universal=True` saves do each step), with the tag
+    folder or the save folder given."""
+    root, tag = _save_copy(_save_folder, tmp_path)
+    before = digest(tag)
+    assert _in_process(command, root, root / "beside") == (0, "")
+    assert _in_process(command, tag, root / f"{tag.name}_universal", "--overwrite") == (0, "")
+    assert digest(tag) == before
+    assert (root / "latest").read_text() == tag.name
+
+
+@pytest.mark.parametrize("command", ["convert", "export-hf", "export-dcp"])
+def test_an_older_tag_given_may_not_replace_the_one_latest_names(command, _save_folder, tmp_path):
+    """With an older tag folder given, the save folder's current checkpoint (the tag `latest` names)
+    is still off limits; another older tag folder beside it is not."""
+    root, tag = _save_copy(_save_folder, tmp_path)
+    newest, older = root / "global_step2", root / "global_step0"
+    shutil.copytree(tag, newest)
+    shutil.copytree(tag, older)
+    (root / "latest").write_text(newest.name)
+    before = digest(newest)
+    status, err = _in_process(command, tag, newest, "--overwrite")
+    assert status == 1 and err.count("\n") == 1, err
+    assert f"the output is the input checkpoint's folder {newest}" in err, err
+    assert digest(newest) == before
+    assert _in_process(command, tag, older, "--overwrite") == (0, "")
+
+
 # A checkpoint folder may hold links (a downloaded archive can carry them). Whatever pyckpt reads
 # through one must still lie inside the checkpoint: a link out of it is refused before anything is
 # written, so no file of the machine ends up in an output a user publishes.

@@ -27,12 +27,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, check_number, check_workers, metadata_errors
 from ..execution.distributed import several
 from ..execution.executor import series_locations
 from ..execution.publish import agreed_plan, write_published
 from ..execution.report import WrittenReport
 from ..huggingface.autoep_names import hf_renames, to_hf_names
+from ..huggingface.files import CONFIG_NAME
 from ..huggingface.export import autoep_naming, companion_folder, read_consolidated, read_model_config, resolve_dtype
 from ..planning.collector import pauses_collector
 from ..planning.plan import Plan
@@ -53,6 +54,8 @@ METADATA_NAME = ".metadata"
 EXPORT_RECORD = ".pyckpt-export.json"
 EXPORT_RECORD_VERSION = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# No file holds more bytes than an off_t counts: a larger chunk is a typo (and would not fit the JSON record).
+CHUNK_BYTES_MAX = (1 << 63) - 1
 # "nested": get_state_dict's optimizer state ({"state": {fqn: ...}, "param_groups": [{..., "params": [fqn]}]});
 # "flat": the same with StateDictOptions(flatten_optimizer_state_dict=True)
 OPTIM_LAYOUTS = ("nested", "flat")
@@ -182,23 +185,25 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
             raise ValueError("torchtitan's checkpointer fixes the layout (the model at the top level, the optimizer "
                              "flattened under 'optimizer'): leave model_key, optim_key and optim_layout unset")
         model_key, optim_key, optim_layout = TORCHTITAN_LAYOUT
-    if initial_lr is not None and not (isinstance(initial_lr, (int, float)) and not isinstance(initial_lr, bool)
-                                       and initial_lr >= 0):
-        raise ValueError(f"initial_lr must be a non-negative number, not {initial_lr!r}")
+    if initial_lr is not None:  # written into every param group: inf or nan would be trained from
+        check_number("initial_lr", initial_lr, low=0)
     if optim_layout not in OPTIM_LAYOUTS:
         raise ValueError(f"optim_layout must be one of {', '.join(OPTIM_LAYOUTS)}, not {optim_layout!r}")
     if optimizer and not optim_key:
         raise ValueError("the optimizer state needs a key of its own (optim_key)")
     if optimizer and model_key == optim_key:
         raise ValueError(f"model_key and optim_key must differ (both {model_key!r})")
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
+    check_number("chunk_bytes", chunk_bytes, integer=True, low=1, high=CHUNK_BYTES_MAX)
     ck, cstate = read_consolidated(input, tag, exclude_frozen)
     target = resolve_dtype(dtype)
     save_id = save_id or str(uuid.uuid4())
     plan = Plan()
     naming = _hf_naming(ck, cstate, plan.notes) if hf_names else None
-    heads = Heads(read_model_config(companion_folder(ck.folder))[0], ck.folder) if torchtitan else None
+    companions = companion_folder(ck.folder)
+    if hf_names or torchtitan:  # both name tensors by the config beside the checkpoint
+        plan.input_files.append(os.path.join(companions, CONFIG_NAME))
+    heads = (Heads(read_model_config(companions)[0], ck.folder, os.path.join(companions, CONFIG_NAME))
+             if torchtitan else None)
     model = cstate.tensors if naming is None else to_hf_names(cstate.tensors, *naming, ck.folder)
     if heads is not None:
         model = to_torchtitan_model(model, heads)
@@ -394,6 +399,7 @@ def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     processes of a torch launch. The output is complete or absent; an existing ``output`` is replaced
     only with ``overwrite=True``."""
     t0 = time.perf_counter()
+    check_workers(workers)
     ranks = several(ranks)
     output = os.path.abspath(os.fspath(output))
     # one save id for every rank's plan: the .metadata is the same file wherever it is planned

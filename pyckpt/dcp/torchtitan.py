@@ -22,18 +22,20 @@ other rows, nothing read or computed.
 
 from __future__ import annotations
 
+import os
 import re
+import reprlib
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..native import KIND_COPY
 from ..planning.plan import Piece, Segments, row_pieces
 from ..tensors import ITEMSIZE, NewTensor
 
 MODEL_TYPES = ("llama",)
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\Z")
 # Hugging Face name inside a layer -> torchtitan's, as the adapter's from_hf map has them
 _LAYER_NAMES = {
     "self_attn.q_proj.weight": "attention.qkv_linear.wq.weight",
@@ -51,25 +53,41 @@ _TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.
 FUSED = "attention.qkv_linear.wqkv.weight"
 
 
-class Heads:
-    """The attention shape the permutation and the fusion need, from the model's config."""
+# No model has attention anywhere near this wide; a bound keeps a hostile config's number from
+# becoming a row count (a head of 10**18 rows) before a shape check sees it.
+MAX_ATTENTION_SIZE = 1 << 20
 
-    def __init__(self, config: Optional[dict], where: str):
+
+def _shape_value(config: dict, key: str, config_path: str, default: Optional[int] = None) -> int:
+    """``config[key]`` as an attention size: a JSON integer in [1, MAX_ATTENTION_SIZE]; ``default``
+    where the key is absent or null (transformers fills those from the other sizes)."""
+    value = config.get(key)
+    if value is None and default is not None:
+        return default
+    if type(value) is not int or not 1 <= value <= MAX_ATTENTION_SIZE:
+        found = reprlib.repr(value) if key in config else "missing"
+        raise CheckpointFormatError(f"{config_path}: {key} is {found}; the attention shape needs a positive integer "
+                                    f"of at most {MAX_ATTENTION_SIZE}")
+    return value
+
+
+class Heads:
+    """The attention shape the permutation and the fusion need, from the model's config (read from
+    ``config_path``, beside the checkpoint folder ``where``)."""
+
+    def __init__(self, config: Optional[dict], where: str, config_path: Optional[str] = None):
+        config_path = config_path or os.path.join(where, "config.json")
         model_type = (config or {}).get("model_type")
         if model_type not in MODEL_TYPES:
-            found = "no config.json beside it" if config is None else f"model_type {model_type!r}"
+            found = "no config.json beside it" if config is None else f"model_type {reprlib.repr(model_type)}"
             raise UnsupportedCheckpointError(f"{where}: torchtitan names are known for {', '.join(MODEL_TYPES)} "
                                              f"models; the checkpoint has {found}")
-        try:
-            self.heads = int(config["num_attention_heads"])
-            self.kv_heads = int(config.get("num_key_value_heads") or self.heads)
-            hidden = int(config["hidden_size"])
-            self.head_dim = int(config.get("head_dim") or (hidden // self.heads if self.heads > 0 else 0))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UnsupportedCheckpointError(f"{where}: config.json lacks a usable attention shape ({exc})") from None
-        if (min(self.heads, self.kv_heads, self.head_dim) < 1 or self.heads % self.kv_heads
-                or self.head_dim % 2):
-            raise UnsupportedCheckpointError(f"{where}: config.json's attention shape ({self.heads} heads, "
+        self.heads = _shape_value(config, "num_attention_heads", config_path)
+        self.kv_heads = _shape_value(config, "num_key_value_heads", config_path, self.heads)
+        hidden = _shape_value(config, "hidden_size", config_path)
+        self.head_dim = _shape_value(config, "head_dim", config_path, hidden // self.heads)
+        if self.heads % self.kv_heads or self.head_dim % 2 or self.head_dim < 1:
+            raise UnsupportedCheckpointError(f"{config_path}: the attention shape ({self.heads} heads, "
                                              f"{self.kv_heads} key/value heads of {self.head_dim}) is not one "
                                              "torchtitan's Llama3 builds")
         self.where = where

@@ -10,7 +10,6 @@ executor: Python reads, numpy casts). Nothing is unpickled.
 from __future__ import annotations
 
 import io
-import json
 import os
 import stat
 import zipfile
@@ -19,6 +18,7 @@ from typing import Optional
 from ..errors import PyckptError, VerifyInputError, metadata_errors
 from ..execution.executor import SERIES_ARCHIVE_NAME, series_locations
 from ..formats.confined import read_inside
+from ..formats.json_file import parse_json_object
 from ..formats.pickle_write import dumps
 from ..tensors import ITEMSIZE, NewTensor
 from ..universal.verify.against import _planned_crc, _Reader
@@ -68,11 +68,8 @@ def _options(folder: str) -> dict:
     except (PyckptError, OSError) as exc:
         raise VerifyInputError(f"{os.path.join(folder, EXPORT_RECORD)}: cannot read the export's options ({exc}): "
                                "only a DCP folder pyckpt exported can be verified against its input") from None
-    try:
-        opts = json.loads(raw.decode("utf-8"))
-    except ValueError as exc:
-        raise VerifyInputError(f"{os.path.join(folder, EXPORT_RECORD)}: not JSON ({exc})") from None
-    bad = [k for k, kind in _OPTIONS.items() if not isinstance(opts, dict) or type(opts.get(k)) is not kind]
+    opts = parse_json_object(raw, os.path.join(folder, EXPORT_RECORD), "export record", VerifyInputError)
+    bad = [k for k, kind in _OPTIONS.items() if type(opts.get(k)) is not kind]
     if not bad and type(opts.get("hf_names", False)) is not bool:  # absent from the first records: False
         bad = ["hf_names"]
     if not bad and opts.get("optim_layout", "nested") not in OPTIM_LAYOUTS:

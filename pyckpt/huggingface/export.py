@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import time
 from dataclasses import dataclass
 from collections import OrderedDict
@@ -23,13 +24,14 @@ from ..zero.discovery import discover
 from ..zero.names import check_tag
 from ..universal.read import consolidate_universal, discover_universal, find_universal_folder
 from .autoep_names import preset_of, to_hf_names
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, check_workers, metadata_errors
 from ..execution.distributed import several
 from ..execution.publish import agreed_plan, write_published
 from ..execution.report import WrittenReport
 from ..formats.safetensors import RESERVED_NAME, TensorEntry, layout
 from ..planning.collector import pauses_collector
 from ..formats.confined import read_inside
+from ..formats.json_file import read_json_object
 from .files import (COMPANION_FILES, CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
                                  WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
 from .shards import parse_size, split
@@ -39,6 +41,8 @@ from ..planning.plan import Plan
 # folder (formats.confined): one that links out of it, or into a kernel pseudo-filesystem, stops the
 # export, since whatever it names would be published.
 COMPANION_MAX_BYTES = 64 * 1024 * 1024
+# the config is parsed, not only copied: kilobytes in practice, a megabyte with a vision model's labels
+CONFIG_MAX_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -149,7 +153,8 @@ def autoep_naming(ck, state, config: Optional[dict], notes: list, required: bool
     preset = preset_of(config)
     if preset is None:
         kind = (config or {}).get("model_type")
-        why = "no config.json beside the checkpoint" if config is None else f"model_type {kind!r} has no mapping"
+        why = ("no config.json beside the checkpoint" if config is None
+               else f"model_type {reprlib.repr(kind)} has no mapping")
         notes.append(f"  AutoEP layers kept under their AutoEP names (router.gate, experts.w1/w2/w3): {why}")
         return unnamed(why)
     renamed = set(state.aliases.values()) & {name for e in layers for name in state.tensors
@@ -185,6 +190,7 @@ def _add_companions(plan: Plan, folder: str, config: Optional[dict], config_byte
         path = os.path.join(folder, name)
         if not os.path.lexists(path):
             continue
+        plan.input_files.append(path)
         # the config as parsed, not read again: the copy says what the dtype decision saw
         data = config_bytes if name == CONFIG_NAME else read_inside(folder, name, COMPANION_MAX_BYTES)
         if name == CONFIG_NAME and config is not None:
@@ -235,6 +241,7 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     sharded export (``max_shard_size`` below the model's size) is spread.
     """
     t0 = time.perf_counter()
+    check_workers(workers)
     ranks = several(ranks)
     output = os.path.abspath(os.fspath(output))
     ck, plan, target, count, total = agreed_plan(
@@ -252,16 +259,10 @@ def export_hf(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
 
 
 def read_model_config(folder: str) -> Tuple[Optional[Dict], Optional[bytes]]:
-    """The model config beside the checkpoint, parsed, and its bytes (None, None if absent)."""
-    path = os.path.join(folder, CONFIG_NAME)
-    if not os.path.lexists(path):
+    """The model config beside the checkpoint, parsed, and its bytes (None, None if absent). It is
+    read confined to ``folder`` and parsed by the strict JSON reader
+    (:func:`~pyckpt.formats.json_file.read_json_object`): NaN, infinities, deep nesting, long
+    integers, duplicate keys or a top level other than an object are one error naming the file."""
+    if not os.path.lexists(os.path.join(folder, CONFIG_NAME)):
         return None, None
-    data = read_inside(folder, CONFIG_NAME, COMPANION_MAX_BYTES)
-    try:
-        config = json.loads(data.decode("utf-8"))
-    except ValueError as exc:
-        raise CheckpointFormatError(f"{path}: not a readable model config ({exc})") from None
-    if not isinstance(config, dict):
-        raise CheckpointFormatError(f"{path}: a model config must be a JSON object")
-    return config, data
-
+    return read_json_object(folder, CONFIG_NAME, "model config", CONFIG_MAX_BYTES)
