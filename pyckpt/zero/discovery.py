@@ -21,8 +21,8 @@ from .names import check_tag, missing_ranks
 from .shard_row import ShardRow
 from .shards import ZeroShard, read_zero_shard, read_zero_stage
 
-_ZERO_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_ZERO_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt\Z")
+_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt\Z")
 
 
 def natural_key(text: str):
@@ -69,9 +69,10 @@ def follow_pointer(path: str, pointer: str) -> str:
     return tag_dir
 
 
-_MEGATRON_RANK_DIR_RE = re.compile(r"^mp_rank_\d+(_\d+)?$")
-_MEGATRON_ITER_DIR_RE = re.compile(r"^iter_\d+$")
-_TP_PP_MODEL_RE = re.compile(r"^mp_rank_(\d+)_(\d+)_model_states\.pt$")
+_MEGATRON_RANK_DIR_RE = re.compile(r"^mp_rank_\d+(_\d+)?\Z")
+_MEGATRON_ITER_DIR_RE = re.compile(r"^iter_\d+\Z")
+_MP_MODEL_RE = re.compile(r"^mp_rank_\d+(_\d+)?_model_states\.pt\Z")
+_TP_PP_MODEL_RE = re.compile(r"^mp_rank_(\d+)_(\d+)_model_states\.pt\Z")
 
 
 def _refuse_megatron_lm(path: str, names) -> None:
@@ -148,6 +149,17 @@ def _rank_table(folder: str, zero_names: List[str]) -> Dict[int, Dict[int, str]]
     return grid
 
 
+def zero_shard_grid(folder: str, names, zero3: bool = False) -> Dict[int, List[str]]:
+    """The ZeRO optimizer shard names of ``names`` (the folder's listing): {mp rank: names in dp rank
+    order}, every row complete and as long as the others (the checks :func:`discover` makes)."""
+    zero_names = [n for n in names if _ZERO_RE.match(n) and not (zero3 and n.startswith("fp16_"))]
+    if not zero_names:
+        raise CheckpointFormatError(f"{folder}: can't find ZeRO optimizer shards (zero_pp_rank_*_optim_states.pt)")
+    grid = _rank_table(folder, zero_names)
+    dp = _check_complete(folder, grid, "ZeRO optimizer shards")
+    return {mp: [ranks[r] for r in range(dp)] for mp, ranks in sorted(grid.items())}
+
+
 def _check_complete(folder: str, grid: Dict[int, Dict[int, str]], what: str) -> int:
     dp = 1 + max(max(d) for d in grid.values())
     for mp, ranks in sorted(grid.items()):
@@ -165,7 +177,15 @@ def _check_complete(folder: str, grid: Dict[int, Dict[int, str]], what: str) -> 
 
 
 def _discover_zero12(folder, names, zero_names, first, stage) -> ZeroCheckpoint:
-    mp_names = sorted(n for n in names if n.startswith("mp_rank_"))
+    mp_names = sorted(n for n in names if _MP_MODEL_RE.match(n))
+    # DeepSpeed's converter takes every name that starts with mp_rank_ as a model-state file (a prefix
+    # match); pyckpt copies them into its output by name, so one that only starts like one is refused
+    odd = sorted(n for n in names if n.startswith("mp_rank_") and n not in mp_names and
+                 not os.path.isdir(os.path.join(folder, n)))
+    if odd:
+        raise CheckpointFormatError(f"{os.path.join(folder, odd[0])}: named like a model-state file but not "
+                                    "mp_rank_NN_model_states.pt; DeepSpeed would count it among the model states. "
+                                    "Remove or rename it")
     tp_pp_named = [n for n in mp_names if _TP_PP_MODEL_RE.match(n)]
     if tp_pp_named:
         # DeepSpeed numbers model states by the model-parallel rank alone (mp_rank_{pp*tp_degree+tp:02d});
