@@ -334,7 +334,7 @@ def _failing(task: dict, world_size: int, how: str = "pyckpt", rank: int = 0) ->
 
     cfg = task["cfg"]
     root = task.get("rank_roots", {}).get(str(rank), task["root"])
-    engine = W.make_engine(cfg, world_size, load_universal=how not in ("direct", "plain", "plain_off"))
+    engine = W.make_engine(cfg, world_size, load_universal=how not in ("direct", "plain", "plain_off", "plain_mixed"))
     before = snapshot(engine)
     error = None
     try:
@@ -343,6 +343,9 @@ def _failing(task: dict, world_size: int, how: str = "pyckpt", rank: int = 0) ->
         elif how in ("plain", "plain_off"):  # enable() and the load a training script makes, no load_universal
             with pyckpt.deepspeed.enable(reshard=how == "plain"):
                 engine.load_checkpoint(root)
+        elif how == "plain_mixed":  # ranks that disagree on the load's options
+            with pyckpt.deepspeed.enable():
+                engine.load_checkpoint(root, load_optimizer_states=rank == 0)
         elif how == "stock":
             engine.load_checkpoint(root, tag=task["tag"])
         else:

@@ -558,6 +558,95 @@ def test_a_topology_change_that_cannot_be_served_fails_every_rank_naming_both(un
         assert kind == "ZeRORuntimeException" and "DP world size of 2" in message, (rank, x)
 
 
+class _Marker:
+    """Unpickled by a reader that runs what a pickle names, it creates its file (builtins.open)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _resave(path: Path, change) -> None:
+    saved = torch.load(path, weights_only=False)  # the test's own file
+    change(saved)
+    torch.save(saved, path)
+
+
+def test_under_enable_a_file_pyckpt_refuses_is_refused_by_every_load(universal, tmp_path):
+    """A checkpoint file whose pickle would run code (here: create a marker file) is refused on every
+    rank with UnsafePickleError before DeepSpeed's unpickler sees it, whichever road the plain
+    engine.load_checkpoint(dir) under enable() takes: a reshard (the model-state file, which the
+    topology is read from), DeepSpeed's own load at the saved topology (a ZeRO shard), and
+    enable(reshard=False). No marker appears and no rank's state changes."""
+    src = universal["z2-bf16"].root
+    cfg = CASES["z2-bf16"][0]
+    cases = {  # name: (the file made hostile, world size loaded at, way)
+        "reshard": ("global_step3/mp_rank_00_model_states.pt", 3, "plain"),
+        "saved-topology": ("global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", 2, "plain"),
+        "reshard-off": ("global_step3/mp_rank_00_model_states.pt", 2, "plain_off"),
+    }
+    for name, (victim, ws, way) in cases.items():
+        root = tmp_path / name
+        shutil.copytree(src, root)
+        marker = tmp_path / f"{name}.ran"
+        if victim.endswith("optim_states.pt"):
+            _resave(root / victim, lambda saved: saved["optimizer_state_dict"].update(hook=_Marker(marker)))
+        else:
+            _resave(root / victim, lambda saved: saved.update(hook=_Marker(marker)))
+        task = _call("failing_each_way", dataclasses.replace(cfg, world_size=ws), root=str(root), tag=None,
+                     ways=[way])
+        (res, ) = _launch(ws, [task], None, f"unsafe pickle: {name}", 300)
+        assert not marker.exists(), name
+        for rank, x in enumerate(res["ranks"]):
+            kind, message = x[way]["error"]
+            assert kind == "UnsafePickleError", (name, rank, x)
+            assert os.path.basename(victim) in message and "io.open" in message, (name, rank, message)
+            assert "trust_pickles=True" in message, message
+            assert x[way]["changed"] == [], (name, rank, x[way]["changed"])
+
+
+def test_a_model_state_file_whose_topology_lies_is_refused_before_anything_loads(universal, tmp_path):
+    """A checkpoint saved at data-parallel 4 whose model-state files say 2, loaded at 2 under enable():
+    by its metadata it is at the engine's topology and DeepSpeed's own load would take it, reading
+    half the shards into the wrong slices without a word. The shards are counted and their
+    partition_count read first: every rank refuses, naming dp_world_size and the shards, and no
+    state changes (ZeRO-2 and ZeRO-3)."""
+    tasks, roots = [], {}
+    for name in ("z2-fp32-groups", "z3-bf16-frozen_tied"):
+        cfg = CASES[name][0]
+        assert cfg.world_size == 4
+        root = tmp_path / name
+        shutil.copytree(universal[name].root, root)
+        for path in (root / "global_step3").glob("*model_states.pt"):
+            _resave(path, lambda saved: saved.update(dp_world_size=2))
+        roots[name] = root
+        tasks.append(_call("failing_each_way", dataclasses.replace(cfg, world_size=2), root=str(root), tag=None,
+                           ways=["plain"]))
+    for name, res in zip(roots, _launch(2, tasks, None, "lying topology", 300)):
+        for rank, x in enumerate(res["ranks"]):
+            kind, message = x["plain"]["error"]
+            assert kind == "CheckpointFormatError", (name, rank, x)
+            assert "dp_world_size is 2, but the checkpoint's shards are cut for 4 data-parallel ranks" in message, message
+            assert str(roots[name]) in message, message
+            assert x["plain"]["changed"] == [], (name, rank, x["plain"]["changed"])
+
+
+def test_ranks_that_pass_different_load_options_are_refused_together(universal):
+    """engine.load_checkpoint is collective: ranks passing different options (optimizer states on rank
+    0 only) would read different things or part ways in DeepSpeed's collectives. Under enable() they
+    are compared first: every rank raises RankLoadError naming the values, nothing changed."""
+    name = "z2-bf16"
+    task = _call("failing_each_way", CASES[name][0], root=str(universal[name].root), tag=None, ways=["plain_mixed"])
+    (res, ) = _launch(2, [task], None, "different load options", 300)
+    for rank, x in enumerate(res["ranks"]):
+        kind, message = x["plain_mixed"]["error"]
+        assert kind == "RankLoadError" and "the ranks disagree" in message, (rank, x)
+        assert "load_optimizer_states" in message, message
+        assert x["plain_mixed"]["changed"] == [], (rank, x["plain_mixed"]["changed"])
+
+
 def test_a_broken_zero_checkpoint_fails_every_rank_and_changes_nothing(universal, tmp_path):
     """Resuming straight from a ZeRO checkpoint with a cut-short shard: every rank reads every shard's
     metadata to build the view, so every rank names the file, and no rank's optimizer state changed."""

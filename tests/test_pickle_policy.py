@@ -122,3 +122,44 @@ def test_enable_sets_the_trust_for_its_block_only():
             assert hooks.trust_pickles() is False
         assert hooks.trust_pickles() is True and pyckpt.deepspeed.enabled(), "the inner block installed nothing"
     assert hooks.trust_pickles() is False and not pyckpt.deepspeed.enabled()
+
+
+def test_deepspeeds_own_plain_load_is_checked_file_by_file_shared_among_the_ranks(tmp_path):
+    """Under enable(), the files of a tag folder DeepSpeed's own load would unpickle (model states, ZeRO
+    shards, expert files) are parsed first, each by one rank; a refusal names the file."""
+    from pyckpt.deepspeed.load.pickle_policy import check_tag_pickles, deepspeed_tag_folder
+
+    RAN.clear()
+    tag = tmp_path / "global_step1"
+    tag.mkdir()
+    names = ["mp_rank_00_model_states.pt"] + [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)]
+    for name in names:
+        torch.save({"x": torch.ones(2)}, tag / name)
+    (tag / "notes.txt").write_text("not a torch file: not DeepSpeed's to read")
+    (tmp_path / "latest").write_text("global_step1\n")
+    assert deepspeed_tag_folder(tmp_path, None) == os.fspath(tag)
+    assert deepspeed_tag_folder(tmp_path, None, "latest_universal") is None  # DeepSpeed reads nothing then
+    assert deepspeed_tag_folder(tmp_path, "global_step1") == os.fspath(tag)
+    assert all(check_tag_pickles(os.fspath(tag), r, 2) is None for r in range(2))
+    victim = "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    torch.save({"x": torch.ones(2), "hook": _payload()}, tag / victim)
+    found = [check_tag_pickles(os.fspath(tag), r, 2) for r in range(2)]
+    # one rank of two parses it, the other does not (the ranks agree on what any found)
+    assert sum(m is not None for m in found) == 1
+    kind, message = next(m for m in found if m)
+    assert kind == "UnsafePickleError" and victim in message and "Payload" in message and "trust_pickles=True" in message
+    assert check_tag_pickles(os.fspath(tag)) == (kind, message)  # alone: every file
+    # the model-state files of a universal load are read weights-only elsewhere: skipped when asked
+    torch.save({"hook": _payload()}, tag / "mp_rank_00_model_states.pt")
+    torch.save({"x": 1}, tag / victim)
+    assert check_tag_pickles(os.fspath(tag), skip="_model_states.pt") is None
+    assert "mp_rank_00_model_states.pt" in check_tag_pickles(os.fspath(tag))[1]
+    # a file pyckpt cannot parse at all is named as such
+    (tag / victim).write_bytes(b"PK\x03\x04 cut short")
+    kind, message = check_tag_pickles(os.fspath(tag), skip="_model_states.pt")
+    assert kind == "CheckpointFormatError" and victim in message and "cannot parse" in message
+    # a link out of the folder named by latest is refused, not followed
+    (tmp_path / "latest").write_text("../elsewhere")
+    with pytest.raises(Exception, match="latest"):
+        deepspeed_tag_folder(tmp_path, None)
+    assert RAN == []

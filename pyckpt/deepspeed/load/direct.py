@@ -27,6 +27,7 @@ def load_checkpoint(engine, load_dir, tag: Optional[str] = None, *, trust_pickle
                                          f"{', '.join(hooks.PROVEN_VERSIONS)} only")
     trust_before = hooks.trust_pickles(trust_pickles)
     try:
+        hooks.agree_arguments(tag, (), kwargs)
         # read on every rank, so all agree before any goes on
         target = hooks.agreed_step("finding the checkpoint", lambda: _target(engine, os.fspath(load_dir), tag))
         return load_zero(engine, *target, hooks.universal_load(DeepSpeedEngine), **kwargs)

@@ -22,7 +22,8 @@ import os
 import time
 from typing import Callable, Dict, Optional, Tuple
 
-from ...errors import RankLoadError, UnsafePickleError, UnsupportedCheckpointError
+from ...errors import (CheckpointFormatError, RankLoadError, UnsafePickleError, UnsupportedCheckpointError, printable,
+                       printable_line)
 from ...execution.distributed import TorchRanks, agreed
 from . import model_state_file
 from . import pickle_policy
@@ -121,7 +122,8 @@ def _load(planner: Callable, original: Callable):
                     where, message = refusals[0]
                     raise UnsafePickleError(f"pyckpt: DeepSpeed's own loader would take this universal load "
                                             f"(rank {rank}: {reason}), but rank {where} refused a file: {message}")
-            logger.warning("pyckpt: DeepSpeed's own loader takes this universal load (rank %d: %s)", rank, reason)
+            logger.warning("pyckpt: DeepSpeed's own loader takes this universal load (rank %d: %s)", rank,
+                           printable_line(reason))
             last_load.clear()
             last_load.update(backend="deepspeed", reason=reason)
             return original(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights)
@@ -143,7 +145,8 @@ def _with_mapped_model_states(original: Callable) -> Callable:
 
     def call(self, load_dir, tag=None, *args, **kwargs):
         if not model_state_file.applies_to(self.checkpoint_engine):
-            return original(self, load_dir, tag, *args, **kwargs)
+            # another engine reads the model-state files its own way: every file is checked first
+            return _deepspeed_load(original, self, load_dir, tag, *args, **kwargs)
         last_load.clear()
         inner = self.checkpoint_engine
         wrapper = model_state_file.MappedModelStates(inner, _settings["trust_pickles"])
@@ -151,6 +154,9 @@ def _with_mapped_model_states(original: Callable) -> Callable:
         # file that fails on one rank only would leave the others waiting there.
         tag = agreed_step("reading the model-state file",
                           lambda: model_state_file.read_ahead(self, wrapper, load_dir, tag))
+        # The model-state files go through the weights-only reader above; any other torch file of the
+        # tag folder (the ZeRO shards a ZeRO-3 load without optimizer states reads) is parsed first
+        _check_pickles(self, load_dir, tag, skip=model_state_file.MODEL_STATES_SUFFIX)
         self.checkpoint_engine = wrapper
         saved = _counters(self)
         try:
@@ -202,19 +208,20 @@ def _engine_load(original: Callable):
     mapped = _with_mapped_model_states(original)
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        agree_arguments(tag, args, kwargs)
         if not self.load_universal_checkpoint():
             if not _settings["reshard"] or kwargs.get("load_module_only"):
-                return original(self, load_dir, tag, *args, **kwargs)
+                return _deepspeed_load(original, self, load_dir, tag, *args, **kwargs)
             found = agreed_step("comparing the checkpoint's topology with the engine's",
-                                lambda: resume.reshard_target(self, load_dir, tag))
+                                lambda: resume.reshard_target(self, load_dir, tag, _settings["trust_pickles"]))
             if found is None:  # the topology it was saved at: DeepSpeed's own load
-                return original(self, load_dir, tag, *args, **kwargs)
+                return _deepspeed_load(original, self, load_dir, tag, *args, **kwargs)
             folder, tag_found, was, now = found
             ranks = _ranks()
             if ranks is None or ranks.rank == 0:
                 logger.warning("pyckpt: resharding %s from %s to %s, straight from the ZeRO shards "
                                "(pyckpt.deepspeed.enable(reshard=False) leaves such loads to DeepSpeed)",
-                               os.path.join(folder, tag_found), was, now)
+                               printable(os.path.join(folder, tag_found)), was, now)
             return resume.load_zero(self, folder, tag_found, mapped, *args, **kwargs)
         target = agreed_step("finding the checkpoint", lambda: resume.resumable_target(self, load_dir, tag))
         if target is not None:
@@ -224,6 +231,65 @@ def _engine_load(original: Callable):
     load_checkpoint.__wrapped__ = original
     load_checkpoint.__pyckpt__ = True
     return load_checkpoint
+
+
+def _deepspeed_load(original: Callable, engine, load_dir, tag, *args, **kwargs):
+    """DeepSpeed's own plain load, which unpickles the tag folder's files with
+    ``torch.load(weights_only=False)``: under ``enable()`` every rank first parses its share of them with
+    pyckpt's reader and the ranks agree, so a file that would run code stops every rank with
+    UnsafePickleError before DeepSpeed reads one (``enable(trust_pickles=True)`` skips the check)."""
+    _check_pickles(engine, load_dir, tag)
+    return original(engine, load_dir, tag, *args, **kwargs)
+
+
+def _check_pickles(engine, load_dir, tag, skip: str = "") -> None:
+    """Every rank parses its share of the tag folder's torch files (those not ending in ``skip``) with
+    pyckpt's reader, and the ranks agree: a refusal anywhere raises on every rank (UnsafePickleError
+    for a global off the allowlist, CheckpointFormatError for a file pyckpt cannot parse), before
+    DeepSpeed unpickles any of them. Nothing is checked for a checkpoint the user trusts. Under ZeRO-3
+    the folder ``latest`` names is checked too: DeepSpeed's load without optimizer states rebuilds the
+    weights from it (``get_fp32_state_dict_from_zero_checkpoint(load_dir)``), whatever the tag."""
+    if _settings["trust_pickles"]:
+        return
+    ranks = _ranks()
+    rank, size = (0, 1) if ranks is None else (ranks.rank, ranks.size)
+    pointer = "latest_universal" if engine.load_universal_checkpoint() else "latest"
+
+    def check():
+        folders = [pickle_policy.deepspeed_tag_folder(load_dir, tag, pointer)]
+        if engine.zero_optimization_partition_weights():
+            folders.append(pickle_policy.deepspeed_tag_folder(load_dir, None, "latest"))
+        for folder in dict.fromkeys(f for f in folders if f is not None):
+            found = pickle_policy.check_tag_pickles(folder, rank, size, skip)
+            if found:
+                return found
+        return None
+
+    with agreed(ranks, "checking the checkpoint's pickles", error=RankLoadError, own=True) as vote:
+        vote.value = check()
+    refusals = [(r, found) for r, found in enumerate(vote.values) if found]
+    if refusals:
+        where, (kind, message) = refusals[0]
+        error = UnsafePickleError if kind == "UnsafePickleError" else CheckpointFormatError
+        raise error(f"pyckpt: DeepSpeed's own load would unpickle this checkpoint, but rank {where} refused a file: "
+                    f"{message}")
+
+
+def agree_arguments(tag, args: tuple, kwargs: dict) -> None:
+    """A load is collective: ranks that pass a different tag or different options (optimizer states on
+    some ranks only, a module-only load on some) would read different things, or part ways in
+    DeepSpeed's collectives. One all-gather compares them first; a difference raises RankLoadError on
+    every rank, naming the values, before anything is read. The folder is not compared: nodes may
+    mount the same checkpoint at different paths."""
+    def plain(value):
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return f"<{getattr(value, '__qualname__', type(value).__qualname__)}>"  # a function: its name, not its address
+
+    shape = (None if tag is None else str(tag), tuple(plain(a) for a in args),
+             tuple(sorted((k, plain(v)) for k, v in kwargs.items())))
+    with agreed(_ranks(), "comparing the load's tag and options", same=True, error=RankLoadError) as vote:
+        vote.value = shape
 
 
 def universal_load(engine_cls) -> Callable:

@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Dict
 
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointFormatError, printable
 from .pickle_policy import first_line, read_model_states, refused
 
 logger = logging.getLogger("pyckpt")
@@ -86,7 +86,7 @@ class MappedModelStates:
                     raise refused(path, f"torch's weights-only reader refused it with pyckpt's allowlist "
                                         f"({first_line(exc)})") from None
                 logger.warning("pyckpt: %s is read by DeepSpeed's own loader, as trusted (torch's weights-only "
-                               "reader refused it: %s)", path, first_line(exc))
+                               "reader refused it: %s)", printable(path), printable(first_line(exc)))
                 self.refused.append(path)
                 return self._inner.load(path, map_location=map_location)
             except Exception as exc:  # a damaged file: torch says EOFError, OSError(EINVAL), RuntimeError...

@@ -22,7 +22,7 @@ import importlib
 import os
 import pickle
 import warnings
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ...errors import PyckptError, UnsafePickleError
 from ...formats.pickle_read import OPAQUE_CLASSES, OPAQUE_ENUMS
@@ -100,6 +100,48 @@ def _universal_state_files(checkpoint_folder: str) -> List[str]:
         elif entry == "optimizer_state.pt":
             out.append(path)
     return out
+
+
+def deepspeed_tag_folder(load_dir, tag, pointer: str = "latest") -> Optional[str]:
+    """The tag folder DeepSpeed's own ``load_checkpoint(load_dir, tag)`` reads (the tag ``pointer``
+    names when None: ``latest``, or ``latest_universal`` for a universal load; read by pyckpt's
+    confined reader), or None where it reads none (no pointer, no folder)."""
+    from ...formats.confined import inside
+    from ...zero.discovery import follow_pointer
+
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        if not os.path.lexists(os.path.join(load_dir, pointer)):
+            return None  # DeepSpeed loads nothing (or says the pointer is missing)
+        return follow_pointer(load_dir, pointer)
+    folder = inside(load_dir, str(tag))
+    return folder if os.path.isdir(folder) else None
+
+
+def check_tag_pickles(folder: str, rank: int = 0, size: int = 1, skip: str = "") -> Optional[Tuple[str, str]]:
+    """The first torch file of this rank's share (every ``size``-th from ``rank``) of a tag folder's
+    ``*.pt`` files that pyckpt's parser does not take, as (the kind of refusal, a message naming it),
+    or None. DeepSpeed's own ``load_checkpoint`` unpickles these with ``torch.load(weights_only=False)``
+    (model states, ZeRO shards, expert files): the ranks share the parsing out and agree before it
+    reads any. The kind is "UnsafePickleError" for a pickle that names a global off the allowlist,
+    "CheckpointFormatError" for a file pyckpt cannot parse at all (damaged, or not torch's zip
+    format). Names ending in ``skip`` are left out (files read some safer way)."""
+    from ...formats.torch_zip import SourceFile
+
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".pt") and not (skip and n.endswith(skip)))
+    except OSError:
+        return None  # DeepSpeed's load says what is wrong with the folder, before it unpickles anything
+    for name in names[rank::size]:
+        path = os.path.join(folder, name)
+        try:
+            SourceFile(path).load()
+        except UnsafePickleError as exc:
+            return "UnsafePickleError", str(refused(path, f"pyckpt's reader refused it ({first_line(exc)})"))
+        except (PyckptError, OSError, pickle.UnpicklingError, ValueError, EOFError) as exc:
+            return "CheckpointFormatError", (f"{path}: pyckpt's reader cannot parse it ({first_line(exc)}), and "
+                                             f"DeepSpeed's own load would unpickle it whole; {TRUST_HINT}")
+    return None
 
 
 def check_universal_pickles(checkpoint_folder: str) -> Optional[str]:

@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 from ...errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError
 from ...zero.discovery import follow_pointer
 from . import topology, zero_view
+from .pickle_policy import TRUST_HINT
 from .model_state_file import MODEL_STATES_SUFFIX
 
 
@@ -59,19 +60,23 @@ def plain_target(load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str]]
     return (load_dir, str(tag)) if is_zero_tag_folder(os.path.join(load_dir, str(tag))) else None
 
 
-def reshard_target(engine, load_dir: str, tag: Optional[str]):
+def reshard_target(engine, load_dir: str, tag: Optional[str], trust_pickles: bool = False):
     """For a load without the universal flag: ``(load_dir, tag, saved, current)`` when it names a plain
     ZeRO checkpoint saved at another topology than ``engine`` runs at, checked to be one the direct
     resume serves; None where DeepSpeed's own load applies (the same topology, or no ZeRO checkpoint).
-    A topology change it cannot serve raises, naming both topologies and what would serve it."""
+    A topology change it cannot serve raises, naming both topologies and what would serve it. A
+    model-state file pyckpt's reader refuses to unpickle is refused (UnsafePickleError) unless the
+    user trusts the checkpoint: then the load is DeepSpeed's own, as without pyckpt."""
     target = plain_target(load_dir, tag)
     if target is None:
         return None
     folder = os.path.join(*target)
     try:
         was = topology.saved(folder)
-    except UnsafePickleError:
-        return None  # metadata pyckpt's reader refuses to unpickle: DeepSpeed's own load, as without pyckpt
+    except UnsafePickleError as exc:
+        if trust_pickles:
+            return None
+        raise UnsafePickleError(f"{exc}; {TRUST_HINT}") from None
     now = topology.current(engine)
     if was.partitioned_like(now):
         return None

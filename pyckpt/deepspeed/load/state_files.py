@@ -24,7 +24,7 @@ from ...formats.torch_zip import SourceFile
 STEP = "step"
 # DeepSpeed picks up every "<key>.pt" of a parameter's folder as a state (an unanchored search for
 # "(.+).pt" in each name); the anchored form takes the same files for every name DeepSpeed writes.
-_STATE_FILE = re.compile(r"^(.+)\.pt$")
+_STATE_FILE = re.compile(r"^(.+)\.pt\Z")
 _SCALAR_DTYPES = {"float32": "f", "float64": "d", "int64": "q", "int32": "i"}
 
 

@@ -18,7 +18,9 @@ from typing import Optional
 from ...errors import CheckpointFormatError
 from ...formats.confined import inside
 from ...formats.torch_zip import SourceFile
+from ...zero.discovery import zero_shard_grid
 from ...zero.model_states import ModelStates, read_model_states
+from ...zero.shards import read_zero_shard
 
 # The model-state file of model-parallel rank 0: ZeRO-1/2, then ZeRO-3 (data-parallel rank 0).
 FIRST_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -73,7 +75,33 @@ def saved(folder: str) -> Topology:
             raise CheckpointFormatError(f"{where}: ds_autoep_layers name ep sizes {sorted(map(repr, sizes))}, "
                                         "not one positive size")
         ep = sizes.pop()
+    _check_against_shards(folder, where, dp, tp, stage)
     return Topology(stage, dp, tp, ep)
+
+
+def _check_against_shards(folder: str, where: str, dp: int, tp: int, stage: Optional[int]) -> None:
+    """The sizes a model-state file records are only what it says: who loads what is decided from
+    them, so they must be the shards' own. The shards of every model-parallel rank must be complete,
+    as many per rank as ``dp`` says, and the partition counts dp rank 0's shard records must agree;
+    a file that lies (a checkpoint saved at dp 3 whose metadata says 2) would otherwise load the
+    wrong slices without a word."""
+    grid = zero_shard_grid(folder, os.listdir(folder), zero3=stage == 3)
+    files = len(grid[min(grid)])
+    if len(grid) % tp:
+        raise CheckpointFormatError(f"{where}: mp_world_size is {tp}, but {folder} holds ZeRO shards of "
+                                    f"{len(grid)} model-parallel ranks, not a multiple of it")
+    first = read_zero_shard(SourceFile(inside(folder, grid[min(grid)][0])), 0, files)
+    counts = list(first.partition_counts) or [g.partition_count for g in first.groups]
+    # dense groups span every dp rank, expert groups a divisor of them (as the converter's reader checks)
+    if counts and (max(counts) != files or any(files % c for c in counts)):
+        raise CheckpointFormatError(f"{first.path}: partition_count {counts} disagrees with the {files} optimizer "
+                                    "shards of its model-parallel rank in the folder (a rank file is missing or "
+                                    "foreign)")
+    if dp != files:
+        raise CheckpointFormatError(f"{where}: dp_world_size is {dp}, but the checkpoint's shards are cut for "
+                                    f"{files} data-parallel ranks ({files} optimizer shards per model-parallel "
+                                    f"rank, partition_count {counts}): the recorded topology is not the shards'; "
+                                    "nothing was loaded")
 
 
 def current(engine) -> Topology:
