@@ -435,3 +435,63 @@ def async_fallback(task: dict, rank: int, ws: int) -> dict:
     legacy = not open(os.path.join(root, "t", "mp_rank_00_model_states.pt"), "rb").read(2) == b"PK"
     return {"warned": _gather(warned), "done": _gather(done), "ok": _gather(ok), "legacy": legacy,
             "problems": compare_states(saved, loaded), "listing": _listing(root)}
+
+
+def refusals(task: dict, rank: int, ws: int) -> dict:
+    """What a save must refuse before it writes, on every rank alike, and what keep_last must spare:
+    a tag or conversion folder that is someone's, arguments that differ between ranks, a user folder
+    that looks like a checkpoint, a checkpoint touched after newer ones."""
+    from pyckpt.deepspeed.save import SaveError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    if rank == 0:
+        os.makedirs(os.path.join(root, "notes"))
+        with open(os.path.join(root, "notes", "important.txt"), "w") as f:
+            f.write("mine")
+        os.makedirs(os.path.join(root, "analysis"))
+        with open(os.path.join(root, "analysis", "expert_counts.pt"), "w") as f:
+            f.write("mine")
+        os.makedirs(os.path.join(root, "s1_hf"))
+        with open(os.path.join(root, "s1_hf", "results.csv"), "w") as f:
+            f.write("mine")
+    tdist.barrier()
+
+    def attempt(**kwargs):
+        try:
+            out = pd.save_checkpoint(engine, root, client_state=_client_state(cfg), **kwargs)
+            return ("returned", bool(out.wait()) if hasattr(out, "wait") else bool(out))
+        except (SaveError, ValueError) as exc:
+            return ("raised", str(exc))
+
+    outcomes = {}
+    listings = {}
+    for name, kwargs in {"tag-async": dict(tag="notes", async_save=True),
+                         "tag-sync": dict(tag="notes"),
+                         "latest-tag": dict(tag="latest"),
+                         "async-differs": dict(tag="d1", async_save=rank == 0),
+                         "keep-last-differs": dict(tag="d2", keep_last=1 if rank == 0 else 2),
+                         "export-differs": dict(tag="d3", export="hf" if rank == 1 else None),
+                         "hf-folder-is-someones": dict(tag="s1", export="hf")}.items():
+        outcomes[name] = _gather(attempt(**kwargs))
+        listings[name] = _listing(root)
+        W.train_step(engine, cfg, rank, 1)  # a training collective after each: no rank was left behind
+    # keep_last counts this job's checkpoints only, by the steps they record
+    saved = {}
+    for tag in ("s2", "s3"):
+        W.train_step(engine, cfg, rank, 2)
+        out = pd.save_checkpoint(engine, root, tag=tag, client_state=_client_state(cfg), keep_last=2,
+                                 async_save=tag == "s3")
+        saved[tag] = out.wait() if tag == "s3" else out
+    if rank == 0:
+        os.utime(os.path.join(root, "s2"))  # touched: the newest folder by time, not by step
+    tdist.barrier()
+    W.train_step(engine, cfg, rank, 3)
+    saved["s4"] = pd.save_checkpoint(engine, root, tag="s4", client_state=_client_state(cfg), keep_last=2,
+                                     async_save=True).wait()
+    engine.destroy()
+    with open(os.path.join(root, "notes", "important.txt")) as f:
+        notes = f.read()
+    return {"outcomes": outcomes, "listings": listings, "saved": _gather(saved), "final": _listing(root),
+            "notes": notes, "latest": open(os.path.join(root, "latest")).read()}

@@ -1,12 +1,10 @@
-"""Units of the asynchronous save: keep_last's choices, the snapshot arena, what cannot be captured,
+"""Units of the asynchronous save: the snapshot arena, what cannot be captured,
 the handle's life cycle. The DeepSpeed runs are in tests/test_async_save.py."""
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 import time
 import types
 from collections import OrderedDict
@@ -15,60 +13,7 @@ import pytest
 import torch
 
 from pyckpt.deepspeed.save import AsyncSave, SaveError
-from pyckpt.deepspeed.save.retention import checkpoints, keep_last
 from pyckpt.deepspeed.save.snapshot import SnapshotArena, capture_problem, snapshot_file
-
-HOLD = ("import sys; from pyckpt.execution.publish import OutputLock; lock = OutputLock(sys.argv[1]); "
-        "print('locked', flush=True); sys.stdin.read(); lock.release()")
-
-
-def _checkpoint(root, name, age):
-    folder = root / name
-    folder.mkdir()
-    (folder / "mp_rank_00_model_states.pt").write_bytes(b"x")
-    t = time.time() - 1000 + age
-    os.utime(folder, (t, t))
-    return folder
-
-
-def test_keep_last_removes_the_oldest_beyond_k(tmp_path):
-    for age, name in enumerate(["global_step10", "global_step20", "global_step30", "global_step40"]):
-        _checkpoint(tmp_path, name, age)
-    (tmp_path / "latest").write_text("global_step40")
-    assert checkpoints(str(tmp_path)) == ["global_step10", "global_step20", "global_step30", "global_step40"]
-    assert keep_last(str(tmp_path), 2, newest="global_step40") == ["global_step10", "global_step20"]
-    assert sorted(os.listdir(tmp_path)) == ["global_step30", "global_step40", "latest"]
-
-
-def test_keep_last_spares_what_a_pointer_names_and_what_another_run_holds(tmp_path):
-    for age, name in enumerate(["a", "b", "c", "d"]):
-        _checkpoint(tmp_path, name, age)
-    (tmp_path / "latest").write_text("d\n")
-    (tmp_path / "latest_universal").write_text("a_universal")
-    (tmp_path / "a_universal" / "zero").mkdir(parents=True)  # a conversion, not counted as a checkpoint
-    (tmp_path / "a_universal" / "mp_rank_00_model_states.pt").write_bytes(b"x")
-    (tmp_path / "b_hf").mkdir()
-    # another run converting `c` holds its lock (a process of its own: POSIX locks are per process)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "c")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, cwd="/")
-    try:
-        assert holder.stdout.readline() == b"locked\n"
-        removed = keep_last(str(tmp_path), 1, newest="d")
-    finally:
-        holder.communicate(b"")
-    # `a` goes (its universal conversion stays: latest_universal names it), `b` and its export go,
-    # `c` is locked, `d` is the newest
-    assert removed == ["a", "b", "b_hf"]
-    assert sorted(os.listdir(tmp_path)) == ["a_universal", "c", "d", "latest", "latest_universal"]
-
-
-def test_keep_last_counts_only_checkpoint_folders_and_never_the_newest(tmp_path):
-    _checkpoint(tmp_path, "new", 0)
-    _checkpoint(tmp_path, "old", 5)  # touched later than the one just published
-    (tmp_path / "logs").mkdir()
-    (tmp_path / ".old2.pyckpt-tmp-host-1-ab").mkdir()
-    assert keep_last(str(tmp_path), 1, newest="new") == ["old"]
-    assert sorted(os.listdir(tmp_path)) == [".old2.pyckpt-tmp-host-1-ab", "logs", "new"]
 
 
 def test_the_arena_reuses_its_memory_from_one_save_to_the_next():
@@ -266,44 +211,3 @@ def test_clones_are_deferred_only_inside_the_block():
         clones.materialize()
         assert torch.equal(stand_in, torch.ones(3))
     assert ds_engine.clone_tensors_for_torch_save is original and not clones.sources
-
-
-@pytest.mark.parametrize("hostile", ["link to a secret", "link to /proc", "fifo", "folder"])
-def test_keep_last_neither_follows_nor_trusts_a_pointer_that_is_no_plain_file(tmp_path, hostile):
-    from pyckpt.deepspeed.save.retention import PointerUnreadable, read_pointer
-
-    root = tmp_path / "ckpt"
-    root.mkdir()
-    for age, name in enumerate(["a", "b", "c"]):
-        _checkpoint(root, name, age)
-    secret = tmp_path / "secret"
-    secret.write_text("b")
-    latest = root / "latest"
-    if hostile == "link to a secret":
-        latest.symlink_to(secret)
-    elif hostile == "link to /proc":
-        latest.symlink_to("/proc/self/environ")
-    elif hostile == "fifo":
-        os.mkfifo(latest)  # an open without O_NONBLOCK would wait here for a writer
-    else:
-        latest.mkdir()
-    with pytest.raises(PointerUnreadable, match="latest"):
-        read_pointer(str(root))
-    # what latest names cannot be known, so nothing is pruned
-    with pytest.raises(PointerUnreadable):
-        keep_last(str(root), 1, newest="c")
-    assert sorted(p.name for p in root.iterdir() if p.name != "latest") == ["a", "b", "c"]
-    assert secret.read_text() == "b"
-
-
-def test_a_checkpoint_folder_that_is_a_link_is_neither_counted_nor_removed(tmp_path):
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "mp_rank_00_model_states.pt").write_bytes(b"x")
-    root = tmp_path / "ckpt"
-    root.mkdir()
-    (root / "old").symlink_to(outside)
-    _checkpoint(root, "new", 5)
-    assert checkpoints(str(root)) == ["new"]
-    assert keep_last(str(root), 1, newest="new") == []
-    assert (outside / "mp_rank_00_model_states.pt").exists() and (root / "old").is_symlink()

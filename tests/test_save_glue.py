@@ -190,3 +190,32 @@ def test_universal_and_export_after_the_save_equal_single_process_runs(equal_run
     assert hf == _files(tmp_path / "hf")
     # the model config the glue saved into the checkpoint went on into the export
     assert json.loads(hf["config.json"])["model_type"] == "pyckpt-test"
+
+
+def test_a_save_refuses_on_every_rank_what_it_must_not_replace_or_cannot_agree_on(tmp_path):
+    """A tag (or a conversion) naming a folder that is not such a checkpoint, a tag named like the
+    pointer, and arguments that differ between ranks: refused on every rank at once, nothing written,
+    training goes on. keep_last then removes only this job's checkpoints, oldest step first."""
+    root = tmp_path / "ckpt"
+    (res, ) = _launch(2, [_call("refusals", h.Config(2, "fp32", 2), root)], None, "save refusals", TIMEOUT_S)
+    out = res["outcomes"]
+    for name in ("tag-async", "tag-sync"):
+        first, second = out[name]
+        assert first == second and first[0] == "raised", (name, first)
+        assert f"{root / 'notes'} exists and is not a DeepSpeed checkpoint" in first[1] and "nothing was written" in first[1]
+    assert res["notes"] == "mine"
+    assert out["latest-tag"][0][0] == "raised" and "pointer file" in out["latest-tag"][0][1]
+    for name, key in (("async-differs", "async_save"), ("keep-last-differs", "keep_last"),
+                      ("export-differs", "export")):
+        first, second = out[name]
+        assert first == second and first[0] == "raised", (name, first)
+        assert f"different {key}" in first[1] and "nothing was written" in first[1]
+    first, second = out["hf-folder-is-someones"]
+    assert first == second and first[0] == "raised" and "s1_hf exists and holds files" in first[1]
+    for listing in res["listings"].values():  # nothing of a refused save is left, hidden or not
+        assert sorted(listing) == ["analysis", "notes", "s1_hf"]
+    assert res["saved"] == [{"s2": True, "s3": True, "s4": True}] * 2
+    # s2 (touched after s3) is the oldest by step: keep_last=2 removed it; the user's folders stay
+    assert res["latest"] == "s4"
+    assert sorted(res["final"]) == ["analysis", "latest", "notes", "s1_hf", "s3", "s4", "zero_to_fp32.py",
+                                    "zero_to_torch.py"]

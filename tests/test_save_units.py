@@ -151,9 +151,15 @@ def test_orphans_of_every_tag_are_removed_unless_a_live_run_holds_their_lock(tmp
                                             ".hidden_of_someone_else", "global_step1"]
 
 
+SHAPE = {"async_save": False, "keep_last": None, "universal": False, "export": None, "snapshot_limit": None,
+         "on_error": "raise", "exclude_frozen_parameters": False}
+
+
 def _pre(**changes):
-    base = [{"tag": "t", "dir": "/ck", "need": 100, "free": 10_000, "error": None, "staging": ".t.pyckpt-tmp-x"},
-            {"tag": "t", "dir": "/ck", "need": 300, "free": 10_000, "error": None, "staging": None}]
+    base = [{"tag": "t", "dir": "/ck", "need": 100, "free": 10_000, "error": None, "staging": ".t.pyckpt-tmp-x",
+             "shape": dict(SHAPE)},
+            {"tag": "t", "dir": "/ck", "need": 300, "free": 10_000, "error": None, "staging": None,
+             "shape": dict(SHAPE)}]
     for rank, fields in changes.items():
         base[int(rank[1:])].update(fields)
     return base
@@ -167,6 +173,20 @@ def test_preflight_agrees_or_says_why_not():
     problem = _preflight_problem(_pre(r1={"need": 20_000, "free": 5_000}), "/ck", "t")
     assert problem == ("not enough free space for checkpoint t in /ck: it needs about 19.6 KiB (2 ranks, the most "
                        "19.5 KiB on rank 1) and 4.9 KiB is free; nothing was written")
+
+
+@pytest.mark.parametrize("key,mine,theirs", [("async_save", False, True), ("keep_last", None, 2),
+                                             ("universal", False, True), ("export", None, "hf"),
+                                             ("snapshot_limit", None, 0), ("on_error", "raise", "warn"),
+                                             ("exclude_frozen_parameters", False, True)])
+def test_preflight_refuses_ranks_that_pass_different_save_arguments(key, mine, theirs):
+    """Ranks that differ in an argument that decides the save's collectives would part ways (one in an
+    all_gather the other never makes): refused by the preflight, naming the argument and who passed what."""
+    pre = _pre(r0={"shape": {**SHAPE, key: mine}}, r1={"shape": {**SHAPE, key: theirs}})
+    problem = _preflight_problem(pre, "/ck", "t")
+    assert problem == (f"the ranks pass different {key} to save_checkpoint ({mine!r} on rank(s) 0; {theirs!r} on "
+                       "rank(s) 1); every argument that shapes the save must be the same on every rank; checkpoint t "
+                       "was not saved, nothing was written")
 
 
 class _Engine(types.SimpleNamespace):

@@ -45,7 +45,7 @@ from .background import AsyncSave, StoreAgreement, write_files
 from .companions import write_model_config, write_tokenizer, write_training_state
 from .guarded_io import WriteFailures, guarded
 from .retention import keep_last as prune
-from .retention import read_pointer
+from .retention import POINTERS, read_checkpoint, read_pointer, replace_problem
 from .snapshot import (CHUNK_BYTES, CaptureCheckpointEngine, DeferredClones, DeviceCopies, SnapshotArena,
                        capture_problem, deferring_clones)
 from .space import estimate_rank_bytes, free_bytes, human
@@ -91,6 +91,9 @@ def _check_tag(tag: str) -> str:
     if tag in ("", ".", "..") or "/" in tag or "\x00" in tag or tag.startswith("."):
         raise ValueError(f"checkpoint tag {tag!r} must be one folder name not starting with '.' "
                          "(hidden names beside the checkpoints are pyckpt's staging)")
+    if tag in POINTERS:
+        raise ValueError(f"checkpoint tag {tag!r} is the name of the pointer file that names the newest checkpoint; "
+                         "choose another tag; nothing was written")
     # `latest` would name a checkpoint that DeepSpeed's load_checkpoint cannot find (a bare AssertionError)
     problem = pointer_name_problem(tag)
     if problem:
@@ -162,6 +165,10 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     if snapshot_limit is not None and (isinstance(snapshot_limit, bool) or not isinstance(snapshot_limit, int)
                                        or snapshot_limit < 0):
         raise ValueError(f"snapshot_limit must be None or a number of bytes, not {snapshot_limit!r}")
+    import threading  # its longest wait bounds both: a longer one raises OverflowError mid-save, not here
+    from ...errors import check_number
+    for key, seconds in (("arrival_timeout", arrival_timeout), ("agree_timeout", agree_timeout)):
+        check_number(key, seconds, low=0, low_open=True, high=threading.TIMEOUT_MAX)
     # at most one save in flight per engine: the previous one is joined (and its failure reported) first
     previous = getattr(engine, "_pyckpt_async_save", None)
     if previous is not None:
@@ -206,6 +213,8 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
                 log.info("pyckpt: removed %s, left in %s by a save that did not finish", name, save_dir)
             publisher = stack.enter_context(Publisher(os.path.join(save_dir, tag), overwrite=True, fsync=fsync,
                                                       pointer="latest"))
+            # under the tag's lock: nothing the save would replace is someone else's folder
+            local_error = _replace_problem(save_dir, tag, universal, export)
         except Exception as exc:
             local_error = f"preparing {save_dir}: {describe_failure(exc)}"
     with stack:
@@ -216,8 +225,11 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
             need, free = 0, None
             local_error = local_error or f"estimating the checkpoint's size: {describe_failure(exc)}"
         staging_tag = os.path.basename(publisher.staging) if publisher else None
+        shape = {"async_save": bool(async_save), "keep_last": keep_last, "universal": bool(universal),
+                 "export": export, "snapshot_limit": snapshot_limit, "on_error": on_error,
+                 "exclude_frozen_parameters": bool(exclude_frozen_parameters)}
         pre = group.all_gather({"tag": tag, "dir": save_dir, "need": need, "free": free, "error": local_error,
-                                "staging": staging_tag})
+                                "staging": staging_tag, "shape": shape})
         arrival.done()
         problem = _preflight_problem(pre, save_dir, tag)
         if problem:
@@ -374,6 +386,15 @@ def _preflight_problem(pre: List[dict], save_dir: str, tag: str) -> Optional[str
     if len(tags) > 1 or len(dirs) > 1:
         return (f"the ranks name different checkpoints ({', '.join(sorted(tags))} in {', '.join(sorted(dirs))}); "
                 "save_dir and tag must be the same on every rank; nothing was written")
+    # Arguments that decide which collectives and store rounds follow: ranks that differ would part
+    # ways (one waiting in an all_gather the other never makes, or a later training collective
+    # pairing with it), so they are refused here, together, before anything is written.
+    for key in pre[0]["shape"]:
+        values = [p["shape"][key] for p in pre]
+        if any(v != values[0] for v in values):
+            shown = _by_value(values)
+            return (f"the ranks pass different {key} to save_checkpoint ({shown}); every argument that shapes the "
+                    f"save must be the same on every rank; checkpoint {tag} was not saved, nothing was written")
     errors = [p["error"] for p in pre]
     if any(errors):
         return f"could not start saving {tag} in {save_dir}: {_failed_ranks(errors)}; nothing was written"
@@ -385,6 +406,34 @@ def _preflight_problem(pre: List[dict], save_dir: str, tag: str) -> Optional[str
         return (f"not enough free space for checkpoint {tag} in {save_dir}: it needs about {human(need)} "
                 f"({len(pre)} ranks, the most {human(pre[biggest]['need'])} on rank {biggest}) and {human(free)} is "
                 "free; nothing was written")
+    return None
+
+
+def _by_value(values: list, limit: int = 4) -> str:
+    """``value on rank(s) a, b; other on rank(s) c``: which ranks passed what."""
+    groups: dict = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(repr(value), []).append(rank)
+    parts = [f"{value} on rank(s) {_ranks_text(ranks)}" for value, ranks in list(groups.items())[:limit]]
+    return "; ".join(parts) + (f"; {len(groups) - limit} more values" if len(groups) > limit else "")
+
+
+def _ranks_text(ranks: List[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, ranks[:limit]))
+    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
+
+
+def _replace_problem(save_dir: str, tag: str, universal: bool, export: Optional[str]) -> Optional[str]:
+    """Why this save must not start: a folder it would replace (the tag, or a conversion it was asked
+    for) exists and is not what pyckpt writes there. DeepSpeed's own save would leave such a folder's
+    files alone; replacing it whole would cost the user them."""
+    outputs = [(tag, "checkpoint")] + ([(tag + "_universal", "_universal")] if universal else []) + \
+        ([(tag + "_hf", "_hf")] if export == "hf" else [])
+    for name, kind in outputs:
+        problem = replace_problem(os.path.join(save_dir, name), kind)
+        if problem:
+            return (f"{problem}; a save replaces only a checkpoint of its own tag. Choose another tag, or move "
+                    "that folder away")
     return None
 
 
@@ -410,6 +459,11 @@ def _publish(publisher: Publisher, outcomes: List[Optional[str]], save_dir: str,
         kept = f"latest still names {latest}" if latest else "there is no latest file"
         return False, (f"checkpoint {tag} was not saved in {save_dir}: {_failed_ranks(outcomes)}. Nothing was "
                        f"published ({kept}); the partial files were removed")
+    # checked again under the lock (it may have appeared since), now against what is about to replace it
+    problem = replace_problem(publisher.output, reference=read_checkpoint(publisher.staging))
+    if problem:
+        return False, (f"checkpoint {tag} was not saved in {save_dir}: {problem}, and a save replaces only a "
+                       "checkpoint of its own tag. Nothing was published; the partial files were removed")
     try:
         publisher.publish()
     except Exception as exc:
@@ -449,6 +503,13 @@ def _convert(save_dir: str, tag: str, universal: bool, export: Optional[str], on
 
         jobs.append(("a Hugging Face export", os.path.join(save_dir, f"{tag}_hf"), export_hf, {}))
     for what, output, run, kwargs in jobs:
+        # a folder of that name that is not such a conversion is someone's (it may have appeared since
+        # the preflight, an asynchronous save's conversion runs at its join): rank 0 looks, all agree
+        problem = ranks.broadcast(replace_problem(output, output[len(source):], read_checkpoint(source))
+                                  if rank == 0 else None)
+        if problem:
+            return _fail(f"checkpoint {tag} was saved in {save_dir} (latest names it), but it was not converted to "
+                         f"{what}: {problem}", on_error, rank, published=True)
         try:
             run(source, output, overwrite=True, ranks=ranks, **kwargs)
         except Exception as exc:

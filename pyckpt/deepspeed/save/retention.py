@@ -1,12 +1,27 @@
 """``keep_last``: after a save is published, older checkpoints beyond the K newest are removed.
 
 What the Hugging Face Trainer calls ``save_total_limit``, done so that no fault costs the newest
-complete checkpoint: only folders that hold DeepSpeed checkpoint files count; the folder
-``latest`` or ``latest_universal`` names is never removed, nor one whose output lock another run
-holds; a checkpoint's own conversions (``<tag>_universal``, ``<tag>_hf``) go with it unless a
-pointer names them. Each removal first renames the folder to a hidden staging name under its
-lock (one atomic step: a checkpoint is whole or gone from view), then deletes it; a kill between
-the two leaves a staging folder that the next save removes.
+complete checkpoint and nothing but this job's own checkpoints is ever removed:
+
+* **What counts** is read, not guessed from names: a folder is one of this job's checkpoints only
+  when its model-state file of model-parallel rank 0 (``mp_rank_00_model_states.pt``, or
+  ``zero_pp_rank_0_mp_rank_00_model_states.pt`` under ZeRO-3) is a regular file of the folder
+  whose pickle, read by pyckpt's allowlist reader (never run), is DeepSpeed's model-state dict
+  (``ds_version``, ``global_steps``, the world sizes) and names the same parameters with the same
+  shapes as the checkpoint just published (:class:`JobCheckpoint`). A user's ``analysis/`` folder,
+  another model's checkpoint, a folder whose file is a link, junk, or unreadable: none counts.
+* **Order** is the step each checkpoint records (``global_steps``), then the tag name: folder
+  times change when anyone touches a folder and say nothing about training progress. The tag just
+  published always counts as the newest.
+* **Never removed**: the folder ``latest`` or ``latest_universal`` names (a pointer that cannot be
+  read stops pruning: PointerUnreadable), one whose output lock another run holds, a link.
+* A checkpoint's own conversions (``<tag>_universal``, ``<tag>_hf``) go with it only when they are
+  what pyckpt writes there (a Universal Checkpoint of this job; a folder holding only a Hugging Face
+  export's files) and no pointer names them.
+
+Each removal first renames the folder to a hidden staging name under its lock (one atomic step: a
+checkpoint is whole or gone from view), then deletes it; a kill between the two leaves a staging
+folder that the next save removes.
 """
 
 from __future__ import annotations
@@ -15,18 +30,28 @@ import errno
 import logging
 import os
 import re
-from typing import List, Optional
+import stat
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 from ...errors import CheckpointFormatError
-from ...formats.torch_zip import read_capped, regular_fd
+from ...formats.torch_zip import SourceFile, read_capped, regular_fd
+from ...zero.discovery import natural_key
+from ...zero.model_states import read_model_states
+from ...huggingface.files import COMPANION_FILES, SAFE_WEIGHTS_INDEX_NAME
 
 from ...execution.publish import STAGING, OutputLock, OutputLockError, owner_id, remove_path
 
 log = logging.getLogger("pyckpt")
 
 POINTERS = ("latest", "latest_universal")
-_CHECKPOINT_FILE = re.compile(r"(.*model_states\.pt|.*optim_states\.pt|zero_pp_rank_.*\.pt|.*expert_.*\.pt)")
 CONVERSIONS = ("_universal", "_hf")
+# The model-state file of model-parallel rank 0 that every DeepSpeed checkpoint holds: ZeRO-1/2, ZeRO-3.
+FIRST_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+# What pyckpt's Hugging Face export writes: the weights (one file, or shards and their index) and the
+# companions it copies from beside the checkpoint.
+_HF_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+_HF_FILES = frozenset(COMPANION_FILES) | {SAFE_WEIGHTS_INDEX_NAME, "training_state.json"}
 
 
 class PointerUnreadable(OSError):
@@ -61,27 +86,113 @@ def _pointed(save_dir: str) -> set:
     return {name for name in (read_pointer(save_dir, p) for p in POINTERS) if name}
 
 
-def _is_checkpoint(folder: str) -> bool:
-    if os.path.isdir(os.path.join(folder, "zero")):  # a Universal Checkpoint: a conversion, not a save
-        return False
+@dataclass(frozen=True)
+class JobCheckpoint:
+    """What the model-state file of mp rank 0 says of a checkpoint folder: the step it records and
+    the parameters (names and shapes, trainable and frozen) it was saved with."""
+
+    name: str  # the model-state file's name: tells a ZeRO-3 checkpoint from a ZeRO-1/2 one
+    step: int
+    params: Tuple
+
+    def same_job(self, other: "JobCheckpoint") -> bool:
+        return (self.name, self.params) == (other.name, other.params)
+
+
+def read_checkpoint(folder: str) -> Optional[JobCheckpoint]:
+    """The record of the DeepSpeed checkpoint in ``folder``, or None when it is none: its model-state
+    file of mp rank 0 is missing, no regular file (a link, a FIFO), or not DeepSpeed's model-state
+    dict. Only the file's pickle is read, by pyckpt's allowlist reader; nothing in it runs."""
+    for name in FIRST_MODEL_STATES:
+        path = os.path.join(folder, name)
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                return None
+        except OSError:
+            continue
+        try:
+            ms = read_model_states(SourceFile(path))
+        except Exception:  # unreadable, refused or not a torch file: not a checkpoint to judge
+            return None
+        fields = (ms.global_steps, ms.dp_world_size, ms.mp_world_size)
+        if not isinstance(ms.ds_version, str) or any(isinstance(v, bool) or not isinstance(v, int) for v in fields):
+            return None
+        if ms.global_steps < 0 or ms.dp_world_size < 1 or ms.mp_world_size < 1:
+            return None
+        params = (tuple(ms.shapes.items()), tuple(ms.frozen.items()))
+        return JobCheckpoint(name, ms.global_steps, params)
+    return None
+
+
+def is_checkpoint(folder: str) -> bool:
+    """Whether ``folder`` (not a link) holds a DeepSpeed checkpoint: what a save may replace."""
+    return not os.path.islink(folder) and os.path.isdir(folder) and read_checkpoint(folder) is not None
+
+
+def replace_problem(output: str, kind: str = "checkpoint", reference: Optional[JobCheckpoint] = None) -> Optional[str]:
+    """Why a save must not replace ``output`` (an existing tag folder or a conversion of it), or None.
+    ``kind`` is "checkpoint", "_universal" or "_hf": what pyckpt writes there. With ``reference`` (the
+    record of the checkpoint about to take its place), a checkpoint must also be of the same job."""
+    if not os.path.lexists(output):
+        return None
+    if os.path.islink(output) or not os.path.isdir(output):
+        return f"{output} exists and is not a folder pyckpt wrote (a link or a file)"
+    if kind == "_hf":
+        return None if _is_hf_export(output) else (
+            f"{output} exists and holds files a Hugging Face export does not write")
+    if kind == "_universal":
+        zero = os.path.join(output, "zero")
+        if os.path.islink(zero) or not os.path.isdir(zero):
+            return f"{output} exists and is not a Universal Checkpoint (no zero/ folder)"
+    record = read_checkpoint(output)
+    if record is None:
+        return f"{output} exists and is not a DeepSpeed checkpoint (no readable {' or '.join(FIRST_MODEL_STATES)})"
+    if reference is not None and not record.same_job(reference):
+        return f"{output} exists and is a checkpoint of another model (other parameters or shapes)"
+    return None
+
+
+def _is_hf_export(folder: str) -> bool:
+    """Only regular files an export writes, one of them weights: a folder holding anything else is
+    someone's, not a conversion to remove or replace."""
+    weights = False
     try:
         with os.scandir(folder) as it:
-            return any(e.is_file(follow_symlinks=False) and _CHECKPOINT_FILE.fullmatch(e.name) for e in it)
+            for e in it:
+                if not e.is_file(follow_symlinks=False):
+                    return False
+                if _HF_WEIGHTS.fullmatch(e.name):
+                    weights = True
+                elif e.name not in _HF_FILES:
+                    return False
     except OSError:
         return False
+    return weights
 
 
-def checkpoints(save_dir: str) -> List[str]:
-    """The checkpoint tags in ``save_dir``, oldest first (by the folder's modification time: its
-    files were written into it while it was staged, and publishing renames it unchanged)."""
+def _job_checkpoints(save_dir: str, reference: JobCheckpoint) -> List[Tuple[int, list, str]]:
     found = []
     with os.scandir(save_dir) as it:
         for e in it:
             if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
                 continue
-            if _is_checkpoint(e.path):
-                found.append((e.stat(follow_symlinks=False).st_mtime_ns, e.name))
-    return [name for _, name in sorted(found)]
+            if os.path.isdir(os.path.join(e.path, "zero")):  # a Universal Checkpoint: a conversion, not a save
+                continue
+            record = read_checkpoint(e.path)
+            if record is not None and record.same_job(reference):
+                found.append((record.step, natural_key(e.name), e.name))
+    return found
+
+
+def checkpoints(save_dir: str, newest: str) -> List[str]:
+    """This job's checkpoint tags in ``save_dir`` (those of ``newest``'s model), oldest first: by the
+    step each records, then by name; ``newest`` last whatever its step. Empty when ``newest`` is no
+    readable checkpoint (then nothing can be told to be this job's)."""
+    reference = read_checkpoint(os.path.join(save_dir, newest))
+    if reference is None:
+        return []
+    tags = [name for _, _, name in sorted(_job_checkpoints(save_dir, reference)) if name != newest]
+    return tags + [newest]
 
 
 def _remove(save_dir: str, name: str) -> bool:
@@ -104,13 +215,16 @@ def _remove(save_dir: str, name: str) -> bool:
         lock.release()
 
 
-def keep_last(save_dir: str, k: int, newest: Optional[str] = None) -> List[str]:
-    """Removes checkpoints of ``save_dir`` beyond the ``k`` newest; returns the names removed.
-    ``newest`` (the tag just published) always counts as the newest."""
-    tags = checkpoints(save_dir)
-    if newest in tags:
-        tags.remove(newest)
-        tags.append(newest)
+def keep_last(save_dir: str, k: int, newest: str) -> List[str]:
+    """Removes this job's checkpoints of ``save_dir`` beyond the ``k`` newest; returns the names
+    removed. ``newest`` (the tag just published) always counts as the newest, and tells which
+    checkpoints are this job's (see the module doc)."""
+    reference = read_checkpoint(os.path.join(save_dir, newest))
+    tags = checkpoints(save_dir, newest)
+    if not tags:
+        log.warning("pyckpt: keep_last=%d removed nothing: %s is no readable DeepSpeed checkpoint", k,
+                    os.path.join(save_dir, newest))
+        return []
     protected = _pointed(save_dir)
     removed = []
     for tag in tags[:-k] if k < len(tags) else []:
@@ -119,9 +233,11 @@ def keep_last(save_dir: str, k: int, newest: Optional[str] = None) -> List[str]:
         if _remove(save_dir, tag):
             removed.append(tag)
             for suffix in CONVERSIONS:
-                if tag + suffix not in protected and os.path.isdir(os.path.join(save_dir, tag + suffix)):
-                    if _remove(save_dir, tag + suffix):
-                        removed.append(tag + suffix)
+                name = tag + suffix
+                path = os.path.join(save_dir, name)
+                if name not in protected and os.path.lexists(path) and replace_problem(path, suffix, reference) is None \
+                        and _remove(save_dir, name):
+                    removed.append(name)
     for name in removed:
         log.info("pyckpt: removed %s (keep_last=%d)", os.path.join(save_dir, name), k)
     return removed
