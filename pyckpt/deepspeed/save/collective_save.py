@@ -150,9 +150,16 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     it past the limit is written during the call instead (so the call blocks for its write); the
     ``engine.destroy()`` join also frees the snapshot.
 
-    ``keep_last=K`` removes older checkpoints of ``save_dir`` beyond the K newest once this one
-    is published (never the one ``latest`` or ``latest_universal`` names, nor one another run
-    holds locked).
+    ``keep_last=K`` removes this job's older checkpoints of ``save_dir`` beyond the K newest (by the
+    step each records) once this one is published: only folders whose model-state file is
+    DeepSpeed's, for the same parameters; never the one ``latest`` or ``latest_universal`` names, nor
+    one another run holds locked (:mod:`.retention`).
+
+    An existing ``save_dir/<tag>`` (and ``<tag>_universal`` / ``<tag>_hf`` when asked for) is replaced
+    only when it is what pyckpt writes there (a DeepSpeed checkpoint of the same model, a Universal
+    Checkpoint, a Hugging Face export); anything else stops the save on every rank before anything is
+    written. Every argument that shapes the save must be the same on every rank: ranks that differ
+    (``async_save`` on some only, say) are refused together in the preflight, naming the argument.
     """
     if on_error not in ("raise", "warn"):
         raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
