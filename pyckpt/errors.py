@@ -223,3 +223,9 @@ def check_workers(workers, name: str = "workers"):
     """``workers`` as the library's entry points take it: None or 0 (one thread per core) up to
     :data:`WORKERS_MAX`; else a ValueError naming ``name``."""
     return workers if workers is None else check_number(name, workers, integer=True, low=0, high=WORKERS_MAX)
+
+
+class MemoryRootError(PyckptError, OSError):
+    """A memory-tier folder (the root, a job's or a node's folder under it) is refused: a link, not a
+    folder, another user's, writable by group or others, or on a filesystem that cannot be asked for
+    its free space. Nothing was written in it."""

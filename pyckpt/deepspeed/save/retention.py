@@ -30,14 +30,12 @@ import errno
 import logging
 import os
 import re
-import stat
-from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from ...errors import CheckpointFormatError
-from ...formats.torch_zip import SourceFile, read_capped, regular_fd
+from ...formats.torch_zip import read_capped, regular_fd
 from ...zero.discovery import natural_key
-from ...zero.model_states import read_model_states
+from ..tiers.checkpoint_record import FIRST_MODEL_STATES, JobCheckpoint, read_checkpoint
 from ...huggingface.files import COMPANION_FILES, SAFE_WEIGHTS_INDEX_NAME
 
 from ...execution.publish import STAGING, OutputLock, OutputLockError, owner_id, remove_path
@@ -46,8 +44,6 @@ log = logging.getLogger("pyckpt")
 
 POINTERS = ("latest", "latest_universal")
 CONVERSIONS = ("_universal", "_hf")
-# The model-state file of model-parallel rank 0 that every DeepSpeed checkpoint holds: ZeRO-1/2, ZeRO-3.
-FIRST_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 # What pyckpt's Hugging Face export writes: the weights (one file, or shards and their index) and the
 # companions it copies from beside the checkpoint.
 _HF_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
@@ -84,44 +80,6 @@ def _pointed(save_dir: str) -> set:
     """The names the pointers hold; PointerUnreadable if one cannot be read, since pruning without
     knowing what it names could remove the checkpoint a resume would load."""
     return {name for name in (read_pointer(save_dir, p) for p in POINTERS) if name}
-
-
-@dataclass(frozen=True)
-class JobCheckpoint:
-    """What the model-state file of mp rank 0 says of a checkpoint folder: the step it records and
-    the parameters (names and shapes, trainable and frozen) it was saved with."""
-
-    name: str  # the model-state file's name: tells a ZeRO-3 checkpoint from a ZeRO-1/2 one
-    step: int
-    params: Tuple
-
-    def same_job(self, other: "JobCheckpoint") -> bool:
-        return (self.name, self.params) == (other.name, other.params)
-
-
-def read_checkpoint(folder: str) -> Optional[JobCheckpoint]:
-    """The record of the DeepSpeed checkpoint in ``folder``, or None when it is none: its model-state
-    file of mp rank 0 is missing, no regular file (a link, a FIFO), or not DeepSpeed's model-state
-    dict. Only the file's pickle is read, by pyckpt's allowlist reader; nothing in it runs."""
-    for name in FIRST_MODEL_STATES:
-        path = os.path.join(folder, name)
-        try:
-            if not stat.S_ISREG(os.lstat(path).st_mode):
-                return None
-        except OSError:
-            continue
-        try:
-            ms = read_model_states(SourceFile(path))
-        except Exception:  # unreadable, refused or not a torch file: not a checkpoint to judge
-            return None
-        fields = (ms.global_steps, ms.dp_world_size, ms.mp_world_size)
-        if not isinstance(ms.ds_version, str) or any(isinstance(v, bool) or not isinstance(v, int) for v in fields):
-            return None
-        if ms.global_steps < 0 or ms.dp_world_size < 1 or ms.mp_world_size < 1:
-            return None
-        params = (tuple(ms.shapes.items()), tuple(ms.frozen.items()))
-        return JobCheckpoint(name, ms.global_steps, params)
-    return None
 
 
 def is_checkpoint(folder: str) -> bool:
