@@ -495,3 +495,96 @@ def refusals(task: dict, rank: int, ws: int) -> dict:
         notes = f.read()
     return {"outcomes": outcomes, "listings": listings, "saved": _gather(saved), "final": _listing(root),
             "notes": notes, "latest": open(os.path.join(root, "latest")).read()}
+
+
+def _resume(cfg: dict, ws: int, root: str, memory):
+    """A fresh engine resumed under enable(memory=...) by a load naming no tag: (its state, path, log)."""
+    engine = W.make_engine(cfg, ws)
+    lines = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    try:
+        with pd.enable(memory=memory):
+            path, _ = engine.load_checkpoint(root)
+    finally:
+        logging.getLogger("pyckpt").removeHandler(handler)
+    opt = engine.optimizer
+    if getattr(opt, "_hp_optimizer_states_linked", True) is False:
+        opt._lazy_init_hp_params_optimizer_state()
+    state = W.gather_state(engine)
+    state["meta"]["global_steps"] = engine.global_steps
+    engine.destroy()
+    return state, str(path), lines
+
+
+def _same_files(a: str, b: str) -> list:
+    """Names whose bytes differ between two checkpoint folders (or that only one holds)."""
+    names = sorted(set(os.listdir(a)) | set(os.listdir(b)))
+    out = []
+    for n in names:
+        pa, pb = os.path.join(a, n), os.path.join(b, n)
+        if not (os.path.isfile(pa) and os.path.isfile(pb)) or open(pa, "rb").read() != open(pb, "rb").read():
+            out.append(n)
+    return out
+
+
+def memory_tier(task: dict, rank: int, ws: int) -> dict:
+    """Five saves to a memory tier (keep 2, every 2nd persisted, async every other one), then a new
+    engine resumes under enable(memory=...) from the save folder: it must take the newest step, from
+    memory, equal to DeepSpeed's own load of that memory checkpoint and to the state at the save."""
+    from pyckpt.deepspeed.save.memory_save import wait_for_persistence
+
+    cfg = task["cfg"]
+    root = task["root"]
+    durable = os.path.join(root, "durable")
+    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="job1", keep=2, persist_every=2)
+    engine = _engine(cfg, ws, rank, 1)
+    results = []
+    for s in range(1, 6):
+        W.train_step(engine, cfg, rank, s)
+        out = pd.save_checkpoint(engine, durable, tag=f"s{s}", client_state=_client_state(cfg), memory=tier,
+                                 async_save=s % 2 == 0, keep_last=1)
+        results.append(bool(out.wait()) if hasattr(out, "wait") else bool(out))
+    at_save = W.gather_state(engine)
+    at_save["meta"]["global_steps"] = engine.global_steps
+    persisted = wait_for_persistence(engine)
+    engine.destroy()
+    folder = tier.folder()
+    listing = {"memory": _listing(folder), "durable": _listing(durable)}
+    differ = _same_files(os.path.join(durable, "s4"), os.path.join(folder, "s4"))
+    mode = oct(os.stat(os.path.join(root, "mem")).st_mode & 0o777)
+    resumed, path, log = _resume(cfg, ws, durable, tier)
+    stock, stock_path, _ = _reload(cfg, ws, folder, tag="s5")
+    return {"results": _gather(results), "persisted": persisted, "listing": listing, "differ": differ,
+            "mode": mode, "path": path, "log": _gather(log), "stock_path": str(stock_path),
+            "vs_stock": compare_states(stock, resumed), "vs_save": compare_states(at_save, resumed),
+            "latest_durable": open(os.path.join(durable, "latest")).read()}
+
+
+def memory_refusals(task: dict, rank: int, ws: int) -> dict:
+    """A memory tier whose budget a checkpoint exceeds, and one whose root is writable by others: each
+    save says why in one line and goes to save_dir; nothing is written to memory."""
+    cfg = task["cfg"]
+    root = task["root"]
+    durable = os.path.join(root, "durable")
+    engine = _engine(cfg, ws, rank, 1)
+    if rank == 0:
+        os.makedirs(os.path.join(root, "open"), mode=0o777)
+        os.chmod(os.path.join(root, "open"), 0o777)
+    tdist.barrier()
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    small = pd.MemoryTier(root=os.path.join(root, "mem"), job="j", limit_bytes=1000)
+    opened = pd.MemoryTier(root=os.path.join(root, "open"), job="j")
+    try:
+        full = pd.save_checkpoint(engine, durable, tag="full", client_state=_client_state(cfg), memory=small)
+        hostile = pd.save_checkpoint(engine, durable, tag="hostile", client_state=_client_state(cfg), memory=opened)
+    finally:
+        logging.getLogger("pyckpt").removeHandler(handler)
+    engine.destroy()
+    mem_files = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(os.path.join(root, "mem")) for f in fs]
+    return {"ok": _gather([full, hostile]), "warned": _gather(warned), "durable": _listing(durable),
+            "mem_files": mem_files, "open_listing": _listing(os.path.join(root, "open"))}

@@ -14,6 +14,7 @@ ends and users.
 from ..errors import CollectiveCallError, RankLoadError, SaveError
 from .load import disable, enable, enabled, load_checkpoint
 from .save import AsyncSave, save_checkpoint, wait_for_saves
+from .tiers.policy import MemoryTier
 
 __all__ = ["enable", "disable", "enabled", "load_checkpoint", "save_checkpoint", "wait_for_saves", "AsyncSave",
-           "SaveError", "CollectiveCallError", "RankLoadError"]
+           "MemoryTier", "SaveError", "CollectiveCallError", "RankLoadError"]

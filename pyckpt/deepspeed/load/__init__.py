@@ -20,11 +20,13 @@ class _Enabled:
     """What ``enable()`` returns: truthy when the hooks are in place; as a context manager, it
     removes them again on exit if this call installed them, and restores the settings it changed."""
 
-    def __init__(self, active: bool, installed_here: bool, trust_before: bool, reshard_before: bool):
+    def __init__(self, active: bool, installed_here: bool, trust_before: bool, reshard_before: bool,
+                 memory_before=None):
         self.active = active
         self._installed_here = installed_here
         self._trust_before = trust_before
         self._reshard_before = reshard_before
+        self._memory_before = memory_before
 
     def __bool__(self) -> bool:
         return self.active
@@ -37,6 +39,7 @@ class _Enabled:
 
         hooks.trust_pickles(self._trust_before)
         hooks.reshard(self._reshard_before)
+        hooks.memory_tier(self._memory_before)
         if self._installed_here:
             disable()
 
@@ -44,7 +47,7 @@ class _Enabled:
         return f"<pyckpt accelerated universal load: {'enabled' if self.active else 'not enabled'}>"
 
 
-def enable(trust_pickles: bool = False, *, reshard: bool = True) -> _Enabled:
+def enable(trust_pickles: bool = False, *, reshard: bool = True, memory=None) -> _Enabled:
     """Route DeepSpeed's universal checkpoint loads through pyckpt. Returns a falsy handle (and
     leaves DeepSpeed alone, with a warning) on a DeepSpeed version pyckpt was not proven against.
 
@@ -57,15 +60,21 @@ def enable(trust_pickles: bool = False, *, reshard: bool = True) -> _Enabled:
     pyckpt unpickles nothing its allowlist of checkpoint types refuses: a model-state file whose
     ``client_state`` holds other objects, or a universal folder this backend hands back to DeepSpeed
     holding such a file, stops the load with ``UnsafePickleError`` naming the file.
-    ``trust_pickles=True`` gives those files to DeepSpeed's own readers instead, as without pyckpt."""
+    ``trust_pickles=True`` gives those files to DeepSpeed's own readers instead, as without pyckpt.
+
+    ``memory`` (a :class:`pyckpt.deepspeed.MemoryTier`, the one the saves use): a load that names no tag
+    (``engine.load_checkpoint(save_dir)``, the Trainer's and accelerate's resumes) takes the newest
+    checkpoint of the memory tier and ``save_dir`` by recorded step, agreed by every rank, and says so
+    in one line on rank 0."""
     from . import hooks
 
     already = hooks.installed()
     active = hooks.install()
     before = hooks.trust_pickles(trust_pickles if active else None)
     reshard_before = hooks.reshard(reshard if active else None)
+    memory_before = hooks.memory_tier(memory if active else False)
     return _Enabled(active, installed_here=active and not already, trust_before=before,
-                    reshard_before=reshard_before)
+                    reshard_before=reshard_before, memory_before=memory_before)
 
 
 def disable() -> None:

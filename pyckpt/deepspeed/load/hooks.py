@@ -52,7 +52,7 @@ _ENGINE_ORIGINAL: Dict[type, Callable] = {}
 # What the last load through pyckpt did on this rank, for tests and benchmarks.
 last_load: Dict[str, object] = {}
 # enable(trust_pickles=...): whether files pyckpt's allowlist refuses may go to DeepSpeed's readers
-_settings = {"trust_pickles": False, "reshard": True}
+_settings = {"trust_pickles": False, "reshard": True, "memory": None}
 
 
 def trust_pickles(value: Optional[bool] = None) -> bool:
@@ -71,6 +71,41 @@ def _setting(key: str, value: Optional[bool]) -> bool:
     if value is not None:
         _settings[key] = bool(value)
     return previous
+
+
+def memory_tier(value=False):
+    """The memory tier a resume looks in (a :class:`~pyckpt.deepspeed.tiers.policy.MemoryTier`, or
+    None); with ``value`` (a tier or None), set it and return the previous one."""
+    previous = _settings["memory"]
+    if value is not False:
+        _settings["memory"] = value
+    return previous
+
+
+def _newest_tier(engine, load_dir, tag):
+    """(load_dir, tag) of the newest checkpoint across the memory tier and ``load_dir`` (durable), agreed
+    by every rank before any state changes; unchanged where no tier is set, a tag was named, or the
+    durable one is the newest. Rank 0 logs which step it takes from which tier, and why."""
+    from ..tiers import recovery
+
+    tier = _settings["memory"]
+    if tier is None or tag is not None:
+        return load_dir, tag
+    ranks = _ranks()
+    with agreed(ranks, "choosing the newest checkpoint across the memory tier and save_dir", same=True,
+                error=RankLoadError) as vote:
+        folder = tier.folder()
+        choice = recovery.newest(os.fspath(load_dir), folder)
+        vote.value = None if choice is None else choice.agreed_key()
+    if choice is None or choice.tier == "durable":
+        return load_dir, tag
+    if ranks is None or ranks.rank == 0:
+        durable = [c for c in recovery.candidates(os.fspath(load_dir), None)]
+        why = f"newer than step {durable[0].step} in {printable(os.fspath(load_dir))}" if durable else \
+            f"{printable(os.fspath(load_dir))} holds none"
+        logger.warning("pyckpt: resuming step %d from memory (%s), %s", choice.step,
+                       printable(os.path.join(choice.load_dir, choice.tag)), why)
+    return choice.load_dir, choice.tag
 
 
 def _ranks() -> Optional[TorchRanks]:
@@ -209,6 +244,7 @@ def _engine_load(original: Callable):
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         agree_arguments(tag, args, kwargs)
+        load_dir, tag = _newest_tier(self, load_dir, tag)
         if not self.load_universal_checkpoint():
             if not _settings["reshard"] or kwargs.get("load_module_only"):
                 return _deepspeed_load(original, self, load_dir, tag, *args, **kwargs)

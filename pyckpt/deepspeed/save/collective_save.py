@@ -112,7 +112,7 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
                     export: Optional[str] = None, exclude_frozen_parameters: bool = False,
                     arrival_timeout: float = 300.0, fsync: bool = False, async_save: bool = False,
                     keep_last: Optional[int] = None, agree_timeout: float = 1800.0,
-                    snapshot_limit: Optional[int] = None):
+                    snapshot_limit: Optional[int] = None, memory=None, persist: bool = False):
     """Save ``engine``'s training checkpoint as ``save_dir/<tag>``; call it on **every** rank.
 
     What DeepSpeed writes is DeepSpeed's own ``save_checkpoint`` output (the same files, bit for
@@ -150,6 +150,13 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     it past the limit is written during the call instead (so the call blocks for its write); the
     ``engine.destroy()`` join also frees the snapshot.
 
+    ``memory=MemoryTier(...)`` (:class:`pyckpt.deepspeed.MemoryTier`) saves into the job's node-local
+    memory folder (tmpfs) instead, by the same rules, keeping the tier's ``keep`` newest there; one that
+    does not fit the tier's budget goes to ``save_dir`` with a warning. Every ``persist_every``-th memory
+    checkpoint, or one saved with ``persist=True``, is also copied to ``save_dir`` in the background
+    (``keep_last`` then applies there). Under ``pyckpt.deepspeed.enable(memory=...)`` a resume reads the
+    newest of the two (:mod:`.memory_save`).
+
     ``keep_last=K`` removes this job's older checkpoints of ``save_dir`` beyond the K newest (by the
     step each records) once this one is published: only folders whose model-state file is
     DeepSpeed's, for the same parameters; never the one ``latest`` or ``latest_universal`` names, nor
@@ -176,6 +183,14 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     from ...errors import check_number
     for key, seconds in (("arrival_timeout", arrival_timeout), ("agree_timeout", agree_timeout)):
         check_number(key, seconds, low=0, low_open=True, high=threading.TIMEOUT_MAX)
+    if memory is not None:
+        from .memory_save import save_to_memory
+
+        return save_to_memory(save_checkpoint, engine, save_dir, tag, memory, persist, dict(
+            tokenizer=tokenizer, model_config=model_config, client_state=client_state, on_error=on_error,
+            universal=universal, export=export, exclude_frozen_parameters=exclude_frozen_parameters,
+            arrival_timeout=arrival_timeout, fsync=fsync, async_save=async_save, keep_last=keep_last,
+            agree_timeout=agree_timeout, snapshot_limit=snapshot_limit))
     # at most one save in flight per engine: the previous one is joined (and its failure reported) first
     previous = getattr(engine, "_pyckpt_async_save", None)
     if previous is not None:
@@ -388,6 +403,9 @@ def _process_group() -> TorchRanks:
 
 
 def _preflight_problem(pre: List[dict], save_dir: str, tag: str) -> Optional[str]:
+    if any(not (isinstance(p, dict) and "shape" in p) for p in pre):  # a rank's memory save met this gather
+        return (f"the ranks called save_checkpoint with different memory= settings (some with a memory tier, some "
+                f"without); checkpoint {tag} was not saved, nothing was written")
     tags = {p["tag"] for p in pre}
     dirs = {p["dir"] for p in pre}
     if len(tags) > 1 or len(dirs) > 1:

@@ -1,0 +1,55 @@
+"""The memory tier with real DeepSpeed on CPU (tests/save_glue_worker.py): saves into a node-local
+memory folder (DeepSpeed's own files, published by the same rules), the newest `keep` kept there,
+every N-th persisted to save_dir in the background, and a resume under enable(memory=...) taking the
+newest step across both tiers; a checkpoint that does not fit, or a root that is not safe, goes to
+save_dir with one line saying why."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import dsharness as h
+from dsharness import _launch
+
+pytestmark = pytest.mark.slow
+
+WORKER = str(Path(__file__).resolve().parent / "save_glue_worker.py")
+TIMEOUT_S = 300
+
+
+def _call(function: str, cfg: h.Config, root: Path, **extra) -> dict:
+    return {"kind": "call", "module": WORKER, "function": function, "cfg": dataclasses.asdict(cfg),
+            "root": str(root), **extra}
+
+
+@pytest.mark.parametrize("cfg", [h.Config(2, "fp32", 2), h.Config(3, "bf16", 2)], ids=["z2-fp32", "z3-bf16"])
+def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
+    (res, ) = _launch(2, [_call("memory_tier", cfg, tmp_path)], None, "memory tier", TIMEOUT_S)
+    assert res["results"] == [[True] * 5] * 2
+    assert res["mode"] == "0o700"
+    # keep=2 in memory; every 2nd persisted, keep_last=1 on disk
+    assert res["listing"]["memory"] == ["latest", "s4", "s5", "zero_to_fp32.py", "zero_to_torch.py"]
+    assert res["listing"]["durable"] == ["latest", "s4"] and res["latest_durable"] == "s4"
+    assert res["persisted"] is True and res["differ"] == []  # the persisted copy is the memory files
+    # the resume took step 5 from memory (newer than step 4 on disk), equal to DeepSpeed's own load of it
+    assert res["path"].endswith("/s5/") or "/s5" in res["path"], res["path"]
+    (line, ), none = res["log"]
+    assert none == [] and line.startswith("pyckpt: resuming step ") and "from memory" in line
+    assert "newer than step" in line
+    assert res["vs_stock"] == [] and res["vs_save"] == []
+
+
+def test_what_does_not_fit_or_is_not_safe_goes_to_save_dir_with_one_line(tmp_path):
+    (res, ) = _launch(2, [_call("memory_refusals", h.Config(2, "fp32", 2), tmp_path)], None, "memory refusals",
+                      TIMEOUT_S)
+    assert res["ok"] == [[True, True]] * 2
+    full, hostile = res["warned"][0]
+    assert res["warned"][1] == []
+    assert full.startswith("pyckpt: checkpoint full goes to ") and "not to memory" in full and "limit" in full
+    assert hostile.startswith("pyckpt: checkpoint hostile goes to ") and "writable by" in hostile
+    assert res["durable"] == ["full", "hostile", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    assert [f for f in res["mem_files"] if "full" in f or "hostile" in f] == []
+    assert res["open_listing"] == []  # nothing made inside a root that others can write
