@@ -588,3 +588,12 @@ def memory_refusals(task: dict, rank: int, ws: int) -> dict:
     mem_files = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(os.path.join(root, "mem")) for f in fs]
     return {"ok": _gather([full, hostile]), "warned": _gather(warned), "durable": _listing(durable),
             "mem_files": mem_files, "open_listing": _listing(os.path.join(root, "open"))}
+
+
+def stock_equals(task: dict, rank: int, ws: int) -> dict:
+    """DeepSpeed's own load of task["root"]/task["tag"], compared with the state a resume wrote."""
+    cfg = task["cfg"]
+    stock, path, _ = _reload(cfg, ws, task["root"], tag=task["tag"])
+    resumed = torch.load(task["resumed"], weights_only=False)  # the test's own file
+    return {"problems": compare_states(stock, resumed["state"]), "path": str(path),
+            "global_steps": stock["meta"]["global_steps"]}

@@ -53,3 +53,35 @@ def test_what_does_not_fit_or_is_not_safe_goes_to_save_dir_with_one_line(tmp_pat
     assert res["durable"] == ["full", "hostile", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
     assert [f for f in res["mem_files"] if "full" in f or "hostile" in f] == []
     assert res["open_listing"] == []  # nothing made inside a root that others can write
+
+
+@pytest.mark.parametrize("cfg", [h.Config(2, "fp32", 2), h.Config(3, "bf16", 2)], ids=["z2-fp32", "z3-bf16"])
+def test_a_rank_killed_mid_run_resumes_from_memory_when_torchrun_restarts_it(tmp_path, ds_environ, cfg):
+    """A job saving to memory after every step (every 3rd persisted) loses rank 1 to SIGKILL after step
+    4's save is published; torchrun restarts the workers (--max-restarts 1), and engine.load_checkpoint
+    (save_dir) under enable(memory=...) resumes step 4 from memory, not the older step 3 on disk, equal
+    bit for bit to DeepSpeed's own load of that checkpoint."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 6, "kill_at": 4,
+                               "persist_every": 3}))
+    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYCKPT_JOB_ID", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--max-restarts", "1", "--monitor-interval", "0.5", WORKER.replace("save_glue_worker",
+                                                                                               "memory_crash_worker"),
+                           str(job)], capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)  # the test's own file
+    assert resumed["restart"] == 1 and resumed["global_steps"] == 4
+    (line, ) = resumed["log"]
+    assert line.startswith("pyckpt: resuming step 4 from memory (") and "newer than step 3" in line, line
+    memory = tmp_path / "mem" / "crash" / "node0"
+    (res, ) = _launch(2, [_call("stock_equals", cfg, memory, tag="s4", resumed=str(tmp_path / "resumed.pt"))],
+                      None, "stock load of the memory checkpoint", TIMEOUT_S)
+    assert res["global_steps"] == 4 and res["problems"] == []

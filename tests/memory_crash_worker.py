@@ -1,0 +1,86 @@
+"""A training job under torchrun that saves to the memory tier after every step and loses a rank to
+SIGKILL mid-run (tests/test_memory_tier.py); torchrun's elastic restart re-creates the workers, which
+resume from memory.
+
+    torchrun --standalone --nproc_per_node 2 --max-restarts 1 memory_crash_worker.py JOB.json
+
+JOB.json: {"cfg": a dsharness Config as a dict, "root": folder, "steps": N, "kill_at": K,
+"persist_every": P}. The first run trains, saving s<global_steps> to the memory tier asynchronously
+after every step (every P-th persisted to root/durable); once the save after step K is published,
+rank 1 kills itself and rank 0 is left in a collective. The restarted run (TORCHELASTIC_RESTART_COUNT
+1) calls engine.load_checkpoint(root/durable) under enable(memory=...), and rank 0 writes what it
+resumed to root/resumed.pt: the gathered state, global_steps and the lines pyckpt logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "dsharness"))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import worker as W  # noqa: E402
+
+import pyckpt.deepspeed as pd  # noqa: E402
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    W.skip_shm_comm_op()
+    import deepspeed
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # The workers share torchrun's agent store across restarts; gloo's own keys in it carry no attempt
+    # number, so a restarted rank 0 connected to the killed rank 1's old address (torch 2.13, CPU:
+    # "Gloo connectFullMesh failed ... Connection refused"). A prefix per attempt keeps the rounds apart.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg, root = job["cfg"], job["root"]
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    durable = os.path.join(root, "durable")
+    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="crash", keep=2, persist_every=job["persist_every"])
+    lines = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    pd.enable(memory=tier)
+    engine = W.make_engine(cfg, ws)
+    if restart > 0:
+        engine.load_checkpoint(durable)
+        opt = engine.optimizer
+        if getattr(opt, "_hp_optimizer_states_linked", True) is False:
+            opt._lazy_init_hp_params_optimizer_state()
+        state = W.gather_state(engine)
+        if rank == 0:
+            torch.save({"state": state, "global_steps": engine.global_steps, "log": lines, "restart": restart},
+                       os.path.join(root, "resumed.pt"))
+        W.train_step(engine, cfg, rank, engine.global_steps + 1)  # and training goes on
+        engine.destroy()
+        dist.barrier()
+        return 0
+    for step in range(1, job["steps"] + 1):
+        W.train_step(engine, cfg, rank, step)
+        handle = pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
+        if step == job["kill_at"]:
+            handle.wait()  # published on every rank (the outcome is agreed before wait returns)
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            W.train_step(engine, cfg, rank, step + 1)  # rank 0: a collective rank 1 never joins
+            time.sleep(600)
+    return 1  # the kill never came
+
+
+if __name__ == "__main__":
+    sys.exit(main())
