@@ -4,8 +4,8 @@ resume from memory.
 
     torchrun --standalone --nproc_per_node 2 --max-restarts 1 memory_crash_worker.py JOB.json
 
-JOB.json: {"cfg": a dsharness Config as a dict, "root": folder, "steps": N, "kill_at": K,
-"persist_every": P}. The first run trains, saving s<global_steps> to the memory tier asynchronously
+JOB.json: {"cfg": a dsharness Config as a dict, "root": folder, "steps": N, "kill_at": K (or None: the
+job ends normally), "persist_every": P}. The first run trains, saving s<global_steps> to the memory tier asynchronously
 after every step (every P-th persisted to root/durable); once the save after step K is published,
 rank 1 kills itself and rank 0 is left in a collective. The restarted run (TORCHELASTIC_RESTART_COUNT
 1) calls engine.load_checkpoint(root/durable) under enable(memory=...), and rank 0 writes what it
@@ -50,7 +50,9 @@ def main() -> int:
     cfg, root = job["cfg"], job["root"]
     rank, ws = dist.get_rank(), dist.get_world_size()
     durable = os.path.join(root, "durable")
-    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="crash", keep=2, persist_every=job["persist_every"])
+    # kept at the end when the test compares it with DeepSpeed's own load afterwards
+    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="crash", keep=2, persist_every=job["persist_every"],
+                         keep_at_exit=job["kill_at"] is not None)
     lines = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())
@@ -79,6 +81,10 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             W.train_step(engine, cfg, rank, step + 1)  # rank 0: a collective rank 1 never joins
             time.sleep(600)
+    if job["kill_at"] is None:  # a normal end: the memory tier goes, its newest checkpoint persisted first
+        engine.destroy()
+        dist.barrier()
+        return 0
     return 1  # the kill never came
 
 

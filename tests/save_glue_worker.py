@@ -12,6 +12,7 @@ import logging
 import os
 import resource
 import sys
+import time
 
 import torch
 import torch.distributed as tdist
@@ -584,9 +585,22 @@ def memory_refusals(task: dict, rank: int, ws: int) -> dict:
         hostile = pd.save_checkpoint(engine, durable, tag="hostile", client_state=_client_state(cfg), memory=opened)
     finally:
         logging.getLogger("pyckpt").removeHandler(handler)
+    # Two asynchronous memory saves back to back while the first one's background write is slow: the
+    # second must join the first before its arrival (both wait on one store client otherwise: a deadlock)
+    # (rank 1's write slowed, rank 0's done and waiting for rank 1's outcome when its next save arrives)
+    tier = pd.MemoryTier(root=os.path.join(root, "mem2"), job="j", keep=1)
+    with _slow_background_write(2.0) if rank == 1 else contextlib.nullcontext():
+        first = pd.save_checkpoint(engine, durable, tag="b1", client_state=_client_state(cfg), memory=tier,
+                                   async_save=True)
+        if rank == 0:
+            time.sleep(0.5)  # a training step's worth: its background write is done, its agreement waiting
+        second = pd.save_checkpoint(engine, durable, tag="b2", client_state=_client_state(cfg), memory=tier,
+                                    async_save=True)
+        back_to_back = [first.wait(), second.wait()]
     engine.destroy()
     mem_files = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(os.path.join(root, "mem")) for f in fs]
     return {"ok": _gather([full, hostile]), "warned": _gather(warned), "durable": _listing(durable),
+            "back_to_back": _gather(back_to_back), "mem2": _listing(tier.folder()),
             "mem_files": mem_files, "open_listing": _listing(os.path.join(root, "open"))}
 
 
@@ -597,3 +611,9 @@ def stock_equals(task: dict, rank: int, ws: int) -> dict:
     resumed = torch.load(task["resumed"], weights_only=False)  # the test's own file
     return {"problems": compare_states(stock, resumed["state"]), "path": str(path),
             "global_steps": stock["meta"]["global_steps"]}
+
+
+def stock_step(task: dict, rank: int, ws: int) -> dict:
+    """DeepSpeed's own load of task["root"] (its latest): the step it resumes at."""
+    state, path, _ = _reload(task["cfg"], ws, task["root"])
+    return {"global_steps": state["meta"]["global_steps"], "path": str(path)}

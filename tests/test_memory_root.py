@@ -563,3 +563,39 @@ def test_remove_job_refuses_a_job_folder_of_another_effective_uid(tmp_path, monk
     refused(lambda: mr.remove_job(root, "j"), job, f"uid {me + 1}")
     monkeypatch.undo()
     assert os.path.isdir(node)
+
+
+def test_pyckpt_clean_removes_one_jobs_memory_tier_and_nothing_else(tmp_path):
+    """`pyckpt clean --memory JOB` removes that job's folder under the root, not another job's, and never
+    what a link inside leads to; a root others can write is refused; OUTPUT and --memory exclude each other."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    mr.job_folder(mr.open_root(str(root)), "mine", 0)
+    mr.job_folder(str(root), "theirs", 0)
+    (root / "mine" / "node0" / "s1").mkdir()
+    (root / "mine" / "node0" / "s1" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    (root / "mine" / "node0" / "link").symlink_to(outside)
+
+    def clean(*args):
+        return subprocess.run([sys.executable, "-m", "pyckpt", "clean", *map(str, args)], capture_output=True, text=True,
+                              cwd=tmp_path)
+
+    proc = clean("--memory", "mine", "--memory-root", root, "--json")
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    assert json.loads(proc.stdout)["memory"] == str(root / "mine")
+    assert sorted(os.listdir(root)) == ["theirs"] and (outside / "keep.txt").read_text() == "mine"
+    proc = clean("--memory", "mine", "--memory-root", root)
+    assert proc.returncode == 0 and "no memory tier of job mine" in proc.stderr
+    os.chmod(root, 0o777)
+    proc = clean("--memory", "theirs", "--memory-root", root)
+    assert proc.returncode == 1 and "writable by group or others" in proc.stderr and proc.stderr.count("\n") == 1
+    assert sorted(os.listdir(root)) == ["theirs"]
+    assert clean("--memory", "theirs", "x", "--memory-root", root).returncode == 2
+    assert clean("--memory", "../x", "--memory-root", root).returncode == 1

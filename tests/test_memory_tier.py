@@ -53,6 +53,9 @@ def test_what_does_not_fit_or_is_not_safe_goes_to_save_dir_with_one_line(tmp_pat
     assert res["durable"] == ["full", "hostile", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
     assert [f for f in res["mem_files"] if "full" in f or "hostile" in f] == []
     assert res["open_listing"] == []  # nothing made inside a root that others can write
+    # asynchronous memory saves back to back, the first one's write slowed: no deadlock, keep=1 kept b2
+    assert res["back_to_back"] == [[True, True]] * 2
+    assert res["mem2"] == ["b2", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
 
 
 @pytest.mark.parametrize("cfg", [h.Config(2, "fp32", 2), h.Config(3, "bf16", 2)], ids=["z2-fp32", "z3-bf16"])
@@ -85,3 +88,27 @@ def test_a_rank_killed_mid_run_resumes_from_memory_when_torchrun_restarts_it(tmp
     (res, ) = _launch(2, [_call("stock_equals", cfg, memory, tag="s4", resumed=str(tmp_path / "resumed.pt"))],
                       None, "stock load of the memory checkpoint", TIMEOUT_S)
     assert res["global_steps"] == 4 and res["problems"] == []
+
+
+def test_a_job_that_ends_normally_leaves_its_newest_checkpoint_on_disk_and_nothing_in_memory(tmp_path, ds_environ):
+    """Five steps saved to memory (every 3rd persisted) and a normal end: at exit rank 0 persists step 5
+    (save_dir held step 3) and removes the job's memory folder; save_dir's latest then loads as DeepSpeed's
+    own checkpoint of step 5."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = h.Config(2, "fp32", 2)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 5, "kill_at": None,
+                               "persist_every": 3}))
+    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           WORKER.replace("save_glue_worker", "memory_crash_worker"), str(job)], capture_output=True,
+                          text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(p.name for p in (tmp_path / "mem").iterdir()) == []  # the job's folder is gone
+    durable = tmp_path / "durable"
+    assert (durable / "latest").read_text() == "s5" and sorted(p.name for p in durable.iterdir()) == ["latest", "s3", "s5"]
+    (res, ) = _launch(2, [_call("stock_step", cfg, durable)], None, "stock load of the persisted checkpoint", TIMEOUT_S)
+    assert res["global_steps"] == 5 and "/durable/s5/" in res["path"]

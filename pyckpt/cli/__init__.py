@@ -20,7 +20,7 @@ COMMANDS = (
     ("export", "export", "export as Hugging Face safetensors (zero_to_fp32) or torch DCP (with the optimizer)"),
     ("inspect", "describe", "show a ZeRO checkpoint's stage, dp degree, dtypes, parameters and files"),
     ("verify", "verify", "check a Universal Checkpoint folder before deleting the checkpoint it came from"),
-    ("clean", "clean", "remove what killed conversions into OUTPUT left beside it"),
+    ("clean", "clean", "remove what killed conversions into OUTPUT left beside it, or a job's memory tier"),
 )
 
 DESCRIPTION = """\

@@ -15,6 +15,11 @@ hidden staging folder, an atomic rename, ``latest`` last, an existing tag replac
 checkpoint of the same model, ``keep_last`` after. A failed persistence is logged; the memory copy
 stays.
 
+A process that saved to the tier and ends without an uncaught exception leaves no memory checkpoint
+behind (unless ``keep_at_exit``): at exit rank 0 joins the saves, persists the newest memory
+checkpoint where ``save_dir`` holds an older one, and removes the job's memory folder. A crash leaves
+it for the restart; ``pyckpt clean --memory JOB`` removes one by hand.
+
 This version serves a job on one node (torchrun's ``LOCAL_WORLD_SIZE`` ranks = the world): its
 ranks share the memory folder. Several nodes, each with its own folder and a replica on a peer, are
 refused with a message saying so.
@@ -22,9 +27,11 @@ refused with a message saying so.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
+import sys
 from typing import Optional
 
 from ...errors import SaveError
@@ -57,6 +64,13 @@ def save_to_memory(save, engine, save_dir: str, tag: Optional[str], memory: Memo
         raise ValueError(f"the memory tier serves a job on one node in this version; this job has {group.size} "
                          f"ranks on {_nodes(group.size)} nodes (LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')})")
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    # The previous asynchronous save is joined before this one's arrival, as every save does: its
+    # background thread waits on the same store client, and a blocking wait there from this thread
+    # would deadlock the two (each holds the client while it waits for the other rank's key).
+    previous = getattr(engine, "_pyckpt_async_save", None)
+    if previous is not None:
+        engine._pyckpt_async_save = None
+        previous.wait()
     # One persistence at a time, and never of a checkpoint this save's pruning could remove: the
     # previous one is joined first (rank 0 holds it; a failure was logged there).
     wait_for_persistence(engine)
@@ -87,6 +101,8 @@ def save_to_memory(save, engine, save_dir: str, tag: Optional[str], memory: Memo
             log.warning("pyckpt: checkpoint %s goes to %s, not to memory: %s", tag, save_dir, problem)
         return save(engine, save_dir, tag, **kwargs)
     folder = pre[group.rank]["folder"]
+    if group.rank == 0:
+        _leave_at_exit(memory, folder, save_dir, kwargs.get("fsync", False))
     count = getattr(engine, "_pyckpt_memory_saves", 0) + 1
     engine._pyckpt_memory_saves = count
     durable_keep = kwargs.pop("keep_last", None)
@@ -96,6 +112,54 @@ def save_to_memory(save, engine, save_dir: str, tag: Optional[str], memory: Memo
             engine._pyckpt_persist = AsyncSave(f"persisting checkpoint {tag} to {save_dir}", "warn", 0).start(
                 lambda handle: _persist(result, folder, save_dir, tag, durable_keep, kwargs.get("fsync", False)))
     return result
+
+
+# What the exit handler needs, by memory folder: (tier, save_dir, fsync) of the latest save there.
+_AT_EXIT: dict = {}
+_CRASHED = []
+
+
+def _leave_at_exit(memory: MemoryTier, folder: str, save_dir: str, fsync: bool) -> None:
+    if not _AT_EXIT:
+        previous = sys.excepthook
+
+        def excepthook(kind, value, tb):  # an uncaught exception: a crash, whose restart needs the tier
+            _CRASHED.append(kind)
+            previous(kind, value, tb)
+
+        sys.excepthook = excepthook
+        atexit.register(_leave)
+    _AT_EXIT[folder] = (memory, save_dir, fsync)
+
+
+def _leave() -> None:
+    """At a normal exit (rank 0): join, persist the newest memory checkpoint where save_dir's is older,
+    remove the job's memory folder. Anything that fails leaves the folder, saying why."""
+    if _CRASHED:
+        return
+    from .background import wait_for_saves
+    from ..tiers.memory_root import remove_job
+    from ..tiers.recovery import candidates
+
+    for folder, (memory, save_dir, fsync) in list(_AT_EXIT.items()):
+        if memory.keep_at_exit:
+            continue
+        try:
+            wait_for_saves()
+            newest = candidates(save_dir, folder)
+            mem = [c for c in newest if c.tier == "memory"]
+            durable = [c for c in newest if c.tier == "durable"]
+            if mem and (not durable or durable[0].step < mem[0].step):
+                ok, message = _persist(True, folder, save_dir, mem[0].tag, None, fsync)
+                if not ok:
+                    raise RuntimeError(message)
+            remove_job(memory.root_path, memory.job_name)
+            log.info("pyckpt: removed the memory tier of job %s (its newest checkpoint is in %s)", memory.job_name,
+                     save_dir)
+        except Exception as exc:
+            log.warning("pyckpt: the memory tier of job %s stays at %s: %s", memory.job_name, folder,
+                        describe_failure(exc))
+    _AT_EXIT.clear()
 
 
 def _persist(saved, folder: str, save_dir: str, tag: str, keep: Optional[int], fsync: bool) -> tuple:

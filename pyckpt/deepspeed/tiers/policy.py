@@ -27,13 +27,18 @@ class MemoryTier:
     restarts). ``keep``: checkpoints kept in memory (the newest by step). ``persist_every``: every N-th
     memory checkpoint is also copied to the durable ``save_dir`` in the background (None: only when
     ``save_checkpoint(..., persist=True)`` asks). ``limit_bytes``: the most this job's memory folders
-    may hold, besides the filesystem's own free space."""
+    may hold, besides the filesystem's own free space. ``keep_at_exit``: a process that saved to the
+    tier and ends without an uncaught exception first persists the newest memory checkpoint to
+    ``save_dir`` (where it is newer than what ``save_dir`` holds), then removes the job's memory
+    folder, unless this is True; a crash (an uncaught exception, a signal) always leaves it for the
+    restart."""
 
     root: Optional[str] = None
     job: Optional[str] = None
     keep: int = 2
     persist_every: Optional[int] = None
     limit_bytes: Optional[int] = None
+    keep_at_exit: bool = False
 
     def __post_init__(self):
         check_number("keep", self.keep, integer=True, low=1)
