@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,3 +70,23 @@ def test_scale_quick(tmp_path):
         assert (results / "scale_ranks.png").stat().st_size > 0
     # The scratch checkpoints and outputs are gone.
     assert not any((tmp_path / "work").iterdir())
+
+
+@pytest.mark.slow
+def test_memory_tier_quick(tmp_path, ds_environ):
+    # benchmarks/memory_tier.py --quick on 2 ranks (a tiny model): every part runs and reports, the
+    # recovery from memory restores what DeepSpeed's own load does, and nothing is left behind.
+    out, root, result = tmp_path / "out", tmp_path / "mem", tmp_path / "memory_tier.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "benchmarks" / "memory_tier.py"), str(out), "--quick", "--memory-root",
+                           str(root), "--json", str(result)], check=False, capture_output=True, text=True, timeout=600,
+                          env=ds_environ, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(result.read_text())
+    assert data["world_size"] == 2 and data["rounds_count"] == 1
+    assert set(data["goals"]) == {"step_with_save_over_plain", "stall_over_memcpy", "stock_over_memory_load"}
+    assert all(v > 0 for v in data["medians"].values())
+    (rec, ) = data["recovery"]
+    assert rec["same_weights"] and rec["memory"]["log"] and not rec["stock"]["log"]
+    assert data["reads"]["resident_after_eviction"] >= 0 and data["persistence"][0]["persisted_bytes"] > 0
+    assert not out.exists() and not root.exists()

@@ -101,8 +101,13 @@ def _newest_tier(engine, load_dir, tag):
         return load_dir, tag
     if ranks is None or ranks.rank == 0:
         durable = [c for c in recovery.candidates(os.fspath(load_dir), None)]
-        why = f"newer than step {durable[0].step} in {printable(os.fspath(load_dir))}" if durable else \
-            f"{printable(os.fspath(load_dir))} holds none"
+        where = printable(os.fspath(load_dir))
+        if not durable:
+            why = f"{where} holds none"
+        elif durable[0].step == choice.step:
+            why = f"the same step as in {where}, read from memory"
+        else:
+            why = f"newer than step {durable[0].step} in {where}"
         logger.warning("pyckpt: resuming step %d from memory (%s), %s", choice.step,
                        printable(os.path.join(choice.load_dir, choice.tag)), why)
     return choice.load_dir, choice.tag
