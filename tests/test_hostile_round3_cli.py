@@ -25,12 +25,15 @@ from edit import rewrite
 TIMEOUT = 120  # the old code took hours (or forever) where these take well under a second
 
 
+# cwd outside the source folder: `-m pyckpt...` must import the installed package, whose native module
+# the source folder of a fresh clone does not hold
 def _run(*args, timeout=TIMEOUT):
-    return subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          cwd="/")
 
 
 def _python(code: str, timeout=TIMEOUT):
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd="/",
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
