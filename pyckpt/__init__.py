@@ -10,8 +10,8 @@ line interrupted while starting up exits with one line instead of an import trac
 
 from .errors import (AutoEPError, CheckpointFormatError, CollectiveCallError, InputChangedError, MemoryRootError,
                      MissingExpertFileError, OutputExistsError, OutputLockError, PlanCheckError, PointerNameError,
-                     PyckptError, RankLoadError, RanksFailedError, SaveError, TpMergeError, UnsafePickleError,
-                     UnsupportedCheckpointError, VerifyInputError)
+                     PyckptError, RankLoadError, RanksFailedError, ReplicationError, SaveError, TpMergeError,
+                     UnsafePickleError, UnsupportedCheckpointError, VerifyInputError)
 
 # The package's one lazy table: each public verb from the folder that implements it.
 _LAZY = {
@@ -34,7 +34,7 @@ __all__ = [
     "PyckptError", "CheckpointFormatError", "UnsafePickleError", "OutputExistsError", "UnsupportedCheckpointError",
     "AutoEPError", "MissingExpertFileError", "InputChangedError", "PlanCheckError", "RanksFailedError",
     "VerifyInputError", "TpMergeError", "RankLoadError", "CollectiveCallError", "SaveError", "OutputLockError",
-    "PointerNameError", "MemoryRootError",
+    "PointerNameError", "MemoryRootError", "ReplicationError",
 ]
 __version__ = "0.1.0"
 

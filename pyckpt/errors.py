@@ -229,3 +229,9 @@ class MemoryRootError(PyckptError, OSError):
     """A memory-tier folder (the root, a job's or a node's folder under it) is refused: a link, not a
     folder, another user's, writable by group or others, or on a filesystem that cannot be asked for
     its free space. Nothing was written in it."""
+
+
+class ReplicationError(PyckptError, OSError):
+    """A checkpoint folder could not be replicated to a peer node's memory tier: the receiver refused
+    it (the reason it gave is in the message), it did not prove it holds the job's token, the
+    connection failed, or the folder holds something that is not a regular file or folder."""
