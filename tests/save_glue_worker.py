@@ -57,6 +57,11 @@ def _reload(cfg: dict, ws: int, root: str, tag=None):
     """A fresh engine resumed by DeepSpeed's own load_checkpoint: (its state, load path, client state)."""
     engine = W.make_engine(cfg, ws)
     path, client = engine.load_checkpoint(root, tag=tag)
+    return _state_after_load(engine), path, client
+
+
+def _state_after_load(engine) -> dict:
+    """The engine's gathered state right after a load, global_steps included; the engine is destroyed."""
     opt = engine.optimizer
     if getattr(opt, "_hp_optimizer_states_linked", True) is False:
         # ZeRO-1/2 link the fragments' moment views at the first step; a state read before any
@@ -65,7 +70,7 @@ def _reload(cfg: dict, ws: int, root: str, tag=None):
     state = W.gather_state(engine)
     state["meta"]["global_steps"] = engine.global_steps
     engine.destroy()
-    return state, path, client
+    return state
 
 
 def equal(task: dict, rank: int, ws: int) -> dict:
@@ -510,13 +515,7 @@ def _resume(cfg: dict, ws: int, root: str, memory):
             path, _ = engine.load_checkpoint(root)
     finally:
         logging.getLogger("pyckpt").removeHandler(handler)
-    opt = engine.optimizer
-    if getattr(opt, "_hp_optimizer_states_linked", True) is False:
-        opt._lazy_init_hp_params_optimizer_state()
-    state = W.gather_state(engine)
-    state["meta"]["global_steps"] = engine.global_steps
-    engine.destroy()
-    return state, str(path), lines
+    return _state_after_load(engine), str(path), lines
 
 
 def _same_files(a: str, b: str) -> list:

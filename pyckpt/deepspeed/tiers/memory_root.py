@@ -113,12 +113,14 @@ def this_node() -> int:
 
 # -- opening and checking ---------------------------------------------------------------------
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+def kind_of(mode: int) -> str:
+    """What a ``st_mode`` is, as a message names it ("a FIFO", "a symbolic link", ...)."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
         if test(mode):
             return name
-    return "not a folder"
+    return "an unknown kind of file"
 
 
 def _check(st: os.stat_result, path: str, what: str, mode: bool = True) -> None:
@@ -128,7 +130,7 @@ def _check(st: os.stat_result, path: str, what: str, mode: bool = True) -> None:
         raise MemoryRootError(f"{path}: {what} is a symbolic link; it must be a real folder (a link could send "
                               f"checkpoints anywhere)")
     if not stat.S_ISDIR(st.st_mode):
-        raise MemoryRootError(f"{path}: {what} is {_kind(st.st_mode)}; it must be a folder")
+        raise MemoryRootError(f"{path}: {what} is {kind_of(st.st_mode)}; it must be a folder")
     if st.st_uid != os.geteuid():
         raise MemoryRootError(f"{path}: {what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); "
                               f"it must be ours")
@@ -479,7 +481,7 @@ def remove_job(root: str, job: str) -> List[str]:
             os.unlink(job, dir_fd=root_fd)
             return [job_path]
         if not stat.S_ISDIR(st.st_mode):
-            raise MemoryRootError(f"{job_path}: {_JOB} is {_kind(st.st_mode)}; only a folder or a link is "
+            raise MemoryRootError(f"{job_path}: {_JOB} is {kind_of(st.st_mode)}; only a folder or a link is "
                                   f"removed here")
         if st.st_uid != os.geteuid():
             raise MemoryRootError(f"{job_path}: {_JOB} is owned by uid {st.st_uid}, not by this user "

@@ -89,7 +89,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 from ...errors import ReplicationError, check_number, printable
 from ...execution.publish import POINTERS, Publisher, pointer_name_problem
 from ...native import _core
-from .memory_root import MODE, Budget, _check, _open_level, fits
+from .memory_root import MODE, Budget, _check, _open_level, fits, kind_of
 
 MAGIC_RECEIVER = b"PYCKRPL1"
 MAGIC_SENDER = b"PYCKRPS1"
@@ -702,14 +702,6 @@ class _File:
     identity: Tuple[int, int, int, int]  # dev, inode, size, mtime_ns when listed: the file to send
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _identity(st: os.stat_result) -> Tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
@@ -776,7 +768,7 @@ def _walk(fd: int, path: str, prefix: str, files: List[_File], depth: int) -> No
                 os.close(sub)
             continue
         if not stat.S_ISREG(st.st_mode):
-            raise ReplicationError(f"{child}: is {_kind(st.st_mode)}; a replica holds only regular files and "
+            raise ReplicationError(f"{child}: is {kind_of(st.st_mode)}; a replica holds only regular files and "
                                    f"folders, and links are not followed")
         if len(files) >= MAX_FILES:
             raise ReplicationError(f"{path}: more than {MAX_FILES} files; a receiver takes at most that many")
