@@ -426,3 +426,33 @@ def test_a_plan_holds_about_a_kilobyte_per_rank(tmp_path):
         del ck, plan
     per_rank = (held[512] - held[64]) / (512 - 64)
     assert 0 < per_rank <= 1536, per_rank
+
+
+@pytest.mark.slow
+def test_the_load_sides_checks_read_every_file_under_a_descriptor_limit(tmp_path):
+    """Under enable(), a plain load first parses every torch file of the tag folder (shared among the
+    ranks) and checks the recorded topology against the shard count: at dp 1,200 under `ulimit -n 1024`
+    both go through every file (one open at a time), and a hostile file among them is still named."""
+    tag = mc.make_checkpoint(tmp_path / "ck", dp=1200, stage=2, layers=1, hidden=8)
+    code = f"""
+import os, sys
+from pyckpt.deepspeed.load.pickle_policy import check_tag_pickles
+from pyckpt.deepspeed.load.topology import saved
+tag = {str(tag)!r}
+assert check_tag_pickles(tag) is None
+assert [check_tag_pickles(tag, r, 3) for r in range(3)] == [None] * 3
+print(saved(tag).dp)
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         preexec_fn=_limited(1024))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["1200"]
+    victim = sorted(tag.glob("*optim_states.pt"))[-1]
+    victim.write_bytes(victim.read_bytes()[:100])  # cut short: named, not a bare error
+    code = f"""
+from pyckpt.deepspeed.load.pickle_policy import check_tag_pickles
+print(check_tag_pickles({str(tag)!r})[0])
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         preexec_fn=_limited(1024))
+    assert run.returncode == 0 and run.stdout.split() == ["CheckpointFormatError"], run.stderr[-2000:]

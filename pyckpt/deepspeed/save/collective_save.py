@@ -40,7 +40,7 @@ from ...errors import SaveError
 from ...execution.distributed import TorchRanks, describe_failure
 from ...execution.publish import (LOCK, OLD, POINTER_TMP, STAGING, OutputLock, OutputLockError, Publisher, clean,
                                  pointer_name_problem)
-from .arrival import Arrival, _default_store
+from .arrival import Arrival, _default_store, _ranks
 from .background import AsyncSave, StoreAgreement, write_files
 from .companions import write_model_config, write_tokenizer, write_training_state
 from .guarded_io import WriteFailures, guarded
@@ -439,13 +439,8 @@ def _by_value(values: list, limit: int = 4) -> str:
     groups: dict = {}
     for rank, value in enumerate(values):
         groups.setdefault(repr(value), []).append(rank)
-    parts = [f"{value} on rank(s) {_ranks_text(ranks)}" for value, ranks in list(groups.items())[:limit]]
+    parts = [f"{value} on rank(s) {_ranks(ranks)}" for value, ranks in list(groups.items())[:limit]]
     return "; ".join(parts) + (f"; {len(groups) - limit} more values" if len(groups) > limit else "")
-
-
-def _ranks_text(ranks: List[int], limit: int = 8) -> str:
-    shown = ", ".join(map(str, ranks[:limit]))
-    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > limit else "")
 
 
 def _replace_problem(save_dir: str, tag: str, universal: bool, export: Optional[str]) -> Optional[str]:
