@@ -411,3 +411,29 @@ def test_fuzz_nothing_but_this_jobs_older_checkpoints_is_ever_removed(tmp_path_f
         if rel.split(os.sep)[0] not in gone:
             assert after.get(rel) == entry, rel
     assert tree(base / "outside") == outside_before
+
+
+@pytest.mark.parametrize("point", ["before-publish", "after-publish", "before-pointer-rename", "after-pointer"])
+def test_a_persistence_killed_at_any_step_leaves_save_dir_whole_and_the_next_one_cleans(tmp_path, point):
+    """The background copy of a memory checkpoint to save_dir, SIGKILLed between any two of its renames:
+    save_dir holds the previous checkpoint and latest (or the new one whole), never a torn folder, and
+    the next persistence removes what the killed one left and publishes."""
+    memory, durable = tmp_path / "mem", tmp_path / "ckpt"
+    memory.mkdir()
+    durable.mkdir()
+    checkpoint(memory, "s2", 2)
+    checkpoint(durable, "s2", 1)  # an older save of the same tag: replacing it takes the swap path
+    (durable / "latest").write_text("s2")
+    code = ("import sys; from pyckpt.deepspeed.save.memory_save import _persist; "
+            "print(_persist(True, sys.argv[1], sys.argv[2], 's2', None, False))")
+    run = subprocess.run([sys.executable, "-c", code, str(memory), str(durable)], cwd="/", capture_output=True,
+                         text=True, env={**os.environ, "PYCKPT_TEST_KILL_AT": point})
+    assert run.returncode == -9, run.stderr[-2000:]
+    assert (durable / "latest").read_text() == "s2"
+    step = read_checkpoint(str(durable / "s2"))
+    assert step is not None and step.step in (1, 2)  # the old or the new, whole
+    run = subprocess.run([sys.executable, "-c", code, str(memory), str(durable)], cwd="/", capture_output=True,
+                         text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "(True, None)", run.stderr[-2000:]
+    assert sorted(os.listdir(durable)) == ["latest", "s2"] and read_checkpoint(str(durable / "s2")).step == 2
+    assert tree(durable / "s2") == tree(memory / "s2")
