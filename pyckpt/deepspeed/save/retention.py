@@ -142,11 +142,12 @@ def _job_checkpoints(save_dir: str, reference: JobCheckpoint) -> List[Tuple[int,
     return found
 
 
-def checkpoints(save_dir: str, newest: str) -> List[str]:
+def checkpoints(save_dir: str, newest: str, reference: Optional[JobCheckpoint] = None) -> List[str]:
     """This job's checkpoint tags in ``save_dir`` (those of ``newest``'s model), oldest first: by the
     step each records, then by name; ``newest`` last whatever its step. Empty when ``newest`` is no
-    readable checkpoint (then nothing can be told to be this job's)."""
-    reference = read_checkpoint(os.path.join(save_dir, newest))
+    readable checkpoint (then nothing can be told to be this job's). ``reference``: ``newest``'s
+    record, where the caller has read it already."""
+    reference = reference or read_checkpoint(os.path.join(save_dir, newest))
     if reference is None:
         return []
     tags = [name for _, _, name in sorted(_job_checkpoints(save_dir, reference)) if name != newest]
@@ -178,7 +179,7 @@ def keep_last(save_dir: str, k: int, newest: str) -> List[str]:
     removed. ``newest`` (the tag just published) always counts as the newest, and tells which
     checkpoints are this job's (see the module doc)."""
     reference = read_checkpoint(os.path.join(save_dir, newest))
-    tags = checkpoints(save_dir, newest)
+    tags = checkpoints(save_dir, newest, reference) if reference is not None else []
     if not tags:
         log.warning("pyckpt: keep_last=%d removed nothing: %s is no readable DeepSpeed checkpoint", k,
                     os.path.join(save_dir, newest))
