@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pyckpt import ReplicationError
+from pyckpt.deepspeed.tiers import replica_receiver, replica_sender
 from pyckpt.deepspeed.tiers import replication as rep
 from pyckpt.deepspeed.tiers.replication import ReplicaReceiver, send_folder
 from pyckpt.errors import MemoryRootError
@@ -312,7 +313,8 @@ def test_file_counts_are_bounded(job, token, tmp_path, monkeypatch):
     with receiving(job, token) as r:
         with pytest.raises(ReplicationError, match="refused.*at the hello.*0 files: it must hold 1 to"):
             session(r, token, [], count=0)
-        monkeypatch.setattr(rep, "MAX_FILES", 3)
+        monkeypatch.setattr(replica_receiver, "MAX_FILES", 3)
+        monkeypatch.setattr(replica_sender, "MAX_FILES", 3)
         with pytest.raises(ReplicationError, match="refused.*at the hello.*4 files: it must hold 1 to 3"):
             # the receiver's rule, not the sender's: an honest sender lists up to the bound it knows
             session(r, token, [(f"f{i}", b"x") for i in range(4)])
@@ -352,14 +354,15 @@ def test_max_bytes_is_refused_before_writing(job, token, source):
 
 def test_free_space_is_checked_before_accepting_and_before_each_file(job, token, tmp_path, monkeypatch):
     folder = make_folder(tmp_path / "t", {"a": os.urandom(MiB), "b": os.urandom(MiB)})
-    monkeypatch.setattr(rep, "_free_bytes", lambda fd: MiB)
+    monkeypatch.setattr(replica_receiver, "_free_bytes", lambda fd: MiB)
     with receiving(job, token) as r:
         with pytest.raises(ReplicationError, match="refused.*at the hello.*does not fit"):
             send_folder(str(folder), 1, "global_step1", r.address, token)
         assert os.listdir(job) == []
         # room at the hello and for the first file; the tmpfs fills up (training saves) before the second
         asked = []
-        monkeypatch.setattr(rep, "_free_bytes", lambda fd: asked.append(fd) or (100 * MiB if len(asked) <= 2 else MiB))
+        monkeypatch.setattr(replica_receiver, "_free_bytes",
+                            lambda fd: asked.append(fd) or (100 * MiB if len(asked) <= 2 else MiB))
         with pytest.raises(ReplicationError, match="refused.*file 'b': the rest of the replica no longer fits"):
             send_folder(str(folder), 1, "global_step1", r.address, token)
     assert len(asked) == 3
@@ -397,7 +400,7 @@ def test_a_crc_mismatch_reaches_send_folder_with_its_reason(job, token, tmp_path
     fails on the closed connection, and it reports the reason that arrived before, not the reset."""
     folder = make_folder(tmp_path / "t", {"a": os.urandom(MiB), "b": os.urandom(32 * MiB)})
     real = rep._file_crc
-    monkeypatch.setattr(rep, "_file_crc", lambda f, buf: real(f, buf) ^ (f.name == "a"))
+    monkeypatch.setattr(replica_sender, "_file_crc", lambda f, buf: real(f, buf) ^ (f.name == "a"))
     with receiving(job, token) as r:
         with pytest.raises(ReplicationError, match="refused.*file 'a': CRC-32"):
             send_folder(str(folder), 1, "global_step1", r.address, token)
@@ -413,7 +416,7 @@ def test_a_write_that_fails_is_refused_and_leaves_nothing(job, token, tmp_path, 
     def full(fd, buf, n):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(rep, "_write_all", full)
+    monkeypatch.setattr(replica_receiver, "_write_all", full)
     with receiving(job, token) as r:
         with pytest.raises(ReplicationError, match=r"refused.*file 'a': writing it failed \(No space left on device\)"):
             send_folder(str(folder), 1, "global_step1", r.address, token)
@@ -460,7 +463,7 @@ def test_a_file_that_changes_while_it_is_sent_fails_the_transfer(job, token, tmp
         (folder / "a").write_bytes(b"after, longer")
         return files
 
-    monkeypatch.setattr(rep, "_collect", collect_then_change)
+    monkeypatch.setattr(replica_sender, "_collect", collect_then_change)
     with receiving(job, token) as r:
         with pytest.raises(ReplicationError, match=f"{folder / 'a'}: changed while being replicated"):
             send_folder(str(folder), 1, "global_step1", r.address, token)
@@ -570,7 +573,7 @@ def test_close_during_a_transfer_leaves_no_staging(job, token):
 
 
 def test_results_are_bounded(job, token, monkeypatch):
-    monkeypatch.setattr(rep, "MAX_RESULTS", 2)
+    monkeypatch.setattr(replica_receiver, "MAX_RESULTS", 2)
     with receiving(job, token) as r:
         for _ in range(3):
             with socket.create_connection(r.address) as s:
@@ -616,3 +619,26 @@ def test_the_longest_plain_file_name_is_taken(job, token, tmp_path):
     with receiving(job, token) as r:
         send_folder(str(folder), 1, "global_step1", r.address, token)
     assert tree(job / "replica-of-node1" / "global_step1") == {"f" * 255: b"long name"}
+
+
+def test_a_node_s_next_replica_may_follow_the_verdict_at_once(job, token, tmp_path, monkeypatch):
+    """A sender's ring sends one checkpoint right after the other: the receiver frees the node's slot
+    before it tells the sender the replica is published, so the next one is never refused as a second
+    transfer of that node (it was, now and then, between the verdict and the connection's end; a slow
+    close on the receiving side makes that window certain here)."""
+    import socket
+    import threading
+
+    real_close = socket.socket.close
+
+    def slow_close(sock):
+        if threading.current_thread().name == "pyckpt-replica-receive":
+            time.sleep(0.05)
+        return real_close(sock)
+
+    monkeypatch.setattr(socket.socket, "close", slow_close)
+    folder = make_folder(tmp_path / "a", {"f": b"x"})
+    with receiving(job, token) as r:
+        for i in range(5):
+            send_folder(str(folder), 5, f"s{i}", r.address, token)
+    assert [x.ok for x in r.results()] == [True] * 5
