@@ -211,3 +211,32 @@ def test_clones_are_deferred_only_inside_the_block():
         clones.materialize()
         assert torch.equal(stand_in, torch.ones(3))
     assert ds_engine.clone_tensors_for_torch_save is original and not clones.sources
+
+
+def test_a_background_agreement_waits_without_holding_the_process_store_client():
+    """A save's background thread waiting for other ranks' keys must leave the process's one store
+    client free: the main thread's next save arrives through it (and the other ranks' rounds may wait
+    for that arrival). A blocking store.wait there held the client for the whole wait, and the main
+    thread's set stalled behind it (a deadlock between two nodes' leaders, seen in
+    tests/test_memory_nodes.py)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from pyckpt.deepspeed.save.background import StoreAgreement
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    waiting = StoreAgreement(client, "t", 0, 1, 10.0)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(waiting.result()))
+    thread.start()
+    time.sleep(0.2)  # the background thread is waiting for a result nobody has announced yet
+    t0 = time.monotonic()
+    client.set("arrival/0", "1")  # the main thread's arrival, on the same client
+    assert client.get("arrival/0") == b"1"
+    took = time.monotonic() - t0
+    server.set("pyckpt/async/t/result", '[true, null]')
+    thread.join(10)
+    assert done == [(True, None)] and took < 2.0, took

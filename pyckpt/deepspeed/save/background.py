@@ -19,6 +19,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 import weakref
 from typing import Callable, List, Optional
 
@@ -129,6 +130,21 @@ def write_files(files, sources, root: str, fsync: bool, workers: int = 0) -> Non
         _core.write_archives(sources, outputs, op_table(rows), workers, fsync, None, root=root)
 
 
+def _wait_keys(store, keys: List[str], timeout: datetime.timedelta) -> None:
+    """Until every key of ``keys`` is in ``store``, asking in short polls: a background thread must not
+    block in ``store.wait``, which holds the process's one store client for the whole wait, so that a
+    save's arrival on the main thread (or another background thread's round) could not get through to
+    the store until the wait ended, and the wait may need that very arrival (the ranks would deadlock).
+    TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.0005
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every key arrived within {timeout.total_seconds():g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
 class StoreAgreement:
     """Every rank's outcome of one save, through the process group's store, under keys of its own."""
 
@@ -145,7 +161,7 @@ class StoreAgreement:
     def gather(self) -> List[Optional[str]]:
         keys = [f"{self.prefix}rank/{r}" for r in range(self.world_size)]
         try:
-            self.store.wait(keys, self.timeout)
+            _wait_keys(self.store, keys, self.timeout)
         except Exception as exc:
             missing = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
             raise TimeoutError(f"rank(s) {missing} reported no outcome within {self.timeout.total_seconds():g} s "
@@ -157,7 +173,7 @@ class StoreAgreement:
 
     def result(self) -> tuple:
         key = f"{self.prefix}result"
-        self.store.wait([key], self.timeout)
+        _wait_keys(self.store, [key], self.timeout)
         ok, message = json.loads(self.store.get(key))
         return ok, message
 
