@@ -5,7 +5,8 @@ resume from memory.
     torchrun --standalone --nproc_per_node 2 --max-restarts 1 memory_crash_worker.py JOB.json
 
 JOB.json: {"cfg": a dsharness Config as a dict, "root": folder, "steps": N, "kill_at": K (or None: the
-job ends normally), "persist_every": P}. The first run trains, saving s<global_steps> to the memory tier asynchronously
+job ends normally), "persist_every": P, "kill_mid_write": whether rank 1 dies while step K's memory
+save is being written rather than after it is published}. The first run trains, saving s<global_steps> to the memory tier asynchronously
 after every step (every P-th persisted to root/durable); once the save after step K is published,
 rank 1 kills itself and rank 0 is left in a collective. The restarted run (TORCHELASTIC_RESTART_COUNT
 1) calls engine.load_checkpoint(root/durable) under enable(memory=...), and rank 0 writes what it
@@ -69,12 +70,32 @@ def main() -> int:
             torch.save({"state": state, "global_steps": engine.global_steps, "log": lines, "restart": restart},
                        os.path.join(root, "resumed.pt"))
         W.train_step(engine, cfg, rank, engine.global_steps + 1)  # and training goes on
+        if job.get("kill_mid_write"):  # the next save clears what the killed one left in memory
+            pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier)
+            if rank == 0:
+                folder = tier.folder()
+                torch.save({**torch.load(os.path.join(root, "resumed.pt"), weights_only=False),
+                            "after_save": sorted(os.listdir(folder))}, os.path.join(root, "resumed.pt"))
         engine.destroy()
         dist.barrier()
         return 0
     for step in range(1, job["steps"] + 1):
         W.train_step(engine, cfg, rank, step)
+        if step == job["kill_at"] and job.get("kill_mid_write") and rank == 1:
+            # rank 1 dies while its files are being written into the memory tier's staging folder
+            from pyckpt.deepspeed.save import collective_save
+
+            def write_then_never(*args, **kwargs):
+                time.sleep(600)
+
+            collective_save.write_files = write_then_never
+            pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
         handle = pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
+        if step == job["kill_at"] and job.get("kill_mid_write"):  # rank 0: its own write done, rank 1's never
+            W.train_step(engine, cfg, rank, step + 1)
+            time.sleep(600)
         if step == job["kill_at"]:
             handle.wait()  # published on every rank (the outcome is agreed before wait returns)
             if rank == 1:

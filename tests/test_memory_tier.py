@@ -33,7 +33,8 @@ def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     # keep=2 in memory; every 2nd persisted, keep_last=1 on disk
     assert res["listing"]["memory"] == ["latest", "s4", "s5", "zero_to_fp32.py", "zero_to_torch.py"]
     assert res["listing"]["durable"] == ["latest", "s4"] and res["latest_durable"] == "s4"
-    assert res["persisted"] is True and res["differ"] == []  # the persisted copy is the memory files
+    # the persisted copy is the memory files, less the node manifest pyckpt keeps beside DeepSpeed's
+    assert res["persisted"] is True and res["differ"] == ["pyckpt-node.json"]
     # the resume took step 5 from memory (newer than step 4 on disk), equal to DeepSpeed's own load of it
     assert res["path"].endswith("/s5/") or "/s5" in res["path"], res["path"]
     (line, ), none = res["log"]
@@ -88,6 +89,41 @@ def test_a_rank_killed_mid_run_resumes_from_memory_when_torchrun_restarts_it(tmp
     (res, ) = _launch(2, [_call("stock_equals", cfg, memory, tag="s4", resumed=str(tmp_path / "resumed.pt"))],
                       None, "stock load of the memory checkpoint", TIMEOUT_S)
     assert res["global_steps"] == 4 and res["problems"] == []
+
+
+def test_a_rank_killed_while_its_memory_save_is_written_resumes_the_step_before(tmp_path, ds_environ):
+    """Rank 1 is SIGKILLed while its files of step 4 are being written into the memory tier's staging
+    folder (rank 0's are written, the step is not published): the restart resumes step 3 (in memory
+    and on disk alike: memory is read), equal to DeepSpeed's own load of it, and the next save clears
+    what the killed one left in memory."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    cfg = h.Config(3, "bf16", 2)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 6, "kill_at": 4,
+                               "persist_every": 3, "kill_mid_write": True}))
+    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYCKPT_JOB_ID", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--max-restarts", "1", "--monitor-interval", "0.5", WORKER.replace("save_glue_worker",
+                                                                                               "memory_crash_worker"),
+                           str(job)], capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)  # the test's own file
+    assert resumed["restart"] == 1 and resumed["global_steps"] == 3
+    (line, ) = resumed["log"]
+    assert line.startswith("pyckpt: resuming step 3 from memory (") and "the same step as in" in line, line
+    # the step saved after the resume took the killed save's tag: nothing hidden is left beside it
+    assert resumed["after_save"] == ["latest", "s3", "s4", "zero_to_fp32.py", "zero_to_torch.py"]
+    memory = tmp_path / "mem" / "crash" / "node0"
+    (res, ) = _launch(2, [_call("stock_equals", cfg, tmp_path / "durable", tag="s3",
+                                resumed=str(tmp_path / "resumed.pt"))], None, "stock load of step 3", TIMEOUT_S)
+    assert res["global_steps"] == 3 and res["problems"] == []
+    assert memory.is_dir()
 
 
 def test_a_job_that_ends_normally_leaves_its_newest_checkpoint_on_disk_and_nothing_in_memory(tmp_path, ds_environ):

@@ -424,8 +424,11 @@ def test_a_persistence_killed_at_any_step_leaves_save_dir_whole_and_the_next_one
     checkpoint(memory, "s2", 2)
     checkpoint(durable, "s2", 1)  # an older save of the same tag: replacing it takes the swap path
     (durable / "latest").write_text("s2")
-    code = ("import sys; from pyckpt.deepspeed.save.memory_save import _persist; "
-            "print(_persist(True, sys.argv[1], sys.argv[2], 's2', None, False))")
+    # node 0 of a one-node job, meeting no other leader: a store of its own
+    code = ("import sys; from types import SimpleNamespace as N; from torch.distributed import HashStore; "
+            "from pyckpt.deepspeed.save.memory_save import _persist; "
+            "print(_persist(True, N(node=0, count=1), None, sys.argv[1], sys.argv[2], 's2', None, False, HashStore(), "
+            "60.0, save_id='x'))")
     run = subprocess.run([sys.executable, "-c", code, str(memory), str(durable)], cwd="/", capture_output=True,
                          text=True, env={**os.environ, "PYCKPT_TEST_KILL_AT": point})
     assert run.returncode == -9, run.stderr[-2000:]

@@ -204,14 +204,18 @@ class Publisher:
     """One run's output: lock, clean, stage, publish, pointer file. Use as a context manager."""
 
     def __init__(self, output: str, *, overwrite: bool = False, fsync: bool = False,
-                 pointer: Optional[str] = "latest_universal", notify: Optional[Callable[[str], None]] = None):
+                 pointer: Optional[str] = "latest_universal", notify: Optional[Callable[[str], None]] = None,
+                 owner: Optional[str] = None):
         self.output = os.path.abspath(os.fspath(output))
         self.parent, self.base = os.path.split(self.output)
         self.overwrite = overwrite
         self.fsync = fsync
         self.pointer = os.path.join(self.parent, pointer) if pointer else None
         self.notify = notify
-        self.owner = owner_id()
+        # a run of several publishers (a node-local save: one per node) may share one staging name
+        if owner is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,100}", owner):
+            raise ValueError(f"a staging owner id must be 1 to 100 of A-Z a-z 0-9 _ . -, not {owner!r}")
+        self.owner = owner or owner_id()
         self.staging = os.path.join(self.parent, f".{self.base}.{STAGING}-{self.owner}")
         self.published = False
         self.pointer_written = False

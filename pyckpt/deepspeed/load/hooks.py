@@ -83,34 +83,16 @@ def memory_tier(value=False):
 
 
 def _newest_tier(engine, load_dir, tag):
-    """(load_dir, tag) of the newest checkpoint across the memory tier and ``load_dir`` (durable), agreed
-    by every rank before any state changes; unchanged where no tier is set, a tag was named, or the
-    durable one is the newest. Rank 0 logs which step it takes from which tier, and why."""
-    from ..tiers import recovery
+    """(load_dir, tag) of the newest checkpoint across every node's memory tier and ``load_dir``
+    (durable), agreed by every rank before any state changes (:mod:`.memory_recovery`); unchanged
+    where no tier is set, a tag was named, or the durable one is the newest."""
+    from . import memory_recovery
 
     tier = _settings["memory"]
     if tier is None or tag is not None:
         return load_dir, tag
-    ranks = _ranks()
-    with agreed(ranks, "choosing the newest checkpoint across the memory tier and save_dir", same=True,
-                error=RankLoadError) as vote:
-        folder = tier.folder()
-        choice = recovery.newest(os.fspath(load_dir), folder)
-        vote.value = None if choice is None else choice.agreed_key()
-    if choice is None or choice.tier == "durable":
-        return load_dir, tag
-    if ranks is None or ranks.rank == 0:
-        durable = [c for c in recovery.candidates(os.fspath(load_dir), None)]
-        where = printable(os.fspath(load_dir))
-        if not durable:
-            why = f"{where} holds none"
-        elif durable[0].step == choice.step:
-            why = f"the same step as in {where}, read from memory"
-        else:
-            why = f"newer than step {durable[0].step} in {where}"
-        logger.warning("pyckpt: resuming step %d from memory (%s), %s", choice.step,
-                       printable(os.path.join(choice.load_dir, choice.tag)), why)
-    return choice.load_dir, choice.tag
+    found = memory_recovery.recover(tier, os.fspath(load_dir), _ranks())
+    return found if found is not None else (load_dir, tag)
 
 
 def _ranks() -> Optional[TorchRanks]:

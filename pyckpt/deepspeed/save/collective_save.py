@@ -183,19 +183,37 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     from ...errors import check_number
     for key, seconds in (("arrival_timeout", arrival_timeout), ("agree_timeout", agree_timeout)):
         check_number(key, seconds, low=0, low_open=True, high=threading.TIMEOUT_MAX)
+    kwargs = dict(tokenizer=tokenizer, model_config=model_config, client_state=client_state, on_error=on_error,
+                  universal=universal, export=export, exclude_frozen_parameters=exclude_frozen_parameters,
+                  arrival_timeout=arrival_timeout, fsync=fsync, async_save=async_save, keep_last=keep_last,
+                  agree_timeout=agree_timeout, snapshot_limit=snapshot_limit)
     if memory is not None:
         from .memory_save import save_to_memory
 
-        return save_to_memory(save_checkpoint, engine, save_dir, tag, memory, persist, dict(
-            tokenizer=tokenizer, model_config=model_config, client_state=client_state, on_error=on_error,
-            universal=universal, export=export, exclude_frozen_parameters=exclude_frozen_parameters,
-            arrival_timeout=arrival_timeout, fsync=fsync, async_save=async_save, keep_last=keep_last,
-            agree_timeout=agree_timeout, snapshot_limit=snapshot_limit))
-    # at most one save in flight per engine: the previous one is joined (and its failure reported) first
+        return save_to_memory(save_collectively, engine, save_dir, tag, memory, persist, kwargs)
+    return save_collectively(engine, save_dir, tag, **kwargs)
+
+
+def save_collectively(engine, save_dir, tag=None, *, tokenizer=None, model_config=None,
+                      client_state: Optional[dict] = None, on_error: str = "raise", universal: bool = False,
+                      export: Optional[str] = None, exclude_frozen_parameters: bool = False,
+                      arrival_timeout: float = 300.0, fsync: bool = False, async_save: bool = False,
+                      keep_last: Optional[int] = None, agree_timeout: float = 1800.0,
+                      snapshot_limit: Optional[int] = None, share=None):
+    """The save :func:`save_checkpoint` describes, its arguments checked. ``share`` (a
+    :class:`~.node_share.NodeShare`) makes ``save_dir`` node-local: each node's leader stages,
+    publishes and prunes its own node's folder (every rank names its own node's), after the same
+    agreement of every rank; None: one folder all ranks share, rank 0 its publisher."""
+    # at most one save in flight per engine: the previous one is joined (and its failure reported) first,
+    # and a memory checkpoint's persistence too (it meets the other nodes' leaders in the store)
     previous = getattr(engine, "_pyckpt_async_save", None)
     if previous is not None:
         engine._pyckpt_async_save = None
         previous.wait()
+    pending = getattr(engine, "_pyckpt_persist", None)
+    if pending is not None:
+        engine._pyckpt_persist = None
+        pending.wait()
     ckpt_engine = engine.checkpoint_engine
     if getattr(ckpt_engine, "is_decoupled", lambda: False)():
         raise ValueError(f"{WHAT}: the checkpoint engine {type(ckpt_engine).__name__} writes after the call returns "
@@ -214,10 +232,10 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
         if problem:
             if rank == 0:
                 log.warning("pyckpt: saving %s synchronously: %s", tag, problem)
-            ok = save_checkpoint(engine, save_dir, tag, tokenizer=tokenizer, model_config=model_config,
-                                 client_state=client_state, on_error=on_error, universal=universal, export=export,
-                                 exclude_frozen_parameters=exclude_frozen_parameters,
-                                 arrival_timeout=arrival_timeout, fsync=fsync, keep_last=keep_last)
+            ok = save_collectively(engine, save_dir, tag, tokenizer=tokenizer, model_config=model_config,
+                                   client_state=client_state, on_error=on_error, universal=universal,
+                                   export=export, exclude_frozen_parameters=exclude_frozen_parameters,
+                                   arrival_timeout=arrival_timeout, fsync=fsync, keep_last=keep_last, share=share)
             return AsyncSave(f"checkpoint {tag}", on_error, rank).finished(ok, None)
 
     # One name for every save, whatever its folder and tag: ranks that disagree on those must still
@@ -228,17 +246,25 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     stack = contextlib.ExitStack()
     publisher: Optional[Publisher] = None
     local_error = None
-    if rank == 0:
+
+    def prepare(owner: Optional[str] = None) -> Optional[str]:
+        """The publisher's side (rank 0, or every node's leader): the folder made and cleaned, the tag's
+        staging folder taken under its lock, nothing the save would replace someone else's."""
+        nonlocal publisher
         try:
             os.makedirs(save_dir, exist_ok=True)
             for name in clean_orphans(save_dir):
                 log.info("pyckpt: removed %s, left in %s by a save that did not finish", name, save_dir)
             publisher = stack.enter_context(Publisher(os.path.join(save_dir, tag), overwrite=True, fsync=fsync,
-                                                      pointer="latest"))
-            # under the tag's lock: nothing the save would replace is someone else's folder
-            local_error = _replace_problem(save_dir, tag, universal, export)
+                                                      pointer="latest", owner=owner))
+            if share is not None:
+                return share.replace_problem(publisher.output)
+            return _replace_problem(save_dir, tag, universal, export)
         except Exception as exc:
-            local_error = f"preparing {save_dir}: {describe_failure(exc)}"
+            return f"preparing {save_dir}: {describe_failure(exc)}"
+
+    if rank == 0:
+        local_error = prepare()
     with stack:
         try:
             need = estimate_rank_bytes(engine)
@@ -250,10 +276,22 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
         shape = {"async_save": bool(async_save), "keep_last": keep_last, "universal": bool(universal),
                  "export": export, "snapshot_limit": snapshot_limit, "on_error": on_error,
                  "exclude_frozen_parameters": bool(exclude_frozen_parameters)}
-        pre = group.all_gather({"tag": tag, "dir": save_dir, "need": need, "free": free, "error": local_error,
-                                "staging": staging_tag, "shape": shape})
+        mine = {"tag": tag, "dir": save_dir, "need": need, "free": free, "error": local_error,
+                "staging": staging_tag, "shape": shape}
+        if share is not None:  # folders differ by node: the job is what must be the same
+            mine.update(dir=share.job, node=share.node, owner=publisher.owner if publisher else None)
+        pre = group.all_gather(mine)
         arrival.done()
-        problem = _preflight_problem(pre, save_dir, tag)
+        problem = _preflight_problem(pre, save_dir, tag, by_node=share is not None)
+        if problem is None and share is not None:
+            problem = share.agree(pre, tag)
+            if problem is None:  # every other node's leader stages under rank 0's name, so every rank
+                # hands DeepSpeed the same tag (its tag validation compares them)
+                if share.leader and rank != 0:
+                    local_error = prepare(pre[0]["owner"])
+                problem = _failed_ranks(group.all_gather(local_error)) or None
+                if problem:
+                    problem = f"could not start saving {tag} in the memory tier: {problem}; nothing was published"
         if problem:
             failed = _fail(problem, on_error, rank, published=False)
             return AsyncSave(f"checkpoint {tag}", on_error, rank).finished(False, problem) if async_save else failed
@@ -261,7 +299,7 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
         if async_save:
             return _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, client_state,
                                exclude_frozen_parameters, tokenizer, model_config, on_error, universal, export, fsync,
-                               keep_last, agree_timeout, t_call, snapshot_limit)
+                               keep_last, agree_timeout, t_call, snapshot_limit, share)
 
         failures = WriteFailures()
         t0 = time.perf_counter()
@@ -276,11 +314,16 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
         outcomes = group.all_gather(failures.first())
 
         result = None
-        if rank == 0:
-            result = _publish(publisher, outcomes, save_dir, tag)
-            if result[0] and keep_last:
-                _prune(save_dir, keep_last, tag)
-        ok, message = group.broadcast(result)
+        if share is not None:
+            if share.leader:
+                result = share.publish(publisher, outcomes, tag, engine.global_steps)
+            ok, message = share.outcome(group.all_gather(result))
+        else:
+            if rank == 0:
+                result = _publish(publisher, outcomes, save_dir, tag)
+                if result[0] and keep_last:
+                    _prune(save_dir, keep_last, tag)
+            ok, message = group.broadcast(result)
     if not ok:
         return _fail(message, on_error, rank, published=False)
     if rank == 0:
@@ -290,7 +333,7 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
 
 def _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, client_state, exclude_frozen_parameters,
                 tokenizer, model_config, on_error, universal, export, fsync, keep_last, agree_timeout, t_call,
-                snapshot_limit=None):
+                snapshot_limit=None, share=None):
     """Steps 3-6 of an asynchronous save: the snapshot now, the rest on a background thread."""
     rank = group.rank
     arena = getattr(engine, "_pyckpt_arena", None)
@@ -321,7 +364,9 @@ def _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, cli
     held = stack.pop_all()
     agreement = StoreAgreement(_default_store(), staging_tag, rank, group.size, agree_timeout)
     sources = arena.sources()
+    step = engine.global_steps
     handle = AsyncSave(f"checkpoint {tag} in {save_dir}", on_error, rank)
+    handle._t_call = t_call
 
     def body(h: AsyncSave):
         outcome = failures.first()
@@ -333,6 +378,8 @@ def _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, cli
                 outcome = f"writing into {staging}: {describe_failure(exc)}"
         h.written_s = time.perf_counter() - t_call
         agreement.post(outcome)
+        if share is not None:
+            return _publish_shares(h, agreement, share, held, publisher, tag, step, rank, agree_timeout)
         if rank == 0:
             # the other ranks wait for the result: it is posted whatever happens here
             result = (False, f"checkpoint {tag} was not saved in {save_dir}: publishing it failed on rank 0")
@@ -362,6 +409,47 @@ def _save_async(engine, save_dir, tag, staging_tag, publisher, stack, group, cli
     engine._pyckpt_async_save = handle
     _join_at_destroy(engine)
     return handle.start(body)
+
+
+def _publish_shares(h: AsyncSave, agreement: StoreAgreement, share, held, publisher, tag: str, step: int,
+                    rank: int, timeout: float) -> tuple:
+    """An asynchronous save's end with node-local folders: rank 0 gathers every rank's outcome and
+    announces it; each node's leader then publishes its node's folder (or lets its staging go) and
+    posts how that went; every rank returns what all the leaders posted."""
+    if rank == 0:
+        try:
+            outcomes = agreement.gather()
+        except TimeoutError as exc:
+            outcomes = [f"{exc}"]
+        bad = _failed_ranks(outcomes)
+        agreement.announce(not bad, bad or None)
+    try:
+        go, why = agreement.result()
+    except Exception as exc:
+        go, why = False, f"rank 0 announced no outcome: {describe_failure(exc)}"
+    nodes = StoreAgreement(agreement.store, agreement.prefix[len("pyckpt/async/"):] + "nodes", share.node,
+                           share.nodes, timeout)
+    if share.leader:
+        result = (False, f"checkpoint {tag} was not saved in the memory tier: publishing failed on node {share.node}")
+        try:
+            with held:
+                if go:
+                    result = share.publish(publisher, [None], tag, step)
+                else:
+                    result = (False, f"checkpoint {tag} was not saved in the memory tier: {why}. Nothing was "
+                                     "published; the partial files were removed")
+        finally:
+            nodes.post(list(result))
+    try:
+        results = nodes.gather()
+    except TimeoutError as exc:
+        results = [[False, f"checkpoint {tag}: {exc}"]]
+    agreement.forget()
+    h.published_s = time.perf_counter() - h._t_call
+    ok, message = share.outcome(results)
+    if ok and rank == 0:
+        log.info("pyckpt: saved %s in the memory tier (%.2f s after the call)", tag, h.published_s)
+    return ok, message
 
 
 def _join_at_destroy(engine) -> None:
@@ -402,7 +490,7 @@ def _process_group() -> TorchRanks:
     return TorchRanks()
 
 
-def _preflight_problem(pre: List[dict], save_dir: str, tag: str) -> Optional[str]:
+def _preflight_problem(pre: List[dict], save_dir: str, tag: str, by_node: bool = False) -> Optional[str]:
     if any(not (isinstance(p, dict) and "shape" in p) for p in pre):  # a rank's memory save met this gather
         return (f"the ranks called save_checkpoint with different memory= settings (some with a memory tier, some "
                 f"without); checkpoint {tag} was not saved, nothing was written")
@@ -423,14 +511,20 @@ def _preflight_problem(pre: List[dict], save_dir: str, tag: str) -> Optional[str
     errors = [p["error"] for p in pre]
     if any(errors):
         return f"could not start saving {tag} in {save_dir}: {_failed_ranks(errors)}; nothing was written"
-    need = sum(p["need"] for p in pre)
-    frees = [p["free"] for p in pre if p["free"] is not None]
-    free = min(frees) if frees else None
-    if free is not None and need > free:
-        biggest = max(range(len(pre)), key=lambda r: pre[r]["need"])
-        return (f"not enough free space for checkpoint {tag} in {save_dir}: it needs about {human(need)} "
-                f"({len(pre)} ranks, the most {human(pre[biggest]['need'])} on rank {biggest}) and {human(free)} is "
-                "free; nothing was written")
+    # one filesystem for all, or one per node (node-local folders): each must hold its ranks' files
+    groups: dict = {}
+    for r, p in enumerate(pre):
+        groups.setdefault(p.get("node") if by_node else None, []).append(r)
+    for node, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        need = sum(pre[r]["need"] for r in ranks)
+        frees = [pre[r]["free"] for r in ranks if pre[r]["free"] is not None]
+        free = min(frees) if frees else None
+        if free is not None and need > free:
+            biggest = max(ranks, key=lambda r: pre[r]["need"])
+            where = save_dir if node is None else f"node {node}'s folder {save_dir}"
+            return (f"not enough free space for checkpoint {tag} in {where}: it needs about {human(need)} "
+                    f"({len(ranks)} ranks, the most {human(pre[biggest]['need'])} on rank {biggest}) and "
+                    f"{human(free)} is free; nothing was written")
     return None
 
 

@@ -1,28 +1,27 @@
-"""A save into the memory tier (``save_checkpoint(..., memory=MemoryTier(...))``), and its persistence.
+"""A save into the memory tier (``save_checkpoint(..., memory=MemoryTier(...))``), its persistence,
+and the end of a job.
 
-The checkpoint goes to this node's folder of the job's memory root (tmpfs) instead of ``save_dir``,
-through the same save as a durable one (synchronous or asynchronous: DeepSpeed's own files, staged,
-agreed on every rank, published atomically with ``latest``); the newest ``keep`` stay there
-(:mod:`.retention`, which removes only this job's checkpoints). Before anything is written the ranks
-agree on whether it fits: the tmpfs's free space (less a spare share: its pages are the node's
-memory) and the tier's byte limit, against every rank's estimate. A checkpoint that does not fit is
-said so in one line and saved to ``save_dir`` instead; never half-written to memory, never a cause
-of an out-of-memory kill.
+The checkpoint goes to each node's own folder of the job's memory root (tmpfs) instead of
+``save_dir``, through the same save as a durable one (synchronous or asynchronous: DeepSpeed's own
+files, staged, agreed on every rank, published atomically with ``latest``), each node's leader
+publishing its node's share (:mod:`.node_share`); the newest ``keep`` stay there. With several
+nodes each share is then copied to the next node's memory in the background (:mod:`..tiers.links`).
+Before anything is written the ranks agree on whether it fits, node by node: each node's tmpfs free
+space (less a spare share: its pages are the node's memory) and the tier's byte limit, against the
+estimates of that node's ranks. A checkpoint that does not fit is said so in one line and saved to
+``save_dir`` instead; never half-written to memory, never a cause of an out-of-memory kill.
 
 Every ``persist_every``-th memory checkpoint (or one saved with ``persist=True``) is then copied to
-``save_dir`` in the background, once its memory copy is published, with the durable save's rules: a
-hidden staging folder, an atomic rename, ``latest`` last, an existing tag replaced only when it is a
-checkpoint of the same model, ``keep_last`` after. A failed persistence is logged; the memory copy
-stays.
+``save_dir`` in the background once its memory copy is published, by the node leaders together with
+the durable save's rules: rank 0 takes a hidden staging folder under the tag's lock, every leader
+copies its node's files into it, rank 0 renames it into place once all did, ``latest`` last, an
+existing tag replaced only when it is a checkpoint of the same model, ``keep_last`` after. A failed
+persistence is logged; the memory copy stays.
 
 A process that saved to the tier and ends without an uncaught exception leaves no memory checkpoint
-behind (unless ``keep_at_exit``): at exit rank 0 joins the saves, persists the newest memory
-checkpoint where ``save_dir`` holds an older one, and removes the job's memory folder. A crash leaves
+behind (unless ``keep_at_exit``): at exit the node leaders join the saves, persist the newest memory
+checkpoint where ``save_dir`` holds an older one, and remove the job's memory folder. A crash leaves
 it for the restart; ``pyckpt clean --memory JOB`` removes one by hand.
-
-This version serves a job on one node (torchrun's ``LOCAL_WORLD_SIZE`` ranks = the world): its
-ranks share the memory folder. Several nodes, each with its own folder and a replica on a peer, are
-refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -36,33 +35,31 @@ from typing import Optional
 
 from ...errors import SaveError
 from ...execution.distributed import TorchRanks, describe_failure
-from ...execution.publish import Publisher
-from ..tiers.memory_root import budget, fits
+from ...execution.publish import Publisher, remove_path
+from ..tiers import node_manifest as nm
+from ..tiers.links import nodes
+from ..tiers.memory_root import budget, fits, this_node
 from ..tiers.policy import MemoryTier
-from .arrival import Arrival
-from .background import AsyncSave
+from .arrival import Arrival, _default_store
+from .background import AsyncSave, StoreAgreement
+from .node_share import NodeShare
 from .retention import keep_last as prune
 from .retention import read_checkpoint, replace_problem
 from .space import estimate_rank_bytes
 
 log = logging.getLogger("pyckpt")
 
-
-def _nodes(world: int) -> int:
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return -(-world // int(local)) if local and local.isdigit() and int(local) > 0 else 1
+# how long leaders wait for one another during a persistence at exit (the job is ending)
+EXIT_TIMEOUT = 120.0
 
 
 def save_to_memory(save, engine, save_dir: str, tag: Optional[str], memory: MemoryTier, persist: bool, kwargs: dict):
-    """``save`` (pyckpt's save_checkpoint) into ``memory``'s folder, or into ``save_dir`` when it does
-    not fit; then the persistence. Returns what ``save`` returns."""
+    """``save`` (pyckpt's collective save) into ``memory``'s node folders, or into ``save_dir`` when it
+    does not fit; then the persistence. Returns what ``save`` returns."""
     group = TorchRanks()
     if kwargs.get("universal") or kwargs.get("export"):
         raise ValueError("universal= and export= convert a durable checkpoint: a memory checkpoint is converted "
                          "once persisted (convert save_dir/<tag> with `pyckpt convert` / `pyckpt export`)")
-    if _nodes(group.size) > 1:
-        raise ValueError(f"the memory tier serves a job on one node in this version; this job has {group.size} "
-                         f"ranks on {_nodes(group.size)} nodes (LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE')})")
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     # The previous asynchronous save is joined before this one's arrival, as every save does: its
     # background thread waits on the same store client, and a blocking wait there from this thread
@@ -72,14 +69,15 @@ def save_to_memory(save, engine, save_dir: str, tag: Optional[str], memory: Memo
         engine._pyckpt_async_save = None
         previous.wait()
     # One persistence at a time, and never of a checkpoint this save's pruning could remove: the
-    # previous one is joined first (rank 0 holds it; a failure was logged there).
+    # previous one is joined first (the leaders hold it; a failure was logged there).
     wait_for_persistence(engine)
     # The same arrival as every save: ranks that disagree on memory= meet here and in the one gather
     # below, which the others take for their preflight; both sides then see the difference and stop.
     arrival = Arrival("save", group.rank, group.size)
     arrival.wait(kwargs.get("arrival_timeout", 300.0), "pyckpt.deepspeed.save_checkpoint")
-    mine = {"memory": True, "error": None, "need": 0, "budget": None, "folder": None}
+    mine = {"memory": True, "error": None, "need": 0, "budget": None, "folder": None, "node": None}
     try:
+        mine["node"] = this_node()
         mine["folder"] = memory.folder()
         mine["need"] = estimate_rank_bytes(engine)
         mine["budget"] = budget(memory.root_path, memory.job_name, memory.limit_bytes)
@@ -91,35 +89,52 @@ def save_to_memory(save, engine, save_dir: str, tag: Optional[str], memory: Memo
         raise SaveError("the ranks called save_checkpoint with different memory= settings (some with a memory "
                         f"tier, some without); checkpoint {tag} was not saved, nothing was written", published=False)
     errors = [(r, p["error"]) for r, p in enumerate(pre) if p["error"]]
-    problem = None
-    if errors:
-        problem = "; ".join(f"rank {r}: {e}" for r, e in errors)
-    else:
-        problem = fits(sum(p["need"] for p in pre), pre[0]["budget"])
+    problem = "; ".join(f"rank {r}: {e}" for r, e in errors) if errors else _fits_by_node(pre)
     if problem:
         if group.rank == 0:
             log.warning("pyckpt: checkpoint %s goes to %s, not to memory: %s", tag, save_dir, problem)
         return save(engine, save_dir, tag, **kwargs)
     folder = pre[group.rank]["folder"]
-    if group.rank == 0:
-        _leave_at_exit(memory, folder, save_dir, kwargs.get("fsync", False))
+    model = nm.model_digest(engine)
+    links = nodes(group, memory.folder, memory.keep, memory.job_name)
+    links.model = model
+    share = NodeShare(links, memory.job_name, model, memory.keep, memory.root_path, group.size)
+    if links.leader:
+        _leave_at_exit(memory, links, folder, save_dir, kwargs.get("fsync", False))
+        restore = os.path.join(folder, nm.RESTORE)
+        if os.path.lexists(restore):  # a recovery's assembly (links to the files): every rank has loaded since
+            remove_path(restore)
     count = getattr(engine, "_pyckpt_memory_saves", 0) + 1
     engine._pyckpt_memory_saves = count
     durable_keep = kwargs.pop("keep_last", None)
-    result = save(engine, folder, tag, keep_last=memory.keep, **kwargs)
-    if persist or (memory.persist_every and count % memory.persist_every == 0):
-        if group.rank == 0:
-            engine._pyckpt_persist = AsyncSave(f"persisting checkpoint {tag} to {save_dir}", "warn", 0).start(
-                lambda handle: _persist(result, folder, save_dir, tag, durable_keep, kwargs.get("fsync", False)))
+    result = save(engine, folder, tag, keep_last=None, share=share, **kwargs)
+    if links.leader and (persist or (memory.persist_every and count % memory.persist_every == 0)):
+        store = _default_store()
+        timeout = kwargs.get("agree_timeout", 1800.0)
+        engine._pyckpt_persist = AsyncSave(f"persisting checkpoint {tag} to {save_dir}", "warn", 0).start(
+            lambda handle: _persist(result, links, share, folder, save_dir, tag, durable_keep,
+                                    kwargs.get("fsync", False), store, timeout))
     return result
 
 
-# What the exit handler needs, by memory folder: (tier, save_dir, fsync) of the latest save there.
+def _fits_by_node(pre: list) -> Optional[str]:
+    by_node: dict = {}
+    for p in pre:
+        by_node.setdefault(p["node"], []).append(p)
+    for node in sorted(by_node):
+        ranks = by_node[node]
+        problem = fits(sum(p["need"] for p in ranks), ranks[0]["budget"])
+        if problem:
+            return problem if len(by_node) == 1 else f"node {node}: {problem}"
+    return None
+
+
+# What the exit handler needs, by memory folder: (tier, links, save_dir, fsync, store) of the latest save there.
 _AT_EXIT: dict = {}
 _CRASHED = []
 
 
-def _leave_at_exit(memory: MemoryTier, folder: str, save_dir: str, fsync: bool) -> None:
+def _leave_at_exit(memory: MemoryTier, links, folder: str, save_dir: str, fsync: bool) -> None:
     if not _AT_EXIT:
         previous = sys.excepthook
 
@@ -129,28 +144,33 @@ def _leave_at_exit(memory: MemoryTier, folder: str, save_dir: str, fsync: bool) 
 
         sys.excepthook = excepthook
         atexit.register(_leave)
-    _AT_EXIT[folder] = (memory, save_dir, fsync)
+    _AT_EXIT[folder] = (memory, links, save_dir, fsync, _default_store())
 
 
 def _leave() -> None:
-    """At a normal exit (rank 0): join, persist the newest memory checkpoint where save_dir's is older,
-    remove the job's memory folder. Anything that fails leaves the folder, saying why."""
+    """At a normal exit (each node's leader): join, persist the newest memory checkpoint where
+    save_dir's is older (the leaders together), remove the job's memory folder. Anything that fails
+    leaves the folder, saying why."""
     if _CRASHED:
         return
     from .background import wait_for_saves
+    from ..tiers.links import forget_all
     from ..tiers.memory_root import remove_job
-    from ..tiers.recovery import candidates
+    from ..tiers.recovery import durable_step
 
-    for folder, (memory, save_dir, fsync) in list(_AT_EXIT.items()):
+    for folder, (memory, links, save_dir, fsync, store) in list(_AT_EXIT.items()):
         if memory.keep_at_exit:
             continue
         try:
             wait_for_saves()
-            newest = candidates(save_dir, folder)
-            mem = [c for c in newest if c.tier == "memory"]
-            durable = [c for c in newest if c.tier == "durable"]
-            if mem and (not durable or durable[0].step < mem[0].step):
-                ok, message = _persist(True, folder, save_dir, mem[0].tag, None, fsync)
+            if links.sender is not None:
+                links.sender.flush(EXIT_TIMEOUT)
+            newest = max(((m.step, m.save, path) for path, m in nm.shares(folder) if m.job == memory.job_name),
+                         default=None)
+            durable = durable_step(save_dir)
+            if newest is not None and (durable is None or durable < newest[0]):
+                ok, message = _persist(True, links, None, folder, save_dir, os.path.basename(newest[2]), None, fsync,
+                                       store, EXIT_TIMEOUT, save_id=newest[1])
                 if not ok:
                     raise RuntimeError(message)
             remove_job(memory.root_path, memory.job_name)
@@ -160,46 +180,100 @@ def _leave() -> None:
             log.warning("pyckpt: the memory tier of job %s stays at %s: %s", memory.job_name, folder,
                         describe_failure(exc))
     _AT_EXIT.clear()
+    forget_all()
 
 
-def _persist(saved, folder: str, save_dir: str, tag: str, keep: Optional[int], fsync: bool) -> tuple:
-    """Rank 0, in the background: the published memory checkpoint copied to ``save_dir/<tag>``."""
+def _persist(saved, links, share, folder: str, save_dir: str, tag: str, keep: Optional[int], fsync: bool, store,
+             timeout: float, save_id: Optional[str] = None) -> tuple:
+    """Each node's leader, in the background: the published memory checkpoint copied to
+    ``save_dir/<tag>``. Node 0's leader (rank 0) stages and publishes, the others copy their node's
+    files into its staging folder; they meet in the store under the save's id."""
     if isinstance(saved, AsyncSave):
         if saved._thread is not None:
             saved._thread.join()  # its outcome, without taking its report from the caller's join
         ok = bool(saved.ok)
     else:
         ok = bool(saved)
-    if not ok:
-        return False, f"checkpoint {tag} was not persisted to {save_dir}: its memory save did not succeed"
+    save_id = save_id or (share.save_id if share is not None else None)
+    ns = f"persist/{save_id}/{tag}/"
+    ready = StoreAgreement(store, ns + "ready", links.node, links.count, timeout)
+    done = StoreAgreement(store, ns + "done", links.node, links.count, timeout)
     source = os.path.join(folder, tag)
-    record = read_checkpoint(source)
-    try:
+    if links.node != 0:
+        try:
+            go, staging = ready.result()
+        except Exception as exc:
+            return False, f"checkpoint {tag} was not persisted: node 0 did not start it ({describe_failure(exc)})"
+        outcome = None
+        if go:
+            try:
+                if not ok:
+                    raise RuntimeError("its memory save did not succeed")
+                _copy_tree(source, staging, fsync)
+            except Exception as exc:
+                outcome = f"node {links.node}: {describe_failure(exc)}"
+        done.post(outcome)
+        try:
+            return tuple(done.result())
+        except Exception as exc:
+            return False, f"checkpoint {tag}: no outcome of its persistence came ({describe_failure(exc)})"
+    announced = []
+
+    def stage_and_publish() -> tuple:
+        if not ok:
+            return False, f"checkpoint {tag} was not persisted to {save_dir}: its memory save did not succeed"
+        record = read_checkpoint(source)
         with Publisher(os.path.join(save_dir, tag), overwrite=True, fsync=fsync, pointer="latest") as out:
             problem = replace_problem(out.output, reference=record)
             if problem:
                 return False, f"checkpoint {tag} was not persisted: {problem}"
-            _copy_tree(source, out.staging, fsync)
+            ready.announce(True, out.staging)
+            announced.append(True)
+            outcome = None
+            try:
+                _copy_tree(source, out.staging, fsync)
+            except Exception as exc:
+                outcome = f"node 0: {describe_failure(exc)}"
+            done.post(outcome)
+            try:
+                outcomes = done.gather()
+            except TimeoutError as exc:
+                outcomes = [str(exc)]
+            bad = [o for o in outcomes if o]
+            if bad:
+                return False, f"checkpoint {tag} was not persisted to {save_dir}: {'; '.join(bad)}"
             out.publish()
+        return True, None
+
+    try:
+        result = stage_and_publish()
     except Exception as exc:
-        return False, f"persisting checkpoint {tag} to {save_dir} failed: {describe_failure(exc)}"
-    if keep:
+        result = (False, f"persisting checkpoint {tag} to {save_dir} failed: {describe_failure(exc)}")
+    finally:
+        if not announced:  # the other leaders wait for this: they hear it was not started
+            ready.announce(False, None)
+    if result[0] and keep:
         try:
             prune(save_dir, keep, newest=tag)
         except Exception as exc:
             log.warning("pyckpt: keep_last=%d could not prune %s: %s", keep, save_dir, describe_failure(exc))
-    log.info("pyckpt: persisted %s to %s", tag, os.path.join(save_dir, tag))
-    return True, None
+    done.announce(*result)
+    if result[0]:
+        log.info("pyckpt: persisted %s to %s", tag, os.path.join(save_dir, tag))
+    return result
 
 
-def _copy_tree(source: str, dest: str, fsync: bool) -> None:
+def _copy_tree(source: str, dest: str, fsync: bool, top: bool = True) -> None:
     """The memory checkpoint's files into the staging folder (the kernel copies: copy_file_range /
-    sendfile, the GIL released); links are not followed (a published checkpoint holds none)."""
+    sendfile, the GIL released); links are not followed (a published checkpoint holds none). The node
+    manifest is pyckpt's, not DeepSpeed's: it stays behind."""
     for entry in sorted(os.scandir(source), key=lambda e: e.name):
+        if entry.name == nm.NAME and top:
+            continue
         target = os.path.join(dest, entry.name)
         if entry.is_dir(follow_symlinks=False):
             os.mkdir(target)
-            _copy_tree(entry.path, target, fsync)
+            _copy_tree(entry.path, target, fsync, False)
         elif entry.is_file(follow_symlinks=False):
             shutil.copyfile(entry.path, target, follow_symlinks=False)
             if fsync:
@@ -211,7 +285,7 @@ def _copy_tree(source: str, dest: str, fsync: bool) -> None:
 
 
 def wait_for_persistence(engine) -> bool:
-    """Joins ``engine``'s persistence in flight (rank 0); True when none failed."""
+    """Joins ``engine``'s persistence in flight (node leaders); True when none failed."""
     pending = getattr(engine, "_pyckpt_persist", None)
     engine._pyckpt_persist = None
     return True if pending is None else bool(pending.wait())

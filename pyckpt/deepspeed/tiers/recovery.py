@@ -1,19 +1,27 @@
-"""Which checkpoint a resume reads: the newest complete one across the memory tier and ``save_dir``.
+"""Which checkpoint a resume reads: the newest one recoverable from the memory tiers of the live nodes,
+or ``save_dir``'s when that is newer, and how the nodes get the files they lack.
 
-A checkpoint counts where its tier's pointer (``latest``) names a folder whose model-state file is
-DeepSpeed's (:mod:`.checkpoint_record`); its step is the one that file records. The newest step wins;
-at equal steps memory wins (it is the faster read, and the files are the same). Every rank computes
-the choice from what it sees and the ranks agree on it before any state changes (the caller's
-agreement), so a rank that saw another step stops the load everywhere instead of mixing steps.
+A memory checkpoint is a set of node shares (:mod:`.node_manifest`), one per node that saved it, each
+held by its own node, by the node its replica went to, or by both. It is *recoverable* when every
+share of one save (the same save id, so never two saves of one step) is whole on at least one live
+node. The newest recoverable save by step wins; at equal steps memory wins over ``save_dir`` (it is
+the faster read, and the files are the same). Then every live node needs every share on its own
+memory: a share it lacks is sent to it by a node that holds it (the holders taken in turn), through
+the replica protocol, verified before it counts.
+
+Everything here is a pure function of what the nodes report, so every rank computes the same
+choice from the same gathered inventory; the caller agrees on it before any state changes.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .checkpoint_record import read_checkpoint
+from .memory_root import job_folders
+from .node_manifest import replica_folders, shares
 
 
 @dataclass(frozen=True)
@@ -43,18 +51,94 @@ def _pointed(load_dir: str, tier: str) -> Optional[Choice]:
     return Choice(tier, load_dir, os.path.basename(folder), record.step)
 
 
-def candidates(save_dir: str, memory_folder: Optional[str]) -> List[Choice]:
-    """The checkpoint each tier's ``latest`` names, where it is a readable DeepSpeed checkpoint."""
-    found = []
-    if memory_folder is not None:
-        found.append(_pointed(memory_folder, "memory"))
-    found.append(_pointed(os.fspath(save_dir), "durable"))
-    return [c for c in found if c is not None]
+def durable(save_dir: str) -> Optional[Choice]:
+    """The checkpoint ``save_dir/latest`` names, where it is a readable DeepSpeed checkpoint."""
+    return _pointed(os.fspath(save_dir), "durable")
 
 
-def newest(save_dir: str, memory_folder: Optional[str]) -> Optional[Choice]:
-    """The newest checkpoint by recorded step; memory first among equals. None where neither tier has one."""
-    found = candidates(save_dir, memory_folder)
-    if not found:
+def durable_step(save_dir: str) -> Optional[int]:
+    found = durable(save_dir)
+    return None if found is None else found.step
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One whole node share a node holds in its memory root."""
+
+    key: tuple  # the manifest's key(): the save it belongs to
+    origin: int  # the node whose ranks wrote it
+    step: int
+    tag: str
+    nodes: int  # how many nodes saved
+    world_size: int
+    path: str  # its tag folder on the holder
+
+
+def inventory(root: str, job: str) -> List[Holding]:
+    """Every whole share of ``job`` under ``root``: in each of the job's node folders (this node's,
+    and those left by an earlier run in which this host was another node), its own shares and the
+    replicas it keeps."""
+    out = []
+    for _, node_folder in job_folders(root, job):
+        for folder in [node_folder] + replica_folders(node_folder):
+            for path, m in shares(folder):
+                if m.job == job:
+                    out.append(Holding(m.key(), m.node, m.step, m.tag, m.nodes, m.world_size, path))
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The memory checkpoint to recover and where each share of it is."""
+
+    key: tuple
+    step: int
+    tag: str
+    nodes: int  # nodes that saved it
+    world_size: int  # ranks that saved it
+    holders: Dict[int, Tuple[int, ...]]  # origin node -> live nodes holding its share
+
+    def fetches(self, live: int) -> List[Tuple[int, int, int]]:
+        """(holder, origin, to) for each share a live node lacks, taking each share's holders in turn
+        so no one node sends everything."""
+        out = []
+        for to in range(live):
+            for origin in range(self.nodes):
+                have = self.holders[origin]
+                if to not in have:
+                    out.append((have[(to + origin) % len(have)], origin, to))
+        return out
+
+    def story(self, live: int) -> str:
+        """Where the shares come from, for the log line."""
+        moved = [f"node {o}'s files from the copy on node {h[0]}" for o, h in sorted(self.holders.items())
+                 if o not in h]
+        fetched = sorted({to for _, _, to in self.fetches(live)})
+        parts = moved + ([f"sent to node(s) {', '.join(map(str, fetched))}"] if fetched else [])
+        return "; ".join(parts) if parts else "every node's own files"
+
+
+def recoverable(held: Dict[int, List[Holding]]) -> Optional[Plan]:
+    """The newest save every share of which some live node holds (``held``: live node -> its
+    holdings), or None."""
+    by_key: Dict[tuple, Dict[int, set]] = {}
+    sample: Dict[tuple, Holding] = {}
+    for node, holdings in held.items():
+        for h in holdings:
+            by_key.setdefault(h.key, {}).setdefault(h.origin, set()).add(node)
+            sample[h.key] = h
+    complete = [k for k, origins in by_key.items() if set(origins) == set(range(sample[k].nodes))]
+    if not complete:
         return None
-    return max(found, key=lambda c: (c.step, c.tier == "memory"))
+    best = max(complete, key=lambda k: (sample[k].step, k[0]))
+    h = sample[best]
+    holders = {o: tuple(sorted(nodes)) for o, nodes in by_key[best].items()}
+    return Plan(best, h.step, h.tag, h.nodes, h.world_size, holders)
+
+
+def local_share(holdings: List[Holding], key: tuple, origin: int) -> Optional[str]:
+    """This node's copy of one share, if it holds one."""
+    for h in holdings:
+        if h.key == key and h.origin == origin:
+            return h.path
+    return None

@@ -1,0 +1,146 @@
+"""A resume under ``enable(memory=...)``: the newest checkpoint across every node's memory tier and
+``save_dir``, with the files each node lacks sent to it, before DeepSpeed's load reads anything.
+
+Every rank calls :func:`recover` from ``load_checkpoint`` (a collective call). Each node's leader
+reports the shares its memory root holds (:func:`..tiers.recovery.inventory`) and every rank what
+``save_dir/latest`` names; from that one gather every rank computes the same choice
+(:func:`..tiers.recovery.recoverable`). Where memory wins, the leaders holding a share that another
+node lacks send it there through the replica protocol (verified there before it counts), then each
+leader links the shares into ``<node folder>/restore/<tag>`` (hard links: no second copy of the
+bytes) with a ``latest`` beside it, and every rank loads from its own node's folder: DeepSpeed's own
+load at the topology it was saved at, or the direct reshard at another. A failure anywhere in this
+stops every rank before any state changes. The assembly is removed by the next memory save.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import logging
+import os
+from typing import List, Optional, Tuple
+
+from ...errors import RankLoadError, printable
+from ...execution.distributed import describe_failure
+from ...execution.publish import Publisher
+from ..tiers import node_manifest as nm
+from ..tiers.links import nodes
+from ..tiers.recovery import Plan, durable, inventory, local_share, recoverable
+from ..tiers.replication import send_folder
+
+log = logging.getLogger("pyckpt")
+
+
+class _Alone:
+    rank, size = 0, 1
+
+    def all_gather(self, obj) -> list:
+        return [obj]
+
+    def broadcast(self, obj, src: int = 0):
+        return obj
+
+
+def _failed(results: list, what: str) -> None:
+    bad = [(r, e) for r, e in enumerate(results) if e]
+    if bad:
+        raise RankLoadError(f"pyckpt: {what} failed: " + "; ".join(f"rank {r}: {e}" for r, e in bad)
+                            + "; nothing was loaded")
+
+
+def recover(tier, load_dir: str, ranks=None) -> Optional[Tuple[str, str]]:
+    """``(folder, tag)`` to load from this node's memory, or None where ``load_dir``'s own checkpoint
+    is the newest (or no tier holds one)."""
+    group = ranks or _Alone()
+    links = nodes(group, tier.folder, tier.keep, tier.job_name)
+    mine = {"node": links.node, "held": None, "durable": None, "error": None}
+    try:
+        found = durable(load_dir)
+        mine["durable"] = None if found is None else (found.tag, found.step)
+        if links.leader:
+            mine["held"] = inventory(tier.root_path, tier.job_name)
+    except Exception as exc:
+        mine["error"] = describe_failure(exc)
+    pre = group.all_gather(mine)
+    _failed([p["error"] for p in pre], "looking for the newest checkpoint in the memory tier")
+    seen = {p["durable"] for p in pre}
+    if len(seen) > 1:
+        raise RankLoadError(f"pyckpt: the ranks see different checkpoints in {printable(load_dir)} "
+                            f"({', '.join(sorted(map(repr, seen)))}); nothing was loaded")
+    on_disk = pre[0]["durable"]
+    held = {p["node"]: p["held"] for p in pre if p["held"] is not None}
+    plan = recoverable(held)
+    if plan is None or (on_disk is not None and on_disk[1] > plan.step):
+        return None
+    fetches = plan.fetches(links.count)
+    if fetches:
+        own = held.get(links.node, [])
+        _failed(group.all_gather(_send(plan, fetches, links, own) if links.leader else None),
+                "sending the memory checkpoint's files to the nodes that lack them")
+    folder = tier.folder()
+    _failed(group.all_gather(_assemble(plan, tier, folder) if links.leader else None),
+            "putting the memory checkpoint together")
+    if group.rank == 0:
+        where = printable(load_dir)
+        why = (f"{where} holds none" if on_disk is None else
+               f"the same step as in {where}, read from memory" if on_disk[1] == plan.step else
+               f"newer than step {on_disk[1]} in {where}")
+        size = "" if plan.world_size == group.size else f", world size {plan.world_size} -> {group.size}"
+        log.warning("pyckpt: resuming step %d from memory (%s)%s, %s", plan.step, plan.story(links.count), size, why)
+    return os.path.join(folder, nm.RESTORE), plan.tag
+
+
+def _send(plan: Plan, fetches: List[Tuple[int, int, int]], links, own) -> Optional[str]:
+    """This leader's part of the fetches: the shares it holds that other nodes lack, sent at once."""
+    mine = [(origin, to) for holder, origin, to in fetches if holder == links.node]
+    if not mine:
+        return None
+
+    def one(origin: int, to: int) -> None:
+        path = local_share(own, plan.key, origin)
+        if path is None:
+            raise RuntimeError(f"node {links.node} no longer holds node {origin}'s share of {plan.tag}")
+        send_folder(path, origin, plan.tag, links.addresses[to], links.token)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(min(8, len(mine)), thread_name_prefix="pyckpt-fetch") as pool:
+            for f in [pool.submit(one, o, t) for o, t in mine]:
+                f.result()
+    except Exception as exc:
+        return describe_failure(exc)
+    return None
+
+
+def _assemble(plan: Plan, tier, folder: str) -> Optional[str]:
+    """This node's leader: every share of the save linked into ``restore/<tag>``, ``latest`` naming it."""
+    try:
+        held = inventory(tier.root_path, tier.job_name)
+        with Publisher(os.path.join(folder, nm.RESTORE, plan.tag), overwrite=True, pointer="latest") as out:
+            taken = set()
+            for origin in range(plan.nodes):
+                source = local_share(held, plan.key, origin)
+                manifest = nm.read(source) if source else None
+                if manifest is None or manifest.key() != plan.key:
+                    return f"node {origin}'s share of {plan.tag} is not whole on this node"
+                for name, _ in manifest.files:
+                    if name in taken:
+                        return f"{name!r} is in two nodes' shares of {plan.tag}"
+                    taken.add(name)
+                    target = os.path.join(out.staging, name)
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    _link(os.path.join(source, name), target)
+            out.publish()
+    except Exception as exc:
+        return describe_failure(exc)
+    return None
+
+
+def _link(source: str, target: str) -> None:
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError as exc:  # another filesystem (a root spread over mounts): a copy, then
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        import shutil
+
+        shutil.copyfile(source, target, follow_symlinks=False)

@@ -1,0 +1,127 @@
+"""A memory save's node-local side: each node's leader stages, describes, publishes, prunes and
+replicates its own node's files (:func:`.collective_save.save_collectively` with ``share=``).
+
+Every rank writes DeepSpeed's files into its own node's memory folder under one staging name (rank
+0's, so that DeepSpeed's tag check sees one tag); the ranks agree on every rank's outcome as for a
+durable save; then each node's leader adds the node manifest (:mod:`..tiers.node_manifest`), renames
+its staging folder into place, points its node's ``latest`` at it, keeps the tier's ``keep`` newest
+of the job's shares there, and offers it to the ring's sender (:mod:`..tiers.links`). A node whose
+publication fails says so, and every rank returns the same outcome; the nodes that did publish keep
+their share, which recovery never takes without every other node's share of the same save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import List, Optional, Tuple
+
+from ...execution.distributed import describe_failure
+from ...execution.publish import Publisher
+from ..tiers import node_manifest as nm
+from ..tiers.links import Nodes
+from ..tiers.memory_root import job_folders
+
+log = logging.getLogger("pyckpt")
+
+
+class NodeShare:
+    def __init__(self, links: Nodes, job: str, model: str, keep: int, root: str, world_size: int):
+        self.links = links
+        self.job = job
+        self.model = model
+        self.keep = keep
+        self.root = root
+        self.world_size = world_size
+        self.save_id: Optional[str] = None
+        self.published: Optional[str] = None  # this node's tag folder once published
+
+    @property
+    def node(self) -> int:
+        return self.links.node
+
+    @property
+    def nodes(self) -> int:
+        return self.links.count
+
+    @property
+    def leader(self) -> bool:
+        return self.links.leader
+
+    def agree(self, pre: List[dict], tag: str) -> Optional[str]:
+        """After the preflight's gather: the save's id (rank 0's staging owner) and the tag's check."""
+        problem = nm.tag_reserved(tag)
+        if problem:
+            return f"checkpoint tag {tag!r} {problem}; choose another tag; nothing was written"
+        nodes = [p.get("node") for p in pre]
+        if nodes != [self.links.node_of(r) for r in range(len(pre))]:
+            return "the ranks' node numbers changed since the memory tier was set up; nothing was written"
+        self.save_id = pre[0]["owner"]
+        return None
+
+    def replace_problem(self, output: str) -> Optional[str]:
+        """Why ``output`` (an existing tag folder of this node) must not be replaced: only a share of
+        this job is."""
+        if not os.path.lexists(output):
+            return None
+        found = nm.read(output) if os.path.isdir(output) and not os.path.islink(output) else None
+        if found is None or found.job != self.job:
+            return (f"{output} exists and is not a memory checkpoint of job {self.job}; a save replaces only its "
+                    f"own; choose another tag, or remove that folder")
+        return None
+
+    def publish(self, publisher: Publisher, outcomes: List[Optional[str]], tag: str, step: int) -> Tuple[bool, Optional[str]]:
+        """This node's leader: the share described and published (or its staging let go)."""
+        bad = [(r, m) for r, m in enumerate(outcomes) if m]
+        if bad:
+            return False, (f"checkpoint {tag} was not saved in the memory tier: "
+                           + "; ".join(f"rank {r}: {m}" for r, m in bad)
+                           + ". Nothing was published; the partial files were removed")
+        try:
+            first, count = self.links.ranks[self.node]
+            manifest = nm.NodeManifest(self.save_id, self.job, tag, int(step), self.node, self.nodes, self.world_size,
+                                       (first, count), self.model, tuple(nm.list_files(publisher.staging)))
+            nm.write(publisher.staging, manifest)
+            problem = self.replace_problem(publisher.output)
+            if problem:
+                return False, f"checkpoint {tag} was not saved on node {self.node}: {problem}"
+            publisher.publish()
+        except Exception as exc:
+            return False, (f"publishing checkpoint {tag} in node {self.node}'s memory folder failed: "
+                           f"{describe_failure(exc)}")
+        self.published = publisher.output
+        folder = os.path.dirname(publisher.output)
+        try:
+            nm.prune(folder, self.keep, self.job, self.model, protect=(tag, ))
+            self._prune_stale(folder, step)
+        except Exception as exc:  # the checkpoint is in place; say why older ones stay
+            log.warning("pyckpt: the memory tier could not prune %s: %s", folder, describe_failure(exc))
+        if self.links.sender is not None:
+            self.links.sender.offer(publisher.output, tag)
+        return True, None
+
+    def _prune_stale(self, folder: str, step: int) -> None:
+        """Folders of this job on this root under another node number (this host was another node
+        before a restart): removed once this node's own folder holds ``keep`` shares at least as
+        new as anything in them, so they are never the newest copy left."""
+        mine = sorted((m.step for _, m in nm.shares(folder) if m.job == self.job and m.model == self.model),
+                      reverse=True)
+        if len(mine) < self.keep:
+            return
+        floor = mine[self.keep - 1]
+        from ...execution.publish import remove_path
+
+        for node, path in job_folders(self.root, self.job):
+            if os.path.normpath(path) == os.path.normpath(folder):
+                continue
+            held = [m.step for sub in [path] + nm.replica_folders(path) for _, m in nm.shares(sub)]
+            if all(s <= floor for s in held):
+                remove_path(path)
+
+    def outcome(self, results: list) -> Tuple[bool, Optional[str]]:
+        """Every rank's view of the leaders' publications (None from the ranks that lead none)."""
+        posted = [r for r in results if r is not None]
+        bad = [m for ok, m in posted if not ok]
+        if bad:
+            return False, "; ".join(dict.fromkeys(bad))
+        return True, None

@@ -1,0 +1,251 @@
+"""What one node's share of a memory checkpoint is: the file its node leader writes beside DeepSpeed's.
+
+On several nodes each node's memory folder holds only the files its own ranks wrote (the model-state
+file of model-parallel rank 0 is on one node only), so a node's tag folder cannot say by itself which
+checkpoint it belongs to, nor whether it is whole. Its leader therefore adds ``pyckpt-node.json``
+before publishing it: the save it belongs to (an id drawn once per save by rank 0, the same on every
+node), the job, the step, this node's number, how many nodes and ranks saved, a digest of the model's
+parameter names and shapes, and every file with its size. A replica carries the file along, so
+whichever node holds a node's files, they say whose they are; recovery puts a checkpoint together
+only from shares of one save (never of two saves of one step), and only when every node's share is
+there, each file at its size (:mod:`.recovery`).
+
+The file is pyckpt's, not DeepSpeed's: a persisted or recovered checkpoint leaves it out.
+Everything in it is untrusted when read: the strict JSON reader, every field's type and range, file
+names confined to the tag folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from ...errors import CheckpointFormatError
+from ...formats.json_file import read_json_object
+
+NAME = "pyckpt-node.json"
+VERSION = 1
+# 15,000 expert files of ~100 bytes each are 1.5 MB; a node's share never comes near this
+MAX_BYTES = 64 * 1024 * 1024
+MAX_FILES = 1_000_000
+_ID = re.compile(r"[A-Za-z0-9._-]{1,200}\Z")
+_HEX = re.compile(r"[0-9a-f]{64}\Z")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# folders a node's memory folder holds besides its tags: replicas of other nodes, a recovery's assembly
+REPLICA_PREFIX = "replica-of-node"
+RESTORE = "restore"
+RESERVED_TAGS = (RESTORE, )
+
+
+@dataclass(frozen=True)
+class NodeManifest:
+    save: str  # the save's id: the same on every node's share of one save, another for every save
+    job: str
+    tag: str
+    step: int
+    node: int  # the node whose ranks wrote these files
+    nodes: int  # how many nodes saved
+    world_size: int
+    ranks: Tuple[int, int]  # first rank and rank count of this node
+    model: str  # sha-256 of the model's parameter names and shapes
+    files: Tuple[Tuple[str, int], ...]  # (name relative to the tag folder, size) of every file but this one
+
+    def key(self) -> tuple:
+        """What every share of one checkpoint has in common."""
+        return (self.save, self.job, self.tag, self.step, self.nodes, self.world_size, self.model)
+
+    def to_json(self) -> bytes:
+        body = {"pyckpt_node_manifest": VERSION, "save": self.save, "job": self.job, "tag": self.tag,
+                "step": self.step, "node": self.node, "nodes": self.nodes, "world_size": self.world_size,
+                "ranks": list(self.ranks), "model": self.model, "files": [list(f) for f in self.files]}
+        return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def tag_reserved(tag: str) -> Optional[str]:
+    """Why ``tag`` cannot name a memory checkpoint (it names a folder the tier keeps beside its tags)."""
+    if tag in RESERVED_TAGS or tag.startswith(REPLICA_PREFIX) or tag == NAME:
+        return f"is a name the memory tier keeps for its own folders ({RESTORE}, {REPLICA_PREFIX}<N>)"
+    return None
+
+
+def model_digest(engine) -> str:
+    """A digest of ``engine``'s parameter names and full shapes (ZeRO-3's partitioned parameters by
+    their ``ds_shape``): the same on every rank of one model."""
+    h = hashlib.sha256()
+    for name, p in engine.module.named_parameters():
+        shape = tuple(getattr(p, "ds_shape", None) or p.shape)
+        h.update(f"{name}\0{shape}\0{bool(p.requires_grad)}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def list_files(folder: str) -> List[Tuple[str, int]]:
+    """(name, size) of every regular file under ``folder`` (sub-folders by ``a/b``), sorted; a link or
+    anything but regular files and folders is a CheckpointFormatError (a save writes none)."""
+    out: List[Tuple[str, int]] = []
+
+    def walk(path: str, prefix: str, depth: int) -> None:
+        if depth > 8:
+            raise CheckpointFormatError(f"{path}: folders nested deeper than 8; not a checkpoint's tag folder")
+        with os.scandir(path) as entries:
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    walk(entry.path, prefix + entry.name + "/", depth + 1)
+                elif stat.S_ISREG(st.st_mode):
+                    if prefix or entry.name != NAME:
+                        out.append((prefix + entry.name, st.st_size))
+                else:
+                    raise CheckpointFormatError(f"{entry.path}: neither a regular file nor a folder")
+
+    walk(folder, "", 0)
+    return sorted(out)
+
+
+def write(folder: str, manifest: NodeManifest) -> None:
+    """``manifest`` as ``folder/pyckpt-node.json`` (a new file: the tag folder is still staging)."""
+    fd = os.open(os.path.join(folder, NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(manifest.to_json())
+
+
+def _int(body: dict, key: str, low: int, high: int, where: str) -> int:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise CheckpointFormatError(f"{where}: {key} is {value!r}, not an integer from {low} to {high}")
+    return value
+
+
+def _name_ok(name: object) -> bool:
+    if not isinstance(name, str) or not 0 < len(name) <= 4096 or _CONTROL.search(name):
+        return False
+    parts = name.split("/")
+    return all(p and p not in (".", "..") and len(p.encode("utf-8", "surrogateescape")) <= 255 for p in parts) \
+        and name != NAME
+
+
+def parse(data: dict, where: str) -> NodeManifest:
+    """The manifest in ``data`` (the file's JSON object), every field checked; else CheckpointFormatError."""
+    if data.get("pyckpt_node_manifest") != VERSION:
+        raise CheckpointFormatError(f"{where}: not a version {VERSION} pyckpt node manifest")
+    for key in ("save", "job", "tag"):
+        if not isinstance(data.get(key), str) or not _ID.match(data[key]) or data[key].startswith("."):
+            raise CheckpointFormatError(f"{where}: {key} is not one plain name")
+    step = _int(data, "step", 0, 2 ** 63 - 1, where)
+    nodes = _int(data, "nodes", 1, 1 << 20, where)
+    node = _int(data, "node", 0, nodes - 1, where)
+    world = _int(data, "world_size", nodes, 1 << 24, where)
+    ranks = data.get("ranks")
+    if (not isinstance(ranks, list) or len(ranks) != 2 or any(isinstance(r, bool) or not isinstance(r, int)
+                                                              for r in ranks)
+            or not (0 <= ranks[0] and 1 <= ranks[1] and ranks[0] + ranks[1] <= world)):
+        raise CheckpointFormatError(f"{where}: ranks is {ranks!r}, not [first rank, count] within the world size")
+    model = data.get("model")
+    if not isinstance(model, str) or not _HEX.match(model):
+        raise CheckpointFormatError(f"{where}: model is not a sha-256 digest")
+    files = data.get("files")
+    if not isinstance(files, list) or not 0 < len(files) <= MAX_FILES:
+        raise CheckpointFormatError(f"{where}: files is not a list of 1 to {MAX_FILES} entries")
+    seen = set()
+    out = []
+    for entry in files:
+        if (not isinstance(entry, list) or len(entry) != 2 or not _name_ok(entry[0]) or isinstance(entry[1], bool)
+                or not isinstance(entry[1], int) or not 0 <= entry[1] < 2 ** 63):
+            raise CheckpointFormatError(f"{where}: a files entry is not [a name inside the folder, a size]")
+        if entry[0] in seen:
+            raise CheckpointFormatError(f"{where}: {entry[0]!r} is listed twice")
+        seen.add(entry[0])
+        out.append((entry[0], entry[1]))
+    return NodeManifest(data["save"], data["job"], data["tag"], step, node, nodes, world, (ranks[0], ranks[1]),
+                        model, tuple(out))
+
+
+def read(tag_folder: str) -> Optional[NodeManifest]:
+    """The manifest of the node share in ``tag_folder`` when it is whole: the manifest readable, its tag
+    the folder's name, and every file it lists a regular file of that size (links not followed).
+    None otherwise: a half-written, foreign or damaged folder does not count."""
+    try:
+        body, _ = read_json_object(tag_folder, NAME, "pyckpt node manifest", MAX_BYTES)
+        manifest = parse(body, os.path.join(tag_folder, NAME))
+    except (OSError, CheckpointFormatError, ValueError):
+        return None
+    if manifest.tag != os.path.basename(os.path.normpath(tag_folder)):
+        return None
+    for name, size in manifest.files:
+        try:
+            st = os.stat(os.path.join(tag_folder, name), follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return None
+        if "/" in name and os.path.realpath(os.path.join(tag_folder, name)) != os.path.join(
+                os.path.realpath(tag_folder), name):
+            return None  # a folder link on the way out of the tag folder
+    return manifest
+
+
+def shares(folder: str) -> List[Tuple[str, NodeManifest]]:
+    """(tag folder, manifest) of every whole node share directly in ``folder`` (a node's memory folder
+    or a replica folder); hidden names (staging) and the tier's own folders are skipped."""
+    out = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.name.startswith(".") or tag_reserved(entry.name):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+        except OSError:
+            continue
+        manifest = read(entry.path)
+        if manifest is not None:
+            out.append((entry.path, manifest))
+    return out
+
+
+def replica_folders(node_folder: str) -> List[str]:
+    """The ``replica-of-node<N>`` folders in a node's memory folder (real folders only)."""
+    out = []
+    try:
+        entries = list(os.scandir(node_folder))
+    except OSError:
+        return out
+    for entry in entries:
+        if re.fullmatch(REPLICA_PREFIX + r"(0|[1-9][0-9]{0,9})", entry.name):
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    out.append(entry.path)
+            except OSError:
+                continue
+    return sorted(out)
+
+
+def prune(folder: str, keep: int, job: str, model: str, protect: Sequence[str] = ()) -> List[str]:
+    """Removes the shares of this job and model in ``folder`` beyond the ``keep`` newest by step (a
+    share another job or model left, or a folder that is no share, stays), never one named in
+    ``protect`` nor the one ``folder/latest`` names. Returns the tag folders removed."""
+    from ...execution.publish import remove_path
+
+    mine = [(m.step, path) for path, m in shares(folder) if m.job == job and m.model == model]
+    latest = None
+    try:
+        with open(os.path.join(folder, "latest"), "rb") as f:
+            latest = f.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        pass
+    keep_names = set(protect) | ({latest} if latest else set())
+    removed = []
+    for _, path in sorted(mine, reverse=True)[keep:]:
+        if os.path.basename(path) in keep_names:
+            continue
+        remove_path(path)
+        removed.append(path)
+    return removed

@@ -1,0 +1,143 @@
+"""The memory tier's multi-node rules without DeepSpeed: the node manifest (whole or not, hostile
+contents), which save is recoverable from what the live nodes hold (newest complete one, never two
+saves mixed), who sends what to whom, the nodes' layout, and the replica retention."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from pyckpt.deepspeed.tiers import node_manifest as nm
+from pyckpt.deepspeed.tiers.links import layout, replica_target
+from pyckpt.deepspeed.tiers.recovery import Holding, inventory, recoverable
+
+MODEL = "ab" * 32
+
+
+def share(folder, tag, step, node, nodes=2, save="save-1", job="job", files=None, world=4):
+    """A node share as a leader publishes it: files and the manifest listing them."""
+    path = os.path.join(folder, tag)
+    os.makedirs(path)
+    files = files or {f"zero_pp_rank_{2 * node}_mp_rank_00_optim_states.pt": 10 + node,
+                      f"zero_pp_rank_{2 * node + 1}_mp_rank_00_optim_states.pt": 20}
+    for name, size in files.items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(b"x" * size)
+    nm.write(path, nm.NodeManifest(save, job, tag, step, node, nodes, world, (2 * node, 2), MODEL,
+                                   tuple(sorted(files.items()))))
+    return path
+
+
+def test_a_share_counts_only_whole_and_named_for_its_folder(tmp_path):
+    path = share(str(tmp_path), "s3", 3, 0)
+    m = nm.read(path)
+    assert m is not None and (m.step, m.node, m.nodes, m.tag) == (3, 0, 2, "s3")
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with open(os.path.join(path, name), "ab") as f:  # a file of another size: not whole
+        f.write(b"y")
+    assert nm.read(path) is None
+    os.truncate(os.path.join(path, name), 10)
+    assert nm.read(path) is not None
+    os.unlink(os.path.join(path, name))
+    os.symlink("/etc/passwd", os.path.join(path, name))  # a link where a file was: not followed
+    assert nm.read(path) is None
+    os.rename(path, os.path.join(str(tmp_path), "s4"))  # a manifest naming another folder
+    assert nm.read(os.path.join(str(tmp_path), "s4")) is None
+
+
+BASE = {"pyckpt_node_manifest": 1, "save": "a", "job": "j", "tag": "t", "step": 1, "node": 0, "nodes": 1,
+        "world_size": 1, "ranks": [0, 1], "model": MODEL, "files": [["f", 1]]}
+
+
+@pytest.mark.parametrize("change", [
+    {"pyckpt_node_manifest": 2}, {"save": "../x"}, {"job": ".hidden"}, {"tag": "a/b"}, {"step": -1},
+    {"step": True}, {"node": 1}, {"nodes": 0}, {"world_size": 0}, {"ranks": [0, 2]}, {"ranks": [0]},
+    {"model": "zz"}, {"files": []}, {"files": [["../etc/passwd", 1]]}, {"files": [["/abs", 1]]},
+    {"files": [["a//b", 1]]}, {"files": [["f", 1], ["f", 2]]}, {"files": [["f", -1]]}, {"files": [["f\x1b", 1]]},
+    {"files": [[nm.NAME, 1]]}, {"files": [["f", 2 ** 63]]}, {"step": 1.5},
+], ids=lambda c: "-".join(f"{k}={v!r}" for k, v in c.items())[:60])
+def test_a_hostile_manifest_is_refused_naming_the_field(tmp_path, change):
+    with pytest.raises(nm.CheckpointFormatError):
+        nm.parse({**BASE, **change}, "m.json")
+    assert nm.parse(BASE, "m.json").files == (("f", 1), )
+
+
+def test_the_manifest_file_itself_is_read_strictly(tmp_path):
+    path = tmp_path / "t"
+    path.mkdir()
+    (path / "f").write_bytes(b"x")
+    (path / nm.NAME).write_text(json.dumps(BASE).replace('"step": 1', '"step": 1, "step": 2'))
+    assert nm.read(str(path)) is None  # duplicate keys
+    (path / nm.NAME).write_text(json.dumps(BASE))
+    assert nm.read(str(path)) is not None
+
+
+def held(node, *items):
+    return [Holding(("save-%s" % save, "job", f"s{step}", step, nodes, 4, MODEL), origin, step, f"s{step}", nodes, 4,
+                    f"/n{node}/{save}/{origin}") for save, step, origin, nodes in items]
+
+
+def test_the_newest_save_every_share_of_which_a_live_node_holds_wins():
+    # step 5: node 0's own share, node 1's share lost with node 1 and its replica never arrived;
+    # step 4: node 0's own and node 1's replica on node 0: recoverable
+    live = {0: held(0, ("b", 5, 0, 2), ("a", 4, 0, 2), ("a", 4, 1, 2))}
+    plan = recoverable(live)
+    assert plan.step == 4 and plan.holders == {0: (0, ), 1: (0, )}
+    assert plan.story(1) == "node 1's files from the copy on node 0"
+    # a second save of step 4 (a rerun) with only one share never mixes with the first
+    live[0] += held(0, ("c", 4, 1, 2))
+    assert recoverable(live).key[0] == "save-a"
+    assert recoverable({0: held(0, ("b", 5, 0, 2))}) is None
+
+
+def test_a_node_that_lacks_a_share_gets_it_from_the_holders_in_turn():
+    live = {0: held(0, ("a", 7, 0, 3), ("a", 7, 2, 3)), 1: held(1, ("a", 7, 1, 3), ("a", 7, 0, 3)),
+            2: held(2, ("a", 7, 2, 3), ("a", 7, 1, 3))}
+    plan = recoverable(live)
+    fetches = plan.fetches(3)
+    assert sorted((o, to) for _, o, to in fetches) == [(0, 2), (1, 0), (2, 1)]
+    assert all(h in plan.holders[o] for h, o, _ in fetches)
+    assert plan.fetches(4)  # a fourth, empty node gets all three
+    assert sorted(o for _, o, to in plan.fetches(4) if to == 3) == [0, 1, 2]
+
+
+def test_inventory_finds_own_shares_replicas_and_a_former_node_number(tmp_path):
+    root = tmp_path / "root"
+    node0 = root / "job" / "node0"
+    node1 = root / "job" / "node1"  # this host was node 1 in the run before
+    for p in (root, root / "job", node0, node1):
+        p.mkdir(mode=0o700)
+    share(str(node1), "s2", 2, 1)
+    replicas = node1 / "replica-of-node0"
+    replicas.mkdir(mode=0o700)
+    share(str(replicas), "s2", 2, 0)
+    share(str(node0), "junk", 9, 0, job="other")  # another job's share: not this job's
+    found = inventory(str(root), "job")
+    assert sorted((h.origin, h.step) for h in found) == [(0, 2), (1, 2)]
+    assert recoverable({0: found}).step == 2
+
+
+def test_layout_leaders_and_ring():
+    assert layout([0, 0, 1, 1]) == ([0, 2], [(0, 2), (2, 2)])
+    with pytest.raises(ValueError, match="not one contiguous block"):
+        layout([0, 1, 0, 1])
+    with pytest.raises(ValueError, match="not 0 to"):
+        layout([0, 0, 2, 2])
+    assert [replica_target(n, 3) for n in range(3)] == [1, 2, 0] and replica_target(0, 1) is None
+
+
+def test_replica_retention_keeps_the_newest_of_this_job_and_model(tmp_path):
+    folder = str(tmp_path)
+    for step in (1, 2, 3):
+        share(folder, f"s{step}", step, 0)
+    share(folder, "other", 0, 0, job="someone-else")
+    os.mkdir(os.path.join(folder, "user-folder"))
+    removed = nm.prune(folder, 2, "job", MODEL)
+    assert [os.path.basename(p) for p in removed] == ["s1"]
+    assert sorted(os.listdir(folder)) == ["other", "s2", "s3", "user-folder"]
+
+
+def test_reserved_tags():
+    assert nm.tag_reserved("restore") and nm.tag_reserved("replica-of-node3") and not nm.tag_reserved("s1")
