@@ -9,7 +9,7 @@ import os
 import pytest
 
 from pyckpt.errors import CheckpointFormatError
-from pyckpt.formats.confined import check_links_inside, inside, open_inside, read_inside, read_small_text
+from pyckpt.formats.confined import check_links_inside, inside, read_inside, read_small_text
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import zipfile
 
 import numpy as np
 import pytest
-import torch
 
 import pyckpt
 from pyckpt import _core

@@ -200,6 +200,38 @@ def clean(output: str, notify: Optional[Callable[[str], None]] = None, lock: boo
             held.release()
 
 
+def orphans(save_dir: str) -> List[str]:
+    """Output names beside which killed pyckpt runs left staging, swap, pointer or lock entries."""
+    pattern = re.compile(r"\.(.+)\.(?:(?:%s|%s|%s)-.+|%s)" % (STAGING, OLD, POINTER_TMP, LOCK))
+    try:
+        names = os.listdir(save_dir)
+    except FileNotFoundError:
+        return []
+    return sorted({m.group(1) for m in map(pattern.fullmatch, names) if m})
+
+
+def clean_orphans(save_dir: str) -> List[str]:
+    """Removes what killed saves (and conversions) into ``save_dir`` left, for every tag whose lock
+    is free: a held lock means a live run owns that staging folder, and it is left alone. Returns
+    the names removed (a lock file, removed on release, is not listed)."""
+    removed = []
+    for base in orphans(save_dir):
+        output = os.path.join(save_dir, base)
+        try:
+            lock = OutputLock(output, wait=False)
+        except OutputLockError:
+            raise
+        except OSError:  # its lock file cannot be opened here: nothing of it is ours to judge
+            continue
+        if not lock.held:
+            continue
+        try:
+            removed += clean(output, lock=False)
+        finally:
+            lock.release()
+    return removed
+
+
 class Publisher:
     """One run's output: lock, clean, stage, publish, pointer file. Use as a context manager."""
 

@@ -15,7 +15,7 @@ only through ``optimizer_state_dict``, as DeepSpeed copies them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..errors import CheckpointFormatError
 from ..formats.pickle_read import Opaque, TensorRef, shared_value

@@ -32,14 +32,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import time
 from typing import Any, List, Optional
 
 from ...errors import SaveError
 from ...execution.distributed import TorchRanks, describe_failure
-from ...execution.publish import (LOCK, OLD, POINTER_TMP, STAGING, OutputLock, OutputLockError, Publisher, clean,
-                                 pointer_name_problem)
+from ...execution.publish import Publisher, clean_orphans, pointer_name_problem
+from ...execution.publish import orphans as _orphans  # noqa: F401 (the save's tests name it here)
 from .arrival import Arrival, _default_store, _ranks
 from .background import AsyncSave, StoreAgreement, write_files
 from .companions import write_model_config, write_tokenizer, write_training_state
@@ -53,38 +52,6 @@ from .space import estimate_rank_bytes, free_bytes, human
 log = logging.getLogger("pyckpt")
 
 WHAT = "pyckpt.deepspeed.save_checkpoint"
-
-
-def _orphans(save_dir: str) -> List[str]:
-    """Output names beside which killed pyckpt runs left staging, swap, pointer or lock entries."""
-    pattern = re.compile(r"\.(.+)\.(?:(?:%s|%s|%s)-.+|%s)" % (STAGING, OLD, POINTER_TMP, LOCK))
-    try:
-        names = os.listdir(save_dir)
-    except FileNotFoundError:
-        return []
-    return sorted({m.group(1) for m in map(pattern.fullmatch, names) if m})
-
-
-def clean_orphans(save_dir: str) -> List[str]:
-    """Removes what killed saves (and conversions) into ``save_dir`` left, for every tag whose lock
-    is free: a held lock means a live run owns that staging folder, and it is left alone. Returns
-    the names removed (a lock file, removed on release, is not listed)."""
-    removed = []
-    for base in _orphans(save_dir):
-        output = os.path.join(save_dir, base)
-        try:
-            lock = OutputLock(output, wait=False)
-        except OutputLockError:
-            raise
-        except OSError:  # its lock file cannot be opened here: nothing of it is ours to judge
-            continue
-        if not lock.held:
-            continue
-        try:
-            removed += clean(output, lock=False)
-        finally:
-            lock.release()
-    return removed
 
 
 def _check_tag(tag: str) -> str:

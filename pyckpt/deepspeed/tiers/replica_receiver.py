@@ -17,7 +17,7 @@ import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ...errors import check_number, printable
-from ...execution.publish import Publisher
+from ...execution.publish import Publisher, clean_orphans
 from ...native import _core
 from .memory_root import MODE, Budget, _check, _open_level, fits
 from .replica_protocol import (_DIR_FLAGS, CHUNK, CRC, END, ENTRY, FIELDS, HELLO, LABEL_RECEIVER, LABEL_SENDER,
@@ -276,6 +276,8 @@ class ReplicaReceiver:
         with contextlib.ExitStack() as stack:
             try:
                 os.close(_open_level(self._job_fd, name, path, "the replica folder", True))  # made 0700, checked
+                # what a receiver killed mid-transfer left (its staging, of any tag: tmpfs pages are memory)
+                clean_orphans(path)
                 out = stack.enter_context(Publisher(output, overwrite=True, pointer="latest"))
                 staging_fd = os.open(out.staging, _DIR_FLAGS)
             except OSError as exc:
