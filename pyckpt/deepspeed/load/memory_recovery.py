@@ -25,10 +25,14 @@ from ...execution.distributed import describe_failure
 from ...execution.publish import Publisher
 from ..tiers import node_manifest as nm
 from ..tiers.links import nodes
+from ..tiers.memory_root import default_root, this_node
 from ..tiers.recovery import Plan, durable, inventory, local_share, recoverable
 from ..tiers.replication import send_folder
 
 log = logging.getLogger("pyckpt")
+
+# What the last recovery on this rank did, for tests and benchmarks: seconds, step, shares sent.
+last_recovery: dict = {}
 
 
 class _Alone:
@@ -42,31 +46,43 @@ class _Alone:
 
 
 def _failed(results: list, what: str) -> None:
-    bad = [(r, e) for r, e in enumerate(results) if e]
+    bad = {r: e for r, e in enumerate(results) if e}
     if bad:
-        raise RankLoadError(f"pyckpt: {what} failed: " + "; ".join(f"rank {r}: {e}" for r, e in bad)
-                            + "; nothing was loaded")
+        raise RankLoadError(what, bad, len(results))
 
 
 def recover(tier, load_dir: str, ranks=None) -> Optional[Tuple[str, str]]:
     """``(folder, tag)`` to load from this node's memory, or None where ``load_dir``'s own checkpoint
-    is the newest (or no tier holds one)."""
+    is the newest (or no tier holds one), or where ``load_dir`` lies in this node's ``restore/``
+    folder on every rank (an assembly made since the last memory save: it is loaded as it is)."""
+    import time
+
+    t0 = time.perf_counter()
+    last_recovery.clear()
     group = ranks or _Alone()
     links = nodes(group, tier.folder, tier.keep, tier.job_name)
-    mine = {"node": links.node, "held": None, "durable": None, "error": None}
+    mine = {"node": links.node, "held": None, "durable": None, "error": None, "assembled": False}
     try:
+        mine["assembled"] = _assembled(tier, load_dir)
         found = durable(load_dir)
         mine["durable"] = None if found is None else (found.tag, found.step)
-        if links.leader:
+        if links.leader and not mine["assembled"]:
             mine["held"] = inventory(tier.root_path, tier.job_name)
     except Exception as exc:
         mine["error"] = describe_failure(exc)
     pre = group.all_gather(mine)
     _failed([p["error"] for p in pre], "looking for the newest checkpoint in the memory tier")
-    seen = {p["durable"] for p in pre}
-    if len(seen) > 1:
-        raise RankLoadError(f"pyckpt: the ranks see different checkpoints in {printable(load_dir)} "
-                            f"({', '.join(sorted(map(repr, seen)))}); nothing was loaded")
+    assembled = {p["assembled"] for p in pre}
+    if assembled == {True}:  # put together by a recovery just now (resume_point): read as it is
+        return None
+    if len(assembled) > 1:
+        raise RankLoadError("loading the memory checkpoint a recovery put together",
+                            {r: "its folder is not in its node's restore/ folder, other ranks' are"
+                             for r, p in enumerate(pre) if not p["assembled"]}, len(pre))
+    if len({p["durable"] for p in pre}) > 1:
+        raise RankLoadError(f"agreeing on the checkpoint in {printable(load_dir)}",
+                            {r: f"it sees {p['durable']!r}, rank 0 {pre[0]['durable']!r}" for r, p in enumerate(pre)
+                             if p["durable"] != pre[0]["durable"]}, len(pre))
     on_disk = pre[0]["durable"]
     held = {p["node"]: p["held"] for p in pre if p["held"] is not None}
     plan = recoverable(held)
@@ -87,7 +103,19 @@ def recover(tier, load_dir: str, ranks=None) -> Optional[Tuple[str, str]]:
                f"newer than step {on_disk[1]} in {where}")
         size = "" if plan.world_size == group.size else f", world size {plan.world_size} -> {group.size}"
         log.warning("pyckpt: resuming step %d from memory (%s)%s, %s", plan.step, plan.story(links.count), size, why)
+    last_recovery.update(seconds=time.perf_counter() - t0, step=plan.step, sent=len(fetches))
     return os.path.join(folder, nm.RESTORE), plan.tag
+
+
+def _assembled(tier, load_dir: str) -> bool:
+    """Whether ``load_dir`` lies in this node's ``restore/`` folder: an assembly of the newest memory
+    checkpoint made since the last memory save (:func:`pyckpt.deepspeed.resume_point` makes it before the
+    Hugging Face Trainer's load), which a second recovery would only make again. Only paths are
+    compared: nothing is created (``tier.folder()`` would make the node's folder on every load)."""
+    node = os.path.join(os.path.abspath(tier.root or default_root()), tier.job_name, f"node{this_node()}")
+    restore = os.path.realpath(os.path.join(node, nm.RESTORE))
+    here = os.path.realpath(load_dir)
+    return here == restore or here.startswith(restore + os.sep)
 
 
 def _send(plan: Plan, fetches: List[Tuple[int, int, int]], links, own) -> Optional[str]:

@@ -1,8 +1,11 @@
 """Where a DeepSpeed job's checkpoints live besides durable storage: node-local memory (a tmpfs folder),
 a peer node's memory, and ``save_dir``. The files are DeepSpeed's own in every tier, published by the
-same agreed atomic rule, so every reader works on any tier unchanged; this folder holds only the policy
-(where a save goes, how often it is persisted, which tier a resume reads) and the memory root itself,
-treated like any other hostile folder (:mod:`.memory_root`: owner, mode, links, budget).
+same agreed atomic rule, so every reader works on any tier unchanged. This folder holds the tier's
+rules: the policy (:mod:`.policy`), the memory root itself, treated like any other hostile folder
+(:mod:`.memory_root`: owner, mode, links, budget), what a node's share of a checkpoint is
+(:mod:`.node_manifest`), the nodes and their replica links (:mod:`.links`), the replica protocol
+(:mod:`.replica_protocol`, :mod:`.replica_receiver`, :mod:`.replica_sender`), and which checkpoint a
+resume can recover (:mod:`.recovery`).
 
 Import rule: everything below the integration floor (``huggingface``, ``universal``, ``zero``,
 ``execution``, ``planning``, ``formats``) and the vocabulary (``errors``, ``tensors``, ``native``);

@@ -31,7 +31,13 @@ class MemoryTier:
     tier and ends without an uncaught exception first persists the newest memory checkpoint to
     ``save_dir`` (where it is newer than what ``save_dir`` holds), then removes the job's memory
     folder, unless this is True; a crash (an uncaught exception, a signal) always leaves it for the
-    restart."""
+    restart.
+
+    On several nodes (torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE``) each node keeps its own ranks'
+    files in its own root, and a replica of the previous node's in the ring (the newest ``keep`` of
+    those too); a restart recovers the newest checkpoint every node's share of which a live node holds
+    (:mod:`.recovery`). A job relaunched from scratch (a new torchrun run id) finds its memory only under
+    the same ``job`` name: set it (or ``$PYCKPT_JOB_ID``) for such jobs."""
 
     root: Optional[str] = None
     job: Optional[str] = None
