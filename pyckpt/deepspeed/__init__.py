@@ -3,7 +3,8 @@
 ``enable()`` / ``disable()`` / ``enabled()`` route DeepSpeed's universal checkpoint loads through
 pyckpt (:mod:`.load`), ``load_checkpoint(engine, dir)`` resumes from plain ZeRO shards at any world
 size (:mod:`.load.direct`), and ``save_checkpoint(engine, dir)`` saves so that a failure costs
-nothing already saved (:mod:`.save`).
+nothing already saved (:mod:`.save`); ``MemoryCheckpoints`` and ``resume_point`` put the memory tier
+under the Hugging Face Trainer (:mod:`.memory_trainer`).
 
 Import rule: this folder is the top of the library. It may import every folder below it
 (``huggingface``, ``universal``, ``zero``, ``execution``, ``planning``, ``formats``) and the
@@ -14,7 +15,18 @@ ends and users.
 from ..errors import CollectiveCallError, RankLoadError, SaveError
 from .load import disable, enable, enabled, load_checkpoint
 from .save import AsyncSave, save_checkpoint, wait_for_saves
+from .memory_trainer import resume_point
 from .tiers.policy import MemoryTier
 
+# MemoryCheckpoints (a transformers TrainerCallback) is reached through __getattr__ below and left out of
+# __all__: importing it imports transformers, which neither `import pyckpt.deepspeed` nor `import *` needs.
 __all__ = ["enable", "disable", "enabled", "load_checkpoint", "save_checkpoint", "wait_for_saves", "AsyncSave",
-           "MemoryTier", "SaveError", "CollectiveCallError", "RankLoadError"]
+           "MemoryTier", "resume_point", "SaveError", "CollectiveCallError", "RankLoadError"]
+
+
+def __getattr__(name: str):
+    if name == "MemoryCheckpoints":
+        from .memory_trainer import _callback_class
+
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
