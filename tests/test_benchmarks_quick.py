@@ -5,6 +5,7 @@ Only that it runs and reports is checked; times on a shared CI runner say nothin
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,26 @@ def test_scale_quick(tmp_path):
         assert (results / "scale_ranks.png").stat().st_size > 0
     # The scratch checkpoints and outputs are gone.
     assert not any((tmp_path / "work").iterdir())
+
+
+@pytest.mark.slow
+def test_memory_nodes_quick(tmp_path, ds_environ):
+    # benchmarks/memory_nodes.py --quick (two torchrun agents as two nodes, a tiny model): node 1 lost,
+    # both ways resume at half the size to the same weights; the replication is timed against cp -r;
+    # nothing is left in /dev/shm.
+    out, result = tmp_path / "out", tmp_path / "memory_nodes.json"
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_nodes.py"), str(out), "--quick",
+                           "--json", str(result)], check=False, capture_output=True, text=True, timeout=600,
+                          env=ds_environ, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    data = json.loads(result.read_text())
+    (row, ) = data["rounds"]
+    assert row["same_weights"] and row["pyckpt"]["global_steps"] == row["deepspeed"]["global_steps"] == 2
+    assert row["pyckpt"]["parts"]["recovery"] > 0 and set(data["goals"]) == {"deepspeed_over_pyckpt",
+                                                                              "replication_over_cp"}
+    assert len(data["replication_alone"]) == 5 and all(v > 0 for v in data["medians"].values())
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("pyckpt-bench-nodes-")]
 
 
 @pytest.mark.slow
