@@ -85,24 +85,38 @@ def recover(tier, load_dir: str, ranks=None) -> Optional[Tuple[str, str]]:
                              if p["durable"] != pre[0]["durable"]}, len(pre))
     on_disk = pre[0]["durable"]
     held = {p["node"]: p["held"] for p in pre if p["held"] is not None}
-    plan = recoverable(held)
-    if plan is None or (on_disk is not None and on_disk[1] > plan.step):
-        return None
-    fetches = plan.fetches(links.count)
-    if fetches:
-        own = held.get(links.node, [])
-        _failed(group.all_gather(_send(plan, fetches, links, own) if links.leader else None),
-                "sending the memory checkpoint's files to the nodes that lack them")
     folder = tier.folder()
-    _failed(group.all_gather(_assemble(plan, tier, folder) if links.leader else None),
-            "putting the memory checkpoint together")
+    passed: List[tuple] = []  # (key, why) of the checkpoints that could not be put together
+    while True:
+        plan = recoverable(held, exclude={line[0] for line in passed})
+        if plan is None or (on_disk is not None and on_disk[1] > plan.step):
+            if passed and group.rank == 0:
+                log.warning("pyckpt: resuming from %s, not from memory: %s", printable(load_dir),
+                            "; ".join(why for _, why in passed))
+            return None
+        fetches = plan.fetches(links.count)
+        own = held.get(links.node, [])
+        # Each leader sends what it holds that others lack, then (once all sends are done: one
+        # gather) puts the checkpoint together; a failure anywhere passes this checkpoint over on
+        # every rank for the next newest one (or save_dir's), as a checkpoint no live node holds whole.
+        sent = group.all_gather(_send(plan, fetches, links, own) if links.leader and fetches else None)
+        bad = {r: e for r, e in enumerate(sent) if e}
+        if not bad:
+            built = group.all_gather(_assemble(plan, tier, folder) if links.leader else None)
+            bad = {r: e for r, e in enumerate(built) if e}
+        if not bad:
+            break
+        passed.append((plan.key, f"step {plan.step} ({plan.tag}) could not be put together ("
+                       + "; ".join(f"rank {r}: {e}" for r, e in sorted(bad.items())) + ")"))
     if group.rank == 0:
         where = printable(load_dir)
         why = (f"{where} holds none" if on_disk is None else
                f"the same step as in {where}, read from memory" if on_disk[1] == plan.step else
                f"newer than step {on_disk[1]} in {where}")
         size = "" if plan.world_size == group.size else f", world size {plan.world_size} -> {group.size}"
-        log.warning("pyckpt: resuming step %d from memory (%s)%s, %s", plan.step, plan.story(links.count), size, why)
+        passed_over = "".join(f"; {why}, passed over" for _, why in passed)
+        log.warning("pyckpt: resuming step %d from memory (%s)%s, %s%s", plan.step, plan.story(links.count), size, why,
+                    passed_over)
     last_recovery.update(seconds=time.perf_counter() - t0, step=plan.step, sent=len(fetches))
     return os.path.join(folder, nm.RESTORE), plan.tag
 

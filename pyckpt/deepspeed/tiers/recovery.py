@@ -118,16 +118,18 @@ class Plan:
         return "; ".join(parts) if parts else "every node's own files"
 
 
-def recoverable(held: Dict[int, List[Holding]]) -> Optional[Plan]:
+def recoverable(held: Dict[int, List[Holding]], exclude=frozenset()) -> Optional[Plan]:
     """The newest save every share of which some live node holds (``held``: live node -> its
-    holdings), or None."""
+    holdings), or None; saves whose key is in ``exclude`` (ones that could not be put together) are
+    passed over."""
     by_key: Dict[tuple, Dict[int, set]] = {}
     sample: Dict[tuple, Holding] = {}
     for node, holdings in held.items():
         for h in holdings:
             by_key.setdefault(h.key, {}).setdefault(h.origin, set()).add(node)
             sample[h.key] = h
-    complete = [k for k, origins in by_key.items() if set(origins) == set(range(sample[k].nodes))]
+    complete = [k for k, origins in by_key.items()
+                if k not in exclude and set(origins) == set(range(sample[k].nodes))]
     if not complete:
         return None
     best = max(complete, key=lambda k: (sample[k].step, k[0]))
