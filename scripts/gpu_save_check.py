@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -122,14 +123,17 @@ def differ(a: dict, b: dict) -> list:
 
 
 @contextlib.contextmanager
-def slow_background_write(seconds: float):
+def held_background_write(gate: threading.Event, limit_s: float = 120.0):
+    """The background write waits for ``gate`` (set once the caller's steps after the save have run),
+    so "the save was not done after the steps" holds on a slow or busy machine too, not only when the
+    steps outran a fixed delay."""
     real = collective_save.write_files
 
-    def slow(*args, **kwargs):
-        time.sleep(seconds)  # the caller has launched its next steps by now
+    def held(*args, **kwargs):
+        gate.wait(limit_s)
         return real(*args, **kwargs)
 
-    collective_save.write_files = slow
+    collective_save.write_files = held
     try:
         yield
     finally:
@@ -149,13 +153,15 @@ def check(name: str, spec, root: str) -> bool:
     engine.save_checkpoint(os.path.join(root, "bare"), tag="t", client_state={"note": name})
     sync_s = time.perf_counter() - t0
     saved = state_of(engine)
-    with slow_background_write(1.5):
+    gate = threading.Event()
+    with held_background_write(gate):
         handle = pd.save_checkpoint(engine, os.path.join(root, "async"), tag="t", client_state={"note": name},
                                     async_save=True)
         done_at_return = handle.done()
         for s in range(2):  # launched right away: the snapshot's copies may still be in flight
             step(engine, spec, 10 + s)
         done_after_steps = handle.done()
+        gate.set()
         ok = handle.wait()
     changed = differ(saved, state_of(engine)) != []
     pinned = all(c.is_pinned() for c in engine._pyckpt_arena.chunks) if DEVICE == "cuda" else None

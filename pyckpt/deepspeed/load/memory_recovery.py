@@ -85,7 +85,7 @@ def recover(tier, load_dir: str, ranks=None) -> Optional[Tuple[str, str]]:
                              if p["durable"] != pre[0]["durable"]}, len(pre))
     on_disk = pre[0]["durable"]
     held = {p["node"]: p["held"] for p in pre if p["held"] is not None}
-    folder = tier.folder()
+    folder = None  # this node's folder: made only once there is something to put together in it
     passed: List[tuple] = []  # (key, why) of the checkpoints that could not be put together
     while True:
         plan = recoverable(held, exclude={line[0] for line in passed})
@@ -102,6 +102,7 @@ def recover(tier, load_dir: str, ranks=None) -> Optional[Tuple[str, str]]:
         sent = group.all_gather(_send(plan, fetches, links, own) if links.leader and fetches else None)
         bad = {r: e for r, e in enumerate(sent) if e}
         if not bad:
+            folder = folder or tier.folder()
             built = group.all_gather(_assemble(plan, tier, folder) if links.leader else None)
             bad = {r: e for r, e in enumerate(built) if e}
         if not bad:
