@@ -141,3 +141,43 @@ def test_replica_retention_keeps_the_newest_of_this_job_and_model(tmp_path):
 
 def test_reserved_tags():
     assert nm.tag_reserved("restore") and nm.tag_reserved("replica-of-node3") and not nm.tag_reserved("s1")
+
+
+def test_a_former_node_number_s_folder_goes_once_this_node_holds_keep_newer_shares(tmp_path):
+    """A host that was node 1 before a restart and is node 0 now: its old node1/ folder (shares and
+    replicas of the earlier run) stays while it may be the newest copy left, and goes once this node's
+    own folder holds `keep` shares at least as new; a folder with a newer share stays."""
+    from types import SimpleNamespace
+
+    from pyckpt.deepspeed.save.node_share import NodeShare
+
+    root = tmp_path / "root"
+    job = root / "job"
+    for p in (root, job, job / "node0", job / "node1", job / "node2"):
+        p.mkdir(mode=0o700)
+    share(str(job / "node1"), "s3", 3, 1)
+    (job / "node1" / "replica-of-node0").mkdir(mode=0o700)
+    share(str(job / "node1" / "replica-of-node0"), "s3", 3, 0)
+    share(str(job / "node2"), "s9", 9, 1)  # newer than anything this node will hold below: kept
+    links = SimpleNamespace(node=0, count=2, leader=True, ranks=[(0, 2), (2, 2)], sender=None)
+    mine = NodeShare(links, "job", MODEL, keep=2, root=str(root), world_size=4)
+    share(str(job / "node0"), "s4", 4, 0)
+    mine._prune_stale(str(job / "node0"), 4)
+    assert sorted(os.listdir(job)) == ["node0", "node1", "node2"]  # one share of its own: not yet
+    share(str(job / "node0"), "s5", 5, 0)
+    mine._prune_stale(str(job / "node0"), 5)
+    assert sorted(os.listdir(job)) == ["node0", "node2"]
+
+
+def test_a_share_whose_file_path_leads_out_through_a_folder_link_does_not_count(tmp_path):
+    path = tmp_path / "t"
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "f").write_bytes(b"x")
+    path.mkdir()
+    os.symlink(str(tmp_path / "elsewhere"), path / "sub")
+    nm.write(str(path), nm.NodeManifest("a", "j", "t", 1, 0, 1, 1, (0, 1), MODEL, (("sub/f", 1), )))
+    assert nm.read(str(path)) is None
+    os.unlink(path / "sub")
+    (path / "sub").mkdir()
+    (path / "sub" / "f").write_bytes(b"x")
+    assert nm.read(str(path)) is not None
