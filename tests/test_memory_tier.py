@@ -25,6 +25,25 @@ def _call(function: str, cfg: h.Config, root: Path, **extra) -> dict:
             "root": str(root), **extra}
 
 
+def _crash_job(tmp_path, ds_environ, cfg: h.Config, **job) -> None:
+    """tests/memory_crash_worker.py under torchrun (2 ranks, --max-restarts 1): six steps saved to memory,
+    every third persisted, rank 1 killed at step 4 (``job`` adds to that), the restart resuming."""
+    import json
+    import subprocess
+    import sys
+
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 6, "kill_at": 4,
+                                "persist_every": 3, **job}))
+    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYCKPT_JOB_ID", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--max-restarts", "1", "--monitor-interval", "0.5", WORKER.replace("save_glue_worker",
+                                                                                               "memory_crash_worker"),
+                           str(spec)], capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 @pytest.mark.parametrize("cfg", [h.Config(2, "fp32", 2), h.Config(3, "bf16", 2)], ids=["z2-fp32", "z3-bf16"])
 def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     (res, ) = _launch(2, [_call("memory_tier", cfg, tmp_path)], None, "memory tier", TIMEOUT_S)
@@ -65,22 +84,10 @@ def test_a_rank_killed_mid_run_resumes_from_memory_when_torchrun_restarts_it(tmp
     4's save is published; torchrun restarts the workers (--max-restarts 1), and engine.load_checkpoint
     (save_dir) under enable(memory=...) resumes step 4 from memory, not the older step 3 on disk, equal
     bit for bit to DeepSpeed's own load of that checkpoint."""
-    import json
-    import subprocess
-    import sys
 
     import torch
 
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 6, "kill_at": 4,
-                               "persist_every": 3}))
-    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("PYCKPT_JOB_ID", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "--max-restarts", "1", "--monitor-interval", "0.5", WORKER.replace("save_glue_worker",
-                                                                                               "memory_crash_worker"),
-                           str(job)], capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _crash_job(tmp_path, ds_environ, cfg)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)  # the test's own file
     assert resumed["restart"] == 1 and resumed["global_steps"] == 4
     (line, ) = resumed["log"]
@@ -96,23 +103,11 @@ def test_a_rank_killed_while_its_memory_save_is_written_resumes_the_step_before(
     folder (rank 0's are written, the step is not published): the restart resumes step 3 (in memory
     and on disk alike: memory is read), equal to DeepSpeed's own load of it, and the next save clears
     what the killed one left in memory."""
-    import json
-    import subprocess
-    import sys
 
     import torch
 
     cfg = h.Config(3, "bf16", 2)
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 6, "kill_at": 4,
-                               "persist_every": 3, "kill_mid_write": True}))
-    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    env.pop("PYCKPT_JOB_ID", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "--max-restarts", "1", "--monitor-interval", "0.5", WORKER.replace("save_glue_worker",
-                                                                                               "memory_crash_worker"),
-                           str(job)], capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _crash_job(tmp_path, ds_environ, cfg, kill_mid_write=True)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)  # the test's own file
     assert resumed["restart"] == 1 and resumed["global_steps"] == 3
     (line, ) = resumed["log"]

@@ -204,4 +204,4 @@ def test_the_callback_refuses_a_trainer_without_deepspeed():
 def test_importing_pyckpt_deepspeed_does_not_import_transformers():
     code = ("import sys; import pyckpt.deepspeed; from pyckpt.deepspeed import *; "
             "assert 'transformers' not in sys.modules, 'imported'; assert callable(resume_point)")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd="/")  # the installed package

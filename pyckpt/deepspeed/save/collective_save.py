@@ -38,7 +38,6 @@ from typing import Any, List, Optional
 from ...errors import SaveError
 from ...execution.distributed import TorchRanks, describe_failure
 from ...execution.publish import Publisher, clean_orphans, pointer_name_problem
-from ...execution.publish import orphans as _orphans  # noqa: F401 (the save's tests name it here)
 from .arrival import Arrival, _default_store, _ranks
 from .background import AsyncSave, StoreAgreement, write_files
 from .companions import write_model_config, write_tokenizer, write_training_state
