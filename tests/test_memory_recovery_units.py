@@ -162,10 +162,10 @@ def test_a_former_node_number_s_folder_goes_once_this_node_holds_keep_newer_shar
     links = SimpleNamespace(node=0, count=2, leader=True, ranks=[(0, 2), (2, 2)], sender=None)
     mine = NodeShare(links, "job", MODEL, keep=2, root=str(root), world_size=4)
     share(str(job / "node0"), "s4", 4, 0)
-    mine._prune_stale(str(job / "node0"), 4)
+    mine._prune_stale(str(job / "node0"))
     assert sorted(os.listdir(job)) == ["node0", "node1", "node2"]  # one share of its own: not yet
     share(str(job / "node0"), "s5", 5, 0)
-    mine._prune_stale(str(job / "node0"), 5)
+    mine._prune_stale(str(job / "node0"))
     assert sorted(os.listdir(job)) == ["node0", "node2"]
 
 
@@ -181,3 +181,63 @@ def test_a_share_whose_file_path_leads_out_through_a_folder_link_does_not_count(
     (path / "sub").mkdir()
     (path / "sub" / "f").write_bytes(b"x")
     assert nm.read(str(path)) is not None
+
+
+def test_a_memory_save_replaces_only_its_own_job_s_share_never_a_user_s_folder_named_like_the_tag(tmp_path):
+    from types import SimpleNamespace
+
+    from pyckpt.deepspeed.save.node_share import NodeShare
+
+    links = SimpleNamespace(node=0, count=1, leader=True, ranks=[(0, 1)], sender=None)
+    mine = NodeShare(links, "job", MODEL, keep=2, root=str(tmp_path), world_size=1)
+    user = tmp_path / "s7"
+    user.mkdir()
+    (user / "mp_rank_00_model_states.pt").write_bytes(b"the user's own")
+    problem = mine.replace_problem(str(user))
+    assert problem and "is not a memory checkpoint of job job" in problem
+    share(str(tmp_path), "s8", 8, 0, nodes=1, job="another-job")
+    assert "is not a memory checkpoint of job job" in mine.replace_problem(str(tmp_path / "s8"))
+    share(str(tmp_path), "s9", 9, 0, nodes=1)
+    assert mine.replace_problem(str(tmp_path / "s9")) is None and mine.replace_problem(str(tmp_path / "s10")) is None
+    assert (user / "mp_rank_00_model_states.pt").read_bytes() == b"the user's own"
+
+
+SCALE = r"""
+import os, resource, sys, time
+from pyckpt.deepspeed.load import memory_recovery
+from pyckpt.deepspeed.tiers import node_manifest as nm
+from pyckpt.deepspeed.tiers.policy import MemoryTier
+from pyckpt.deepspeed.tiers.recovery import inventory, recoverable
+root, count = sys.argv[1], int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+node = os.path.join(root, "job", "node0")
+tag = os.path.join(node, "s1")
+t0 = time.perf_counter()
+files = tuple(nm.list_files(tag))
+nm.write(tag, nm.NodeManifest("a", "job", "s1", 1, 0, 1, 1, (0, 1), "ab" * 32, files))
+held = inventory(root, "job")
+plan = recoverable({0: held})
+problem = memory_recovery._assemble(plan, MemoryTier(root=root, job="job"), node)
+linked = len(os.listdir(os.path.join(node, "restore", "s1")))
+print(len(files), len(held), problem, linked, round(time.perf_counter() - t0, 2))
+"""
+
+
+def test_a_share_of_fifteen_thousand_files_is_read_and_linked_under_64_descriptors(tmp_path):
+    """A DeepSeek-class MoE's node share holds thousands of expert files: listing, describing,
+    recovering and linking it hold a few descriptors at a time, whatever the count."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    tag = root / "job" / "node0" / "s1"
+    for p in (root, root / "job", root / "job" / "node0"):
+        p.mkdir(mode=0o700)
+    tag.mkdir()
+    for i in range(15_000):
+        (tag / f"layer_{i // 64}_expert_{i % 64}_mp_rank_00_model_states.pt").write_bytes(b"x")
+    run = subprocess.run([sys.executable, "-c", SCALE, str(root), "15000"], capture_output=True, text=True, cwd="/",
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    files, held, problem, linked, _ = run.stdout.split()
+    assert (files, held, problem, linked) == ("15000", "1", "None", "15000")

@@ -92,20 +92,24 @@ class NodeShare:
         self.published = publisher.output
         folder = os.path.dirname(publisher.output)
         try:
-            nm.prune(folder, self.keep, self.job, self.model, protect=(tag, ))
-            self._prune_stale(folder, step)
+            # the job's shares here, read once for both prunings (each read stats every listed file)
+            found = [(path, m) for path, m in nm.shares(folder) if m.job == self.job and m.model == self.model]
+            nm.prune(folder, self.keep, self.job, self.model, protect=(tag, ), found=found)
+            self._prune_stale(folder, found)
         except Exception as exc:  # the checkpoint is in place; say why older ones stay
             log.warning("pyckpt: the memory tier could not prune %s: %s", folder, describe_failure(exc))
         if self.links.sender is not None:
             self.links.sender.offer(publisher.output, tag)
         return True, None
 
-    def _prune_stale(self, folder: str, step: int) -> None:
+    def _prune_stale(self, folder: str, found=None) -> None:
         """Folders of this job on this root under another node number (this host was another node
         before a restart): removed once this node's own folder holds ``keep`` shares at least as
-        new as anything in them, so they are never the newest copy left."""
-        mine = sorted((m.step for _, m in nm.shares(folder) if m.job == self.job and m.model == self.model),
-                      reverse=True)
+        new as anything in them, so they are never the newest copy left. ``found``: this folder's shares
+        of the job and model, where the caller has read them."""
+        if found is None:
+            found = [(p, m) for p, m in nm.shares(folder) if m.job == self.job and m.model == self.model]
+        mine = sorted((m.step for _, m in found), reverse=True)
         if len(mine) < self.keep:
             return
         floor = mine[self.keep - 1]

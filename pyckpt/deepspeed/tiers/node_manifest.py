@@ -228,13 +228,16 @@ def replica_folders(node_folder: str) -> List[str]:
     return sorted(out)
 
 
-def prune(folder: str, keep: int, job: str, model: str, protect: Sequence[str] = ()) -> List[str]:
+def prune(folder: str, keep: int, job: str, model: str, protect: Sequence[str] = (), found=None) -> List[str]:
     """Removes the shares of this job and model in ``folder`` beyond the ``keep`` newest by step (a
     share another job or model left, or a folder that is no share, stays), never one named in
-    ``protect`` nor the one ``folder/latest`` names. Returns the tag folders removed."""
+    ``protect`` nor the one ``folder/latest`` names. Returns the tag folders removed. ``found``: the
+    folder's shares of this job and model, where the caller has read them already."""
     from ...execution.publish import remove_path
 
-    mine = [(m.step, path) for path, m in shares(folder) if m.job == job and m.model == model]
+    if found is None:
+        found = [(path, m) for path, m in shares(folder) if m.job == job and m.model == model]
+    mine = [(m.step, path) for path, m in found]
     latest = None
     try:
         with open(os.path.join(folder, "latest"), "rb") as f:
