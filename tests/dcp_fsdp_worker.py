@@ -94,8 +94,10 @@ def main() -> None:
     for job in json.loads(open(args.jobs).read()):
         resume(job["model"], job["export"], job["out"], job["groups"], args.steps, args.first_step,
                job.get("flat", False))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    from pyckpt.execution.distributed import leave_and_exit
+
+    leave_and_exit(0)

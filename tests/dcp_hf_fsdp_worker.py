@@ -85,8 +85,10 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(loaded, args.out)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    from pyckpt.execution.distributed import leave_and_exit
+
+    leave_and_exit(0)

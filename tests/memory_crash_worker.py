@@ -110,4 +110,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pyckpt.execution.distributed import leave_and_exit
+
+    # a normal end runs pyckpt's exit duties (the memory tier persists and clears) before leaving
+    leave_and_exit(main(), exit_handlers=True)

@@ -58,4 +58,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pyckpt.execution.distributed import leave_and_exit
+
+    leave_and_exit(main())

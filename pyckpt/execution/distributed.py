@@ -15,6 +15,7 @@ torch is imported only when a launch is detected: converting needs no torch.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import heapq
@@ -98,17 +99,24 @@ def from_launcher() -> Optional[TorchRanks]:
     return TorchRanks()
 
 
-def leave_and_exit(code: int = 0):
+def leave_and_exit(code: int = 0, exit_handlers: bool = False):
     """Leave the default process group together, then end this process without interpreter shutdown.
 
     A DeepSpeed job keeps references to its process groups, so gloo's threads outlive
     ``destroy_process_group``; one still releasing the last collective's tensors asks for the GIL
     during finalization, where Python ends the asking thread and the C++ runtime aborts the process
-    (SIGABRT after every rank had finished). For the end of a rank's script, after its output is
-    written and closed."""
+    (SIGABRT, "terminate called without an active exception", after every rank had finished; torch
+    issue 190489). For the end of a rank's script, after its output is written and closed.
+
+    ``exit_handlers`` first runs the process's ``atexit`` handlers, as a normal end would (pyckpt's
+    memory tier persists its newest checkpoint and clears the job's memory folder, asynchronous saves
+    are joined) while the process group still stands."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if exit_handlers:
+        atexit._run_exitfuncs()
+    # A rank that failed does not wait for the others: they learn of it from their next collective.
+    if code == 0 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()
