@@ -83,12 +83,12 @@ def main() -> int:
         W.train_step(engine, cfg, rank, step)
         if step == job["kill_at"] and job.get("kill_mid_write") and rank == 1:
             # rank 1 dies while its files are being written into the memory tier's staging folder
-            from pyckpt.deepspeed.save import collective_save
+            from pyckpt.deepspeed.save import async_save
 
             def write_then_never(*args, **kwargs):
                 time.sleep(600)
 
-            collective_save.write_files = write_then_never
+            async_save.write_files = write_then_never
             pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
             time.sleep(1.0)
             os.kill(os.getpid(), signal.SIGKILL)

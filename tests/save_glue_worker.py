@@ -206,7 +206,7 @@ def partial(task: dict, rank: int, ws: int) -> dict:
 
 def no_space(task: dict, rank: int, ws: int) -> dict:
     """The filesystem says it has 1000 bytes free."""
-    import pyckpt.deepspeed.save.collective_save as cs
+    import pyckpt.deepspeed.save.preflight as cs
     from pyckpt.deepspeed.save import SaveError
 
     cfg = task["cfg"]
@@ -238,7 +238,7 @@ def converted(task: dict, rank: int, ws: int) -> dict:
 @contextlib.contextmanager
 def _slow_background_write(delay_s: float):
     """The background write starts only after `delay_s` (the test's training steps run meanwhile)."""
-    from pyckpt.deepspeed.save import background, collective_save
+    from pyckpt.deepspeed.save import async_save, background
 
     real = background.write_files
 
@@ -248,11 +248,11 @@ def _slow_background_write(delay_s: float):
         time.sleep(delay_s)
         return real(*args, **kwargs)
 
-    collective_save.write_files = slow
+    async_save.write_files = slow
     try:
         yield
     finally:
-        collective_save.write_files = real
+        async_save.write_files = real
 
 
 def async_equal(task: dict, rank: int, ws: int) -> dict:
@@ -291,7 +291,7 @@ def async_equal(task: dict, rank: int, ws: int) -> dict:
 @contextlib.contextmanager
 def _background_fault(kind: str, active: bool):
     """One rank's background write breaks: an exception from the writer, a file-size limit, a SIGKILL."""
-    from pyckpt.deepspeed.save import background, collective_save
+    from pyckpt.deepspeed.save import async_save, background
 
     if not active:
         yield
@@ -309,14 +309,14 @@ def _background_fault(kind: str, active: bool):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)
 
-    collective_save.write_files = broken
+    async_save.write_files = broken
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     if kind == "fsize":  # above the rank's log file, below the shard it is about to write
         resource.setrlimit(resource.RLIMIT_FSIZE, (os.fstat(1).st_size + (1 << 20), limits[1]))
     try:
         yield
     finally:
-        collective_save.write_files = real
+        async_save.write_files = real
 
 
 def _restore_fsize():

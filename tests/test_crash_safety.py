@@ -20,7 +20,8 @@ import pytest
 
 from child_signals import default_signals
 from compare import diff_folders, digest
-from pyckpt.execution.publish import OutputLock, stale_entries
+from pyckpt.execution.leftovers import stale_entries
+from pyckpt.execution.output_lock import OutputLock
 
 NAME = "s1_fp32_dp2"
 
@@ -45,13 +46,13 @@ def reference(deepspeed_universal):
 # the file size. The command then starts as `python -m pyckpt.convert` does, start-up handler included.
 RUNNER = textwrap.dedent("""
     import errno, os, runpy, sys, time
-    from pyckpt.execution import publish
+    from pyckpt.execution import publisher
     from pyckpt.native import _core
     if os.environ.get("T_NO_RENAMEAT2"):
         def unsupported(*a):
             raise OSError(errno.EINVAL, "unsupported here")
-        publish._core.rename_exchange = unsupported
-        publish._core.rename_noreplace = unsupported
+        publisher._core.rename_exchange = unsupported
+        publisher._core.rename_noreplace = unsupported
     barrier = os.environ.get("T_BARRIER")
     if barrier:
         real = _core.write_archives
@@ -251,7 +252,7 @@ def test_existing_output_appearing_during_the_run_is_never_replaced(ckpt, tmp_pa
     out.parent.mkdir()
     code = textwrap.dedent(f"""
         import os, sys
-        from pyckpt import convert
+        from pyckpt.cli import convert
         from pyckpt.native import _core
         real = _core.write_archives
         def racing(*a, **k):
@@ -294,7 +295,7 @@ def test_concurrent_runs_take_turns_and_never_replace_without_overwrite(overwrit
 
 LOCKER = textwrap.dedent("""
     import os, sys
-    from pyckpt.execution.publish import OutputLock
+    from pyckpt.execution.output_lock import OutputLock
     lock = OutputLock(sys.argv[1], notify=lambda text: print("waiting", flush=True))
     print("locked", os.fstat(lock.fd).st_ino, flush=True)
     sys.stdin.readline()
@@ -388,11 +389,11 @@ def test_old_output_that_cannot_be_removed_is_reported(ckpt, reference, tmp_path
     _old_output(out)
     code = textwrap.dedent(f"""
         import sys
-        from pyckpt import convert
-        from pyckpt.execution import publish
+        from pyckpt.cli import convert
+        from pyckpt.execution import publisher
         def stuck(path):
             raise PermissionError(13, "Permission denied", path)
-        publish.remove_path = stuck
+        publisher.remove_path = stuck
         sys.exit(convert.main([{str(ckpt)!r}, {str(out)!r}, "--overwrite", "--quiet"]))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir())

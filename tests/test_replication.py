@@ -21,7 +21,7 @@ from pyckpt.deepspeed.tiers import replica_receiver, replica_sender
 from pyckpt.deepspeed.tiers import replication as rep
 from pyckpt.deepspeed.tiers.replication import ReplicaReceiver, send_folder
 from pyckpt.errors import MemoryRootError
-from pyckpt.execution import publish
+from pyckpt.execution import publisher
 
 MiB = 1 << 20
 
@@ -144,14 +144,14 @@ def test_two_tags_in_a_row_then_the_same_tag_again_replaced_atomically(job, toke
     a = make_folder(tmp_path / "a", {"f": b"first"})
     b = make_folder(tmp_path / "b", {"f": b"second"})
     seen = []
-    real_exchange = publish._core.rename_exchange
+    real_exchange = publisher._core.rename_exchange
 
     def exchange(staging, output):
         # the old replica is in place, whole, until the very exchange that puts the new one there
         seen.append((tree(output), tree(staging)))
         return real_exchange(staging, output)
 
-    monkeypatch.setattr(publish._core, "rename_exchange", exchange)
+    monkeypatch.setattr(publisher._core, "rename_exchange", exchange)
     with receiving(job, token) as r:
         send_folder(str(a), 3, "step1", r.address, token)
         send_folder(str(b), 3, "step2", r.address, token)

@@ -22,11 +22,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyckpt.deepspeed.save.collective_save import _replace_problem
+from pyckpt.deepspeed.save.preflight import _replace_problem
 from pyckpt.deepspeed.save.retention import (PointerUnreadable, checkpoints, keep_last, read_checkpoint,
                                              read_pointer, replace_problem)
 
-HOLD = ("import sys; from pyckpt.execution.publish import OutputLock; lock = OutputLock(sys.argv[1]); "
+HOLD = ("import sys; from pyckpt.execution.output_lock import OutputLock; lock = OutputLock(sys.argv[1]); "
         "print('locked', flush=True); sys.stdin.read(); lock.release()")
 PARAMS = OrderedDict([("layer.weight", (4, 3)), ("layer.bias", (4,))])
 OTHER_MODEL = OrderedDict([("proj.weight", (8, 8))])

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from pyckpt.deepspeed.save import CollectiveCallError
 from pyckpt.deepspeed.save.arrival import Arrival
-from pyckpt.deepspeed.save.collective_save import _preflight_problem
-from pyckpt.execution.publish import clean_orphans
-from pyckpt.execution.publish import orphans as _orphans
+from pyckpt.deepspeed.save.preflight import _preflight_problem
+from pyckpt.execution.leftovers import clean_orphans
+from pyckpt.execution.leftovers import orphans as _orphans
 from pyckpt.deepspeed.save.companions import _plain, training_state
 from pyckpt.deepspeed.save.guarded_io import WriteFailures, guarded
 

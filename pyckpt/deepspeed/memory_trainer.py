@@ -221,7 +221,7 @@ def _last_checkpoint(output_dir: str) -> Optional[str]:
 def _trainer_folder(restore: str, tag: str) -> str:
     """This node's leader: ``restore/checkpoint-<step>`` built beside the assembled ``restore/<tag>``,
     published whole. Returns its name."""
-    from ..execution.publish import Publisher
+    from ..execution.publisher import Publisher
     from .load.memory_recovery import _link
 
     source = os.path.join(restore, tag)

@@ -18,6 +18,11 @@ class WrittenReport:
     def gbps(self) -> float:
         return self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
+    def took(self, stats: dict, seconds: float) -> None:
+        """Record a finished write: ``stats`` as the publisher returns them, the run's wall time."""
+        self.bytes_written = stats["bytes_written"]
+        self.seconds = seconds
+
     def written(self) -> str:
         """The closing line's tail: '<GB> GB in <s> s (<rate> GB/s)'."""
         return f"{self.bytes_written / 1e9:.3f} GB in {self.seconds:.2f} s ({self.gbps:.2f} GB/s)"

@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 from ...errors import RankLoadError, printable
 from ...execution.distributed import describe_failure
-from ...execution.publish import Publisher
+from ...execution.publisher import Publisher
 from ..tiers import node_manifest as nm
 from ..tiers.links import nodes
 from ..tiers.memory_root import default_root, this_node

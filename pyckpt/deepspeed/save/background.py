@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 from ...errors import SaveError
 from ...execution.distributed import describe_failure
 from ...formats.torch_save_file import plan_files
-from ...native import _core, native_errors, op_table
+from ...native import op_table, write_archives
 
 log = logging.getLogger("pyckpt")
 
@@ -126,8 +126,7 @@ def _join_at_exit() -> None:
 def write_files(files, sources, root: str, fsync: bool, workers: int = 0) -> None:
     """The snapshot's files, written by the native writer with the GIL released."""
     outputs, rows = plan_files(files)
-    with native_errors(root):
-        _core.write_archives(sources, outputs, op_table(rows), workers, fsync, None, root=root)
+    write_archives(sources, outputs, op_table(rows), root=root, workers=workers, fsync=fsync)
 
 
 def _wait_keys(store, keys: List[str], timeout: datetime.timedelta) -> None:

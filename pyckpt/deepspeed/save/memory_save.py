@@ -27,6 +27,7 @@ it for the restart; ``pyckpt clean --memory JOB`` removes one by hand.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import shutil
@@ -35,7 +36,8 @@ from typing import Optional
 
 from ...errors import SaveError
 from ...execution.distributed import TorchRanks, describe_failure
-from ...execution.publish import Publisher, remove_path
+from ...execution.leftovers import remove_path
+from ...execution.publisher import Publisher
 from ..tiers import node_manifest as nm
 from ..tiers.links import nodes
 from ..tiers.memory_root import budget, fits, this_node
@@ -43,6 +45,7 @@ from ..tiers.policy import MemoryTier
 from .arrival import Arrival, _default_store
 from .background import AsyncSave, StoreAgreement
 from .node_share import NodeShare
+from .request import SaveRequest
 from .retention import keep_last as prune
 from .retention import read_checkpoint, replace_problem
 from .space import estimate_rank_bytes
@@ -53,14 +56,15 @@ log = logging.getLogger("pyckpt")
 EXIT_TIMEOUT = 120.0
 
 
-def save_to_memory(save, engine, save_dir: str, tag: Optional[str], memory: MemoryTier, persist: bool, kwargs: dict):
-    """``save`` (pyckpt's collective save) into ``memory``'s node folders, or into ``save_dir`` when it
-    does not fit; then the persistence. Returns what ``save`` returns."""
+def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persist: bool):
+    """``save`` (pyckpt's collective save) into ``memory``'s node folders, or into ``request.save_dir``
+    when it does not fit; then the persistence. Returns what ``save`` returns."""
     group = TorchRanks()
-    if kwargs.get("universal") or kwargs.get("export"):
+    save_dir = request.save_dir
+    if request.universal or request.export:
         raise ValueError("universal= and export= convert a durable checkpoint: a memory checkpoint is converted "
                          "once persisted (convert save_dir/<tag> with `pyckpt convert` / `pyckpt export`)")
-    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = str(request.tag if request.tag is not None else f"global_step{engine.global_steps}")
     # The previous asynchronous save is joined before this one's arrival, as every save does: its
     # background thread waits on the same store client, and a blocking wait there from this thread
     # would deadlock the two (each holds the client while it waits for the other rank's key).
@@ -74,7 +78,7 @@ def save_to_memory(save, engine, save_dir: str, tag: Optional[str], memory: Memo
     # The same arrival as every save: ranks that disagree on memory= meet here and in the one gather
     # below, which the others take for their preflight; both sides then see the difference and stop.
     arrival = Arrival("save", group.rank, group.size)
-    arrival.wait(kwargs.get("arrival_timeout", 300.0), "pyckpt.deepspeed.save_checkpoint")
+    arrival.wait(request.arrival_timeout, "pyckpt.deepspeed.save_checkpoint")
     mine = {"memory": True, "error": None, "need": 0, "budget": None, "folder": None, "node": None}
     try:
         mine["node"] = this_node()
@@ -93,27 +97,27 @@ def save_to_memory(save, engine, save_dir: str, tag: Optional[str], memory: Memo
     if problem:
         if group.rank == 0:
             log.warning("pyckpt: checkpoint %s goes to %s, not to memory: %s", tag, save_dir, problem)
-        return save(engine, save_dir, tag, **kwargs)
+        return save(engine, dataclasses.replace(request, tag=tag))
     folder = pre[group.rank]["folder"]
     model = nm.model_digest(engine)
     links = nodes(group, memory.folder, memory.keep, memory.job_name)
     links.model = model
     share = NodeShare(links, memory.job_name, model, memory.keep, memory.root_path, group.size)
     if links.leader:
-        _leave_at_exit(memory, links, folder, save_dir, kwargs.get("fsync", False))
+        _leave_at_exit(memory, links, folder, save_dir, request.fsync)
         restore = os.path.join(folder, nm.RESTORE)
         if os.path.lexists(restore):  # a recovery's assembly (links to the files): every rank has loaded since
             remove_path(restore)
     count = getattr(engine, "_pyckpt_memory_saves", 0) + 1
     engine._pyckpt_memory_saves = count
-    durable_keep = kwargs.pop("keep_last", None)
-    result = save(engine, folder, tag, keep_last=None, share=share, **kwargs)
+    durable_keep = request.keep_last
+    result = save(engine, dataclasses.replace(request, save_dir=folder, tag=tag, keep_last=None, share=share))
     if links.leader and (persist or (memory.persist_every and count % memory.persist_every == 0)):
         store = _default_store()
-        timeout = kwargs.get("agree_timeout", 1800.0)
+        timeout = request.agree_timeout
         engine._pyckpt_persist = AsyncSave(f"persisting checkpoint {tag} to {save_dir}", "warn", 0).start(
             lambda handle: _persist(result, links, share, folder, save_dir, tag, durable_keep,
-                                    kwargs.get("fsync", False), store, timeout))
+                                    request.fsync, store, timeout))
     return result
 
 

@@ -1,5 +1,5 @@
 """A memory save's node-local side: each node's leader stages, describes, publishes, prunes and
-replicates its own node's files (:func:`.collective_save.save_collectively` with ``share=``).
+replicates its own node's files (:func:`.collective_save.save_collectively` with a request's ``share``).
 
 Every rank writes DeepSpeed's files into its own node's memory folder under one staging name (rank
 0's, so that DeepSpeed's tag check sees one tag); the ranks agree on every rank's outcome as for a
@@ -17,7 +17,8 @@ import os
 from typing import List, Optional, Tuple
 
 from ...execution.distributed import describe_failure
-from ...execution.publish import Publisher
+from ...execution.leftovers import remove_path
+from ...execution.publisher import Publisher
 from ..tiers import node_manifest as nm
 from ..tiers.links import Nodes
 from ..tiers.memory_root import job_folders
@@ -113,8 +114,6 @@ class NodeShare:
         if len(mine) < self.keep:
             return
         floor = mine[self.keep - 1]
-        from ...execution.publish import remove_path
-
         for node, path in job_folders(self.root, self.job):
             if os.path.normpath(path) == os.path.normpath(folder):
                 continue

@@ -32,17 +32,19 @@ import os
 import re
 from typing import List, Optional, Tuple
 
-from ...errors import CheckpointFormatError
+from ...universal.layout import STATES_FOLDER
+from ...errors import CheckpointFormatError, OutputLockError
 from ...formats.torch_zip import read_capped, regular_fd
 from ...zero.discovery import natural_key
 from ..tiers.checkpoint_record import FIRST_MODEL_STATES, JobCheckpoint, read_checkpoint
 from ...huggingface.files import COMPANION_FILES, SAFE_WEIGHTS_INDEX_NAME
-
-from ...execution.publish import STAGING, OutputLock, OutputLockError, owner_id, remove_path
+from ...execution.leftovers import remove_path
+from ...execution.output_lock import OutputLock
+from ...execution.pointer import POINTERS
+from ...execution.staging_names import STAGING, hidden_name, owner_id
 
 log = logging.getLogger("pyckpt")
 
-POINTERS = ("latest", "latest_universal")
 CONVERSIONS = ("_universal", "_hf")
 # What pyckpt's Hugging Face export writes: the weights (one file, or shards and their index) and the
 # companions it copies from beside the checkpoint.
@@ -99,7 +101,7 @@ def replace_problem(output: str, kind: str = "checkpoint", reference: Optional[J
         return None if _is_hf_export(output) else (
             f"{output} exists and holds files a Hugging Face export does not write")
     if kind == "_universal":
-        zero = os.path.join(output, "zero")
+        zero = os.path.join(output, STATES_FOLDER)
         if os.path.islink(zero) or not os.path.isdir(zero):
             return f"{output} exists and is not a Universal Checkpoint (no zero/ folder)"
     record = read_checkpoint(output)
@@ -134,7 +136,7 @@ def _job_checkpoints(save_dir: str, reference: JobCheckpoint) -> List[Tuple[int,
         for e in it:
             if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
                 continue
-            if os.path.isdir(os.path.join(e.path, "zero")):  # a Universal Checkpoint: a conversion, not a save
+            if os.path.isdir(os.path.join(e.path, STATES_FOLDER)):  # a Universal Checkpoint: a conversion, not a save
                 continue
             record = read_checkpoint(e.path)
             if record is not None and record.same_job(reference):
@@ -163,7 +165,7 @@ def _remove(save_dir: str, name: str) -> bool:
     if not lock.held:
         return False  # another run (a conversion, a save of this tag) owns it
     try:
-        doomed = os.path.join(save_dir, f".{name}.{STAGING}-{owner_id()}")
+        doomed = os.path.join(save_dir, hidden_name(name, STAGING, owner_id()))
         try:
             os.rename(output, doomed)
         except FileNotFoundError:

@@ -233,7 +233,7 @@ def prune(folder: str, keep: int, job: str, model: str, protect: Sequence[str] =
     share another job or model left, or a folder that is no share, stays), never one named in
     ``protect`` nor the one ``folder/latest`` names. Returns the tag folders removed. ``found``: the
     folder's shares of this job and model, where the caller has read them already."""
-    from ...execution.publish import remove_path
+    from ...execution.leftovers import remove_path
 
     if found is None:
         found = [(path, m) for path, m in shares(folder) if m.job == job and m.model == model]

@@ -47,7 +47,7 @@ Why this shape:
   writable by others), each file created ``O_EXCL | O_NOFOLLOW``, the free space asked again before
   each, each file's CRC-32 recomputed from the bytes written and compared with the one the sender
   sends after them. Only when every file's size and CRC matched and the end marker came is the
-  folder published (:class:`~pyckpt.execution.publish.Publisher`: one atomic rename, an older
+  folder published (:class:`~pyckpt.execution.publisher.Publisher`: one atomic rename, an older
   replica of the same tag swapped out by rename-exchange, then ``replica-of-node<N>/latest``
   replaced atomically to name it). A replica counts only then.
 * **The kernel moves the bytes.** The sender hands each file to ``sendfile(2)``; its CRC is taken by
@@ -82,7 +82,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import ReplicationError, printable
-from ...execution.publish import POINTERS, pointer_name_problem
+from ...execution.pointer import POINTERS, pointer_name_problem
 
 MAGIC_RECEIVER = b"PYCKRPL1"
 MAGIC_SENDER = b"PYCKRPS1"

@@ -17,7 +17,8 @@ import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ...errors import check_number, printable
-from ...execution.publish import Publisher, clean_orphans
+from ...execution.leftovers import clean_orphans
+from ...execution.publisher import Publisher
 from ...native import _core
 from .memory_root import MODE, Budget, _check, _open_level, fits
 from .replica_protocol import (_DIR_FLAGS, CHUNK, CRC, END, ENTRY, FIELDS, HELLO, LABEL_RECEIVER, LABEL_SENDER,
