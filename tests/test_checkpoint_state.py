@@ -16,7 +16,8 @@ import pyckpt
 from pyckpt.zero.discovery import discover
 from pyckpt.universal.write import build_plan
 from pyckpt.zero.read import read_zero_state
-from pyckpt.universal.write import param_of_path, param_state_path, universal_plan
+from pyckpt.universal.layout import param_of_path, param_state_path
+from pyckpt.universal.write import universal_plan
 from pyckpt.errors import CheckpointFormatError
 from pyckpt.planning.state import ALL_STATES, CheckpointState
 

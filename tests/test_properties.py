@@ -27,7 +27,7 @@ from pyckpt.planning.plan import Segments
 from pyckpt.formats.pickle_read import StorageRef, TensorRef
 from pyckpt.tensors import ITEMSIZE
 from pyckpt.zero.tp_merge import Slice, TpRules
-from pyckpt.zero.optimizer_state import STATES
+from pyckpt.planning.state import TENSOR_STATES
 from pyckpt.zero.stage12 import _gather
 from pyckpt.zero.shards import zero_shard_of
 from pyckpt.zero.stage3_partition import rank_pieces
@@ -193,13 +193,13 @@ def test_zero12_fragments_reassemble_each_parameter(workdir, groups, dp, dtype, 
     # The truth: every state's full flat group (plus padding) as random elements.
     rng = np.random.default_rng(seed)
     flat = {(g, s): rng.integers(0, 2**63, P * dp, dtype=np.uint64).astype(UINT[isz])
-            for g, (P, _) in enumerate(layout) for s in STATES}
+            for g, (P, _) in enumerate(layout) for s in TENSOR_STATES}
     shards = []
     for r in range(dp):
-        records = [flat[(g, s)][r * P:(r + 1) * P].tobytes() for g, (P, _) in enumerate(layout) for s in STATES]
+        records = [flat[(g, s)][r * P:(r + 1) * P].tobytes() for g, (P, _) in enumerate(layout) for s in TENSOR_STATES]
         sf = raw_source(workdir, records)
         refs = iter(tensor_ref(sf, k, dtype, len(rec) // isz) for k, rec in enumerate(records))
-        per_group = [dict(zip(STATES, (next(refs) for _ in STATES))) for _ in layout]
+        per_group = [dict(zip(TENSOR_STATES, (next(refs) for _ in TENSOR_STATES))) for _ in layout]
         osd = {
             "param_slice_mappings": [{n: {"start": f.start, "numel": f.numel} for n, f in ranks[r].items()}
                                      for _, ranks in layout],
@@ -211,13 +211,13 @@ def test_zero12_fragments_reassemble_each_parameter(workdir, groups, dp, dtype, 
         shards.append(zero_shard_of(sf, osd, r, dp))
 
     # one walk over the shards (iter: a row is walked once, as a ShardRow reads them)
-    held, holdings = _gather(iter(shards), STATES, dp, False, set(), None)
+    held, holdings = _gather(iter(shards), TENSOR_STATES, dp, False, set(), None)
     assert holdings == {}
     assert set(held) == {n for ns in numels_by_group for n in ns}
     for g, numels in enumerate(numels_by_group):
         pos = 0
         for name, n in numels.items():
-            for state in STATES:
+            for state in TENSOR_STATES:
                 seg, got_dtype, _ = held[name].states[state]
                 assert got_dtype == dtype
                 assert_exact(seg.pieces(), flat[(g, state)][pos:pos + n].tobytes())

@@ -22,28 +22,26 @@ import json
 from collections import OrderedDict
 import os
 import struct
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError, check_number, check_workers, metadata_errors
-from ..execution.distributed import several
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, check_number
 from ..execution.executor import series_locations
-from ..execution.publish import agreed_plan, write_published
+from ..execution.writer_run import run_writer
 from ..execution.report import WrittenReport
 from ..huggingface.autoep_names import hf_renames, to_hf_names
 from ..huggingface.files import CONFIG_NAME
-from ..huggingface.export import autoep_naming, companion_folder, read_consolidated, read_model_config, resolve_dtype
+from ..huggingface.autoep_names import autoep_naming
+from ..huggingface.companions import companion_folder, read_model_config, resolve_dtype
 from ..planning.collector import pauses_collector
 from ..planning.plan import Plan
+from ..planning.state import MOMENTS, STEP
 from ..tensors import FLOATING, ITEMSIZE, NewTensor, numel
-from ..universal.read import UniversalCheckpoint, universal_optimizer_states
+from ..universal.input import optimizer_states, read_consolidated
 from ..zero.consolidated import cast
-from ..zero.optimizer_state import agreed_step
-from ..zero.read import read_zero_state
-from ..zero.shards import Step
-from .layout import (DEFAULT_CHUNK_BYTES, MODEL_KEY, OPTIM_KEY, BytesEntry, Layout, TensorEntry, assign_files,
+from .layout import (DEFAULT_CHUNK_BYTES, MODEL_KEY, OPTIM_KEY, OPTIM_LAYOUTS, TORCHTITAN_LAYOUT, BytesEntry, Layout,
+                     TensorEntry, assign_files, torchtitan_options_problem,
                      chunk_tensor, data_file_name)
 from .metadata import metadata_bytes
 from .torchtitan import (Heads, fused_members, optimizer_renames, to_torchtitan_model, to_torchtitan_optimizer,
@@ -53,15 +51,8 @@ METADATA_NAME = ".metadata"
 # The export's options beside the DCP files, for verify
 EXPORT_RECORD = ".pyckpt-export.json"
 EXPORT_RECORD_VERSION = 1
-MOMENTS = ("exp_avg", "exp_avg_sq")
 # No file holds more bytes than an off_t counts: a larger chunk is a typo (and would not fit the JSON record).
 CHUNK_BYTES_MAX = (1 << 63) - 1
-# "nested": get_state_dict's optimizer state ({"state": {fqn: ...}, "param_groups": [{..., "params": [fqn]}]});
-# "flat": the same with StateDictOptions(flatten_optimizer_state_dict=True)
-OPTIM_LAYOUTS = ("nested", "flat")
-# (model_key, optim_key, optim_layout) of torchtitan's checkpointer: the model's entries at the top level, the
-# optimizer flattened under "optimizer" (components/checkpointer, components/optimizer/utils.py)
-TORCHTITAN_LAYOUT = ("", "optimizer", "flat")
 # The keys of a torch Adam/AdamW param group that DeepSpeed's own optimizers (FusedAdam, CPUAdam) do
 # not keep, with torch's defaults: a load into torch's optimizer needs every key its groups have.
 TORCH_ADAM_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
@@ -102,18 +93,6 @@ def _as_float32_step(name: str, step) -> NewTensor:
     if isinstance(step, bool) or not isinstance(step, (int, float)):
         raise CheckpointFormatError(f"the Adam step of {name!r} is a {type(step).__name__}, not a number")
     return NewTensor("float32", (), [], False, struct.pack("<f", float(step)))
-
-
-def _zero3_step(ck) -> NewTensor:
-    """ZeRO-3 keeps one step per flat sub-group partition: every rank and sub-group must agree on it,
-    as torch's Adam steps every parameter at once."""
-    found = [Step(shard.file, g.state["step"]) for shard in ck.optim for g in shard.groups if "step" in g.state]
-    step = agreed_step(found, lambda _: CheckpointFormatError(
-        f"{ck.folder}: the ZeRO-3 partitions disagree on the Adam step (one step per sub-group and rank), so no one "
-        "step per parameter can be told"))
-    if step is None:
-        raise CheckpointFormatError(f"{ck.folder}: no Adam step in the optimizer state: the optimizer never stepped")
-    return step.output()
 
 
 def _plain(value, depth: int = 0) -> bool:
@@ -178,12 +157,10 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
              exclude_frozen: bool = False, hf_names: bool = False, optim_layout: str = "nested",
              min_files: int = 1, save_id: str = "", torchtitan: bool = False, initial_lr: Optional[float] = None):
     """(checkpoint, plan, layout, dtype) of a DCP export, nothing written."""
+    problem = torchtitan_options_problem(torchtitan, hf_names, model_key, optim_key, optim_layout)
+    if problem:
+        raise ValueError(problem)
     if torchtitan:
-        if hf_names:
-            raise ValueError("torchtitan and hf_names name the parameters two ways; choose one")
-        if (model_key, optim_key, optim_layout) not in ((MODEL_KEY, OPTIM_KEY, "nested"), TORCHTITAN_LAYOUT):
-            raise ValueError("torchtitan's checkpointer fixes the layout (the model at the top level, the optimizer "
-                             "flattened under 'optimizer'): leave model_key, optim_key and optim_layout unset")
         model_key, optim_key, optim_layout = TORCHTITAN_LAYOUT
     if initial_lr is not None:  # written into every param group: inf or nan would be trained from
         check_number("initial_lr", initial_lr, low=0)
@@ -194,7 +171,7 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
     if optimizer and model_key == optim_key:
         raise ValueError(f"model_key and optim_key must differ (both {model_key!r})")
     check_number("chunk_bytes", chunk_bytes, integer=True, low=1, high=CHUNK_BYTES_MAX)
-    ck, cstate = read_consolidated(input, tag, exclude_frozen)
+    ck, cstate = read_consolidated(input, tag, exclude_frozen, optimizer=optimizer)
     target = resolve_dtype(dtype)
     save_id = save_id or str(uuid.uuid4())
     plan = Plan()
@@ -265,27 +242,13 @@ def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, 
                    flat: bool, heads: Optional[Heads] = None, initial_lr: Optional[float] = None) -> None:
     skip = set(cstate.buffers) | set(cstate.frozen)
     trainable = {name: tuple(t.shape) for name, t in cstate.tensors.items() if name not in skip}
-    with metadata_errors(ck.folder):
-        if isinstance(ck, UniversalCheckpoint):
-            states, groups = universal_optimizer_states(ck, trainable)
-        else:
-            # as the model's consolidation reads it: a save without universal_checkpoint_info (the
-            # Hugging Face Trainer's) is fine unless TP merge rules would have to be guessed
-            zstate, _ = read_zero_state(ck, inject_missing_state=ck.tp * ck.pp == 1, strict=False,
-                                        states=MOMENTS + ("step",))
-            states = zstate.params
-            groups = ck.optim[0].param_groups
-            if ck.stage == 3:
-                step = _zero3_step(ck)
-                states = {name: dict(held, step=step) for name, held in states.items()}
-    if not isinstance(groups, list) or not groups:
-        raise CheckpointFormatError(f"{ck.folder}: the optimizer state holds no param groups")
+    states, groups = optimizer_states(ck, cstate, trainable)
     moments: Dict[str, "OrderedDict[str, NewTensor]"] = {s: OrderedDict() for s in MOMENTS}
     steps: "OrderedDict[str, NewTensor]" = OrderedDict()
     for name, shape in trainable.items():
         held = states.get(name)
-        if held is None or any(s not in held for s in MOMENTS + ("step",)):
-            missing = [s for s in MOMENTS + ("step",) if not held or s not in held]
+        if held is None or any(s not in held for s in MOMENTS + (STEP,)):
+            missing = [s for s in MOMENTS + (STEP,) if not held or s not in held]
             raise UnsupportedCheckpointError(f"{ck.folder}: no {'/'.join(missing)} state for the trainable parameter "
                                              f"{name!r}: only Adam/AdamW optimizer state exports to DCP")
         for s in MOMENTS:
@@ -294,7 +257,7 @@ def _add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, 
                 raise UnsupportedCheckpointError(f"{ck.folder}: the {s} of {name!r} is {t.dtype} {list(t.shape)}, "
                                                  f"not the parameter's float32 {list(shape)}")
             moments[s][name] = NewTensor(t.dtype, shape, t.pieces, False, t.data)
-        steps[name] = _as_float32_step(name, held["step"])
+        steps[name] = _as_float32_step(name, held[STEP])
     extra = sorted(set(states) - set(trainable))
     if extra:
         raise CheckpointFormatError(f"{ck.folder}: optimizer state for {extra[0]!r}, which the model states do not "
@@ -398,27 +361,21 @@ def export_dcp(input, output, *, tag: Optional[str] = None, dtype: str = "fp32",
     beyond its own rows. ``ranks`` shares the data files among the
     processes of a torch launch. The output is complete or absent; an existing ``output`` is replaced
     only with ``overwrite=True``."""
-    t0 = time.perf_counter()
-    check_workers(workers)
-    ranks = several(ranks)
-    output = os.path.abspath(os.fspath(output))
-    # one save id for every rank's plan: the .metadata is the same file wherever it is planned
-    save_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"pyckpt-dcp:{output}:{os.fspath(input)}"))
-    ck, plan, layout, target = agreed_plan(
-        ranks, "planning the DCP export", input, output, dry_run,
-        lambda: plan_dcp(input, tag=tag, dtype=dtype, optimizer=optimizer, model_key=model_key, optim_key=optim_key,
-                         chunk_bytes=chunk_bytes, exclude_frozen=exclude_frozen_parameters, hf_names=hf_names,
-                         optim_layout=optim_layout, min_files=ranks.size if ranks else 1, save_id=save_id,
-                         torchtitan=torchtitan, initial_lr=initial_lr))
-    chunks = sum(len(f) for f in layout.files)
-    total = sum(numel(c.sizes) * ITEMSIZE[c.tensor.dtype] for f in layout.files for c in f if hasattr(c, "tensor"))
-    report = DcpReport(ck.folder, output, target, len(layout.tensors) + len(layout.objects), chunks,
-                       len(plan.series) + len(plan.raw_files), total)
-    if dry_run:
-        report.plan_text = plan.describe()
-        return report
-    stats = write_published(plan, output, overwrite=overwrite, fsync=fsync, pointer=None, workers=workers,
-                            progress=progress, notify=notify, ranks=ranks)
-    report.bytes_written = stats["bytes_written"]
-    report.seconds = time.perf_counter() - t0
-    return report
+    def make_plan(output, ranks):
+        # one save id for every rank's plan: the .metadata is the same file wherever it is planned
+        save_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"pyckpt-dcp:{output}:{os.fspath(input)}"))
+        return plan_dcp(input, tag=tag, dtype=dtype, optimizer=optimizer, model_key=model_key, optim_key=optim_key,
+                        chunk_bytes=chunk_bytes, exclude_frozen=exclude_frozen_parameters, hf_names=hf_names,
+                        optim_layout=optim_layout, min_files=ranks.size if ranks else 1, save_id=save_id,
+                        torchtitan=torchtitan, initial_lr=initial_lr)
+
+    def make_report(planned, output):
+        ck, plan, layout, target = planned
+        chunks = sum(len(f) for f in layout.files)
+        total = sum(numel(c.sizes) * ITEMSIZE[c.tensor.dtype] for f in layout.files for c in f
+                    if hasattr(c, "tensor"))
+        return DcpReport(ck.folder, output, target, len(layout.tensors) + len(layout.objects), chunks,
+                         len(plan.series) + len(plan.raw_files), total)
+
+    return run_writer("DCP export", input, output, make_plan, make_report, pointer=None, overwrite=overwrite,
+                      dry_run=dry_run, workers=workers, progress=progress, fsync=fsync, notify=notify, ranks=ranks)

@@ -33,6 +33,28 @@ MAX_FILES = 64
 # the top level, as a model-only DCP checkpoint has them).
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
+# "nested": get_state_dict's optimizer state ({"state": {fqn: ...}, "param_groups": [{..., "params": [fqn]}]});
+# "flat": the same with StateDictOptions(flatten_optimizer_state_dict=True)
+OPTIM_LAYOUTS = ("nested", "flat")
+# (model_key, optim_key, optim_layout) of torchtitan's checkpointer: the model's entries at the top level, the
+# optimizer flattened under "optimizer" (components/checkpointer, components/optimizer/utils.py)
+TORCHTITAN_LAYOUT = ("", "optimizer", "flat")
+
+
+def torchtitan_options_problem(torchtitan: bool, hf_names: bool, model_key: str, optim_key: str, optim_layout: str,
+                               spell=lambda option: option) -> Optional[str]:
+    """Why options given with ``torchtitan`` contradict it (None where they do not): torchtitan's checkpointer
+    fixes the names and the layout, so only their defaults or torchtitan's own values may be given.
+    ``spell(option)`` names an option as the caller's user typed it (the API's keyword, the CLI's flag)."""
+    if not torchtitan:
+        return None
+    fixed = ("torchtitan's checkpointer fixes the names and the layout (its own parameter names, the model at the "
+             "top level, the optimizer flattened under 'optimizer')")
+    if hf_names:
+        return f"{fixed}: {spell('hf_names')} names the parameters another way; leave it out"
+    if (model_key, optim_key, optim_layout) not in ((MODEL_KEY, OPTIM_KEY, "nested"), TORCHTITAN_LAYOUT):
+        return (f"{fixed}: leave {spell('model_key')}, {spell('optim_key')} and {spell('optim_layout')} unset")
+    return None
 
 
 def flat_key(path: Sequence[Any]) -> str:

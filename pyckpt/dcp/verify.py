@@ -23,7 +23,8 @@ from ..formats.pickle_write import dumps
 from ..tensors import ITEMSIZE, NewTensor
 from ..universal.verify.against import _planned_crc, _Reader
 from ..universal.verify.report import VerifyReport
-from .export import EXPORT_RECORD, EXPORT_RECORD_VERSION, METADATA_NAME, OPTIM_LAYOUTS, plan_dcp
+from .export import EXPORT_RECORD, EXPORT_RECORD_VERSION, METADATA_NAME, plan_dcp
+from .layout import OPTIM_LAYOUTS
 
 RECORD_MAX_BYTES = 1 << 20
 _OPTIONS = {"dtype": str, "optimizer": bool, "model_key": str, "optim_key": str, "chunk_bytes": int,

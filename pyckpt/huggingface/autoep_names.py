@@ -14,10 +14,11 @@ nothing computed. The checkpoint does not name its preset; the model config besi
 
 from __future__ import annotations
 
+import reprlib
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
-from ..errors import UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..tensors import ITEMSIZE, NewTensor
 from ..native import KIND_COPY, KIND_SOURCE_DTYPE
 from ..planning.plan import Piece
@@ -124,3 +125,39 @@ def _regroup(t: NewTensor, block: int, shift: int, where: str, layer: str) -> Li
         expert = first // block
         out.append(Piece(p.src, p.src_off, p.nbytes, p.dst_off + expert * block + shift, p.kind, p.rows, p.stride))
     return out
+
+
+def autoep_naming(ck, state, config: Optional[dict], notes: list, required: bool = False) -> Optional[tuple]:
+    """(AutoEP layers, preset) when the checkpoint's AutoEP layers go back under the Hugging Face
+    names of the model type the config beside it names (``deepspeed.autoep.hf_names``); None when it
+    has no AutoEP layer or no mapping is known (``notes`` says which), an error naming why when the
+    caller ``required`` the names (the DCP export's ``--hf-names``)."""
+    def unnamed(why: str):
+        if required:
+            raise UnsupportedCheckpointError(f"{ck.folder}: --hf-names asks for the AutoEP layers under their Hugging "
+                                             f"Face names, but {why}")
+        return None
+
+    layers = next((ms.autoep_layers for ms in ck.model if ms.autoep_layers is not None), None)
+    if not layers:
+        return unnamed("it has no AutoEP layer")
+    for entry in layers:
+        if not (isinstance(entry, dict) and isinstance(entry.get("module_path"), str)
+                and isinstance(entry.get("expert_key_prefix"), str)):
+            raise CheckpointFormatError(f"{ck.model[0].path}: an ds_autoep_layers entry lacks its module_path or "
+                                        "expert_key_prefix")
+    preset = preset_of(config)
+    if preset is None:
+        kind = (config or {}).get("model_type")
+        why = ("no config.json beside the checkpoint" if config is None
+               else f"model_type {reprlib.repr(kind)} has no mapping")
+        notes.append(f"  AutoEP layers kept under their AutoEP names (router.gate, experts.w1/w2/w3): {why}")
+        return unnamed(why)
+    renamed = set(state.aliases.values()) & {name for e in layers for name in state.tensors
+                                             if name.startswith(e["module_path"] + ".")}
+    if renamed:
+        raise UnsupportedCheckpointError(f"{ck.folder}: {sorted(renamed)[0]} is both an AutoEP weight and shared "
+                                         "with another parameter")
+    notes.append(f"  AutoEP layers under the Hugging Face names of model_type {config['model_type']!r} "
+                 f"({preset[0]}, {preset[1]}.gate_up_proj, {preset[1]}.down_proj)")
+    return layers, preset

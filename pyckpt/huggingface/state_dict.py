@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 
 from ..zero.consolidated import cast
 from ..execution.executor import gather_tensor
-from .export import read_consolidated
+from ..universal.input import read_consolidated
 from ..tensors import FLOATING, dtype_named
 
 

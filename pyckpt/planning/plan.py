@@ -166,7 +166,7 @@ class Plan:
     series: List[ArchiveSeriesOut] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)  # what a --dry-run should tell besides the files
     # Files of the input read outside the checkpoint's own folder (a model config, a tokenizer beside
-    # it): the output may not replace them (execution.publish.check_apart).
+    # it): the output may not replace them (execution.output_apart.check_apart).
     input_files: List[str] = field(default_factory=list)
 
     _relpaths: set = field(default_factory=set, repr=False)

@@ -17,8 +17,14 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import CheckpointFormatError
 
-# What an Adam-trained ZeRO checkpoint keeps per parameter, in the order it is written.
-ALL_STATES = ("fp32", "exp_avg", "exp_avg_sq", "step")
+# What an Adam-trained ZeRO checkpoint keeps per parameter, in the order it is written: the fp32
+# master and Adam's two moments, each a flat tensor of the parameter's elements, then the step. The
+# one list of these names: readers, writers and the load backend take them from here.
+FP32 = "fp32"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+TENSOR_STATES = (FP32, ) + MOMENTS
+STEP = "step"
+ALL_STATES = TENSOR_STATES + (STEP, )
 
 
 @dataclass

@@ -7,16 +7,13 @@ replaced. A crash leaves at most a ``.<name>.pyckpt-tmp-*`` folder that no loade
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..zero.discovery import discover
 from .write import build_plan
-from ..errors import check_workers, metadata_errors
-from ..execution.distributed import several
-from ..execution.publish import agreed_plan, check_pointer_name, write_published
+from ..errors import metadata_errors
+from ..execution.writer_run import run_writer
 from ..execution.report import WrittenReport
 
 
@@ -34,6 +31,11 @@ class ConversionReport(WrittenReport):
     files: int
     seconds: float
     plan_text: str = ""
+
+    def took(self, stats: dict, seconds: float) -> None:
+        super().took(stats, seconds)
+        self.tensor_bytes = stats["tensor_bytes"]
+        self.files = stats["files"]
 
     def summary(self) -> str:
         return (f"converted {self.params} parameters (ZeRO-{self.stage}, dp={self.dp}) to {self.output}: "
@@ -56,7 +58,7 @@ def convert_to_universal(input, output, *, workers: Optional[int] = None, inject
     sibling folder, renamed into place when complete, and ``latest_universal`` is replaced after that.
     An existing ``output`` is replaced only with ``overwrite=True``, by an atomic exchange; runs into
     one output take turns under a lock beside it, and each run first removes what killed runs into
-    that output left (see :mod:`pyckpt.execution.publish`). ``output`` may not be, contain or lie inside the
+    that output left (see :mod:`pyckpt.execution.publisher`). ``output`` may not be, contain or lie inside the
     checkpoint's tag folder, and its name may not start or end with whitespace or hold a control
     character (DeepSpeed strips what it reads from ``latest_universal``; such a name is refused at once).
     ``fsync=True`` (``--fsync``) also makes it survive a power loss: every file and folder is flushed
@@ -71,27 +73,17 @@ def convert_to_universal(input, output, *, workers: Optional[int] = None, inject
     returns the report with the totals of all, or raises :class:`~pyckpt.errors.RanksFailedError`
     naming each failing rank; nothing is published then.
     """
-    t0 = time.perf_counter()
-    check_workers(workers)
-    ranks = several(ranks)
-    output = os.path.abspath(os.fspath(output))
-    check_pointer_name(output, "latest_universal")
-    def make_plan():
+    def make_plan(output, ranks):
         with metadata_errors(input):
             ck = discover(input)
         with metadata_errors(ck.folder):
             return (ck, ) + tuple(build_plan(ck, inject_missing_state, dense_only, strict))
 
-    ck, plan, counts = agreed_plan(ranks, "planning the conversion", input, output, dry_run, make_plan)
-    report = ConversionReport(ck.folder, output, ck.stage, ck.dp, ck.tp, ck.pp, counts["params"], 0, 0,
-                              len(plan.archives) + len(plan.copies), 0.0)
-    if dry_run:
-        report.plan_text = plan.describe()
-        return report
-    stats = write_published(plan, output, overwrite=overwrite, fsync=fsync, workers=workers, progress=progress,
-                            notify=notify, ranks=ranks)
-    report.tensor_bytes = stats["tensor_bytes"]
-    report.bytes_written = stats["bytes_written"]
-    report.files = stats["files"]
-    report.seconds = time.perf_counter() - t0
-    return report
+    def make_report(planned, output):
+        ck, plan, counts = planned
+        return ConversionReport(ck.folder, output, ck.stage, ck.dp, ck.tp, ck.pp, counts["params"], 0, 0,
+                                len(plan.archives) + len(plan.copies), 0.0)
+
+    return run_writer("conversion", input, output, make_plan, make_report, pointer="latest_universal",
+                      overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress, fsync=fsync,
+                      notify=notify, ranks=ranks)

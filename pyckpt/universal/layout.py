@@ -1,23 +1,51 @@
-"""The Universal Checkpoint folder's layout rules, shared by its reader and its checker.
+"""The Universal Checkpoint folder's layout rules, shared by its writer, its reader, its checker and
+the load backend.
 
-File names (the copied model states, ``latest_universal``) and what DeepSpeed 0.19.8's
-``load_universal`` expects of a ``zero/<name>/<state>.pt`` file. Kept apart from
-:mod:`~pyckpt.universal.read` so that :mod:`pyckpt.universal.verify` gets the rules without the planners.
+File names (the per-parameter state files ``zero/<name>/<state>.pt``, ``zero/optimizer_state.pt``, the
+copied model states, ``latest_universal``) and what DeepSpeed 0.19.8's ``load_universal`` expects of
+a ``zero/<name>/<state>.pt`` file. Kept apart from :mod:`~pyckpt.universal.read` so that
+:mod:`pyckpt.universal.verify` gets the rules without the planners. Paths are relative to the
+universal folder and '/'-separated, as the plan's file names are.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Dict, List, Optional, Tuple
 
 from ..tensors import numel
 from ..formats.pickle_read import TensorRef
+from ..zero.names import ZERO12_MODEL_RE, ZERO3_MODEL_RE  # noqa: F401  (the layout's model-state files)
+
+# The folder of every parameter's states (one sub-folder per parameter) and of the optimizer's global state.
+STATES_FOLDER = "zero"
+OPTIMIZER_STATE_FILE = "optimizer_state.pt"
+OPTIMIZER_STATE = f"{STATES_FOLDER}/{OPTIMIZER_STATE_FILE}"
+STATE_SUFFIX = ".pt"
 LATEST_UNIVERSAL = "latest_universal"
-ZERO12_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt\Z")
-ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt\Z")
 # The layout keys of a universal state dict that DeepSpeed's loader reads, and their types.
 STATE_META_TYPES = {"cat_dim": int, "vocab_tensor": bool, "is_expert_param": bool, "ep_num_experts": int,
                     "param_n_sub_params": int}
+
+
+def state_file(state: str) -> str:
+    """The file of a parameter's ``state`` (``fp32``, ``exp_avg``, ...) in the parameter's folder."""
+    return state + STATE_SUFFIX
+
+
+def param_folder(name: str) -> str:
+    """The folder of parameter ``name``'s states (a name legal as a folder name, checked by the caller)."""
+    return f"{STATES_FOLDER}/{name}"
+
+
+def param_state_path(name: str, state: str) -> str:
+    return f"{param_folder(name)}/{state_file(state)}"
+
+
+def param_of_path(relpath: str):
+    """The parameter whose folder holds ``relpath`` (a path of a universal folder, '/'-separated), or
+    None for a file outside the parameter folders."""
+    parts = relpath.split("/")
+    return parts[1] if len(parts) == 3 and parts[0] == STATES_FOLDER else None
 
 
 def read_state(obj, stage) -> Tuple[Optional[TensorRef], dict, List[str]]:

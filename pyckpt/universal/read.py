@@ -36,11 +36,15 @@ from ..formats.pickle_read import TensorRef
 from ..formats.torch_zip import SourceFile
 from ..planning.plan import Piece
 from ..planning.collector import pauses_collector
+from ..planning.state import MOMENTS, STEP
 from ..zero.consolidated import ConsolidatedState, assemble, trainable_shapes
 from ..zero.discovery import follow_pointer, natural_key, parallel_degrees
 from ..zero.model_states import ModelStates, read_model_states
 from ..zero.names import missing_ranks
-from .layout import LATEST_UNIVERSAL, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, read_state
+from ..zero.optimizer_state import agreed_step
+from ..zero.shards import Step
+from .layout import (LATEST_UNIVERSAL, OPTIMIZER_STATE, STATES_FOLDER, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits,
+                     param_state_path, read_state)
 
 
 @dataclass
@@ -73,7 +77,7 @@ def find_universal_folder(path) -> Optional[str]:
     names = os.listdir(path)
     if "latest" in names or any(n.endswith("_optim_states.pt") for n in names):
         return None
-    if "zero" in names:
+    if STATES_FOLDER in names:
         return path
     if LATEST_UNIVERSAL in names:
         return follow_pointer(path, LATEST_UNIVERSAL)
@@ -85,7 +89,7 @@ def discover_universal(folder) -> UniversalCheckpoint:
     """Read and check a universal folder's copied model-state files (the per-parameter files are read
     by :func:`consolidate_universal`, each when its parameter is reached)."""
     folder = os.fspath(folder)
-    zero = os.path.join(folder, "zero")
+    zero = os.path.join(folder, STATES_FOLDER)
     if not os.path.isdir(zero):
         raise CheckpointFormatError(f"{zero}: not a folder: a Universal Checkpoint keeps every parameter's state in "
                                     "zero/<name>/")
@@ -153,14 +157,14 @@ def _trainable(uck: UniversalCheckpoint, dense_only: bool, state: str = "fp32") 
     in_module = {name for ms in uck.model for name in ms.module}
     for name, shape in trainable_shapes(uck).items():
         # read_model_states checked every param_shapes key to be one legal folder name
-        path = os.path.join(uck.folder, "zero", name, f"{state}.pt")
+        path = os.path.join(uck.folder, param_state_path(name, state))
         if not os.path.lexists(path):
             if dense_only and uck.stage != 3 and name not in in_module:
                 continue  # what the ZeRO export leaves out with dense_only; the conversion wrote nothing
             lister = next(ms for ms in uck.model if name in ms.shapes)
             raise CheckpointFormatError(f"{path}: missing: {os.path.basename(lister.path)} lists {name!r} as "
                                         f"trainable (param_shapes), and its {state} state is this file")
-        sf = SourceFile(inside(uck.folder, os.path.join("zero", name, f"{state}.pt")))
+        sf = SourceFile(inside(uck.folder, param_state_path(name, state)))
         obj = sf.load()
         tensor, meta, problems = read_state(obj, uck.stage)
         raw = not isinstance(obj, dict)
@@ -186,24 +190,24 @@ def universal_optimizer_states(uck: UniversalCheckpoint, trainable) -> Tuple[Dic
     moments as their fp32 masters are read (``_trainable``), the step as ``step.pt`` holds it (a 0-d
     tensor, or a number), the groups from ``zero/optimizer_state.pt``."""
     out: Dict[str, Dict[str, object]] = {name: {} for name in trainable}
-    for state in ("exp_avg", "exp_avg_sq"):
+    for state in MOMENTS:
         for name, t in _trainable(uck, False, state):
             if name in out:
                 out[name][state] = t
-    opt_file = SourceFile(inside(uck.folder, os.path.join("zero", "optimizer_state.pt")))
+    opt_file = SourceFile(inside(uck.folder, OPTIMIZER_STATE))
     opt = opt_file.load()
     groups = opt.get("param_groups") if isinstance(opt, dict) else None
     if not isinstance(groups, list):
         raise CheckpointFormatError(f"{opt_file.path}: holds no list of param_groups")
     shared = None
     for name in out:
-        if uck.stage == 3 and not os.path.lexists(os.path.join(uck.folder, "zero", name, "step.pt")):
+        if uck.stage == 3 and not os.path.lexists(os.path.join(uck.folder, param_state_path(name, STEP))):
             # DeepSpeed writes no step.pt from ZeRO-3; the step is in rank 0's optimizer state it keeps
             shared = shared if shared is not None else _zero3_step(opt_file, opt)
-            out[name]["step"] = shared
+            out[name][STEP] = shared
             continue
-        sf = SourceFile(inside(uck.folder, os.path.join("zero", name, "step.pt")))
-        out[name]["step"] = _step_value(sf, sf.load())
+        sf = SourceFile(inside(uck.folder, param_state_path(name, STEP)))
+        out[name][STEP] = _step_value(sf, sf.load())
     return out, groups
 
 
@@ -225,10 +229,9 @@ def _zero3_step(sf: SourceFile, opt) -> object:
     if not steps:
         raise CheckpointFormatError(f"{sf.path}: no Adam step in its optimizer_state_dict, and the parameters have no "
                                     "step.pt")
-    keys = {(s.dtype, sf.read_bytes(*sf.tensor_byte_range(s))) if isinstance(s, TensorRef) else s for s in steps}
-    if len(keys) != 1:
-        raise CheckpointFormatError(f"{sf.path}: its sub-groups disagree on the Adam step")
-    return _step_value(sf, steps[0])
+    step = agreed_step([Step(sf, s) for s in steps],
+                       lambda _: CheckpointFormatError(f"{sf.path}: its sub-groups disagree on the Adam step"))
+    return _step_value(sf, step.value)
 
 
 def local_shapes(uck: UniversalCheckpoint) -> Dict[str, Dict[int, tuple]]:

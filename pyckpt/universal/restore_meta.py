@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from ..tensors import numel
+from ..zero.tp_merge import SCALE_POWER
 from .slice import Run, append_run, remap, select_along
 
 
@@ -94,10 +95,6 @@ def _scaled_anywhere(serialized: dict) -> bool:
         float(p.get("scale", 1.0)) != 1.0 for r in ranks.values() if isinstance(r, dict) for p in r.get("pieces") or ())
 
 
-# How a piece's scale applies to each stored state (deepspeed/checkpoint/affine.py SCALE_POWER_BY_STATE).
-_SCALE_POWER = {"fp32": 1, "exp_avg": -1, "exp_avg_sq": -2}
-
-
 def autotp_runs(meta: dict, full_shape: Sequence[int], base: List[Run], tp_rank: int, tp_size: int,
                 state_key: str) -> Optional[List[Run]]:
     """``_resolve_autotp_partition``: the rank's flattened shard of the (EP-sliced) file tensor whose
@@ -113,7 +110,8 @@ def autotp_runs(meta: dict, full_shape: Sequence[int], base: List[Run], tp_rank:
     if affine is not None:
         logical = numel(_ints(affine.get("logical_shape"), "logical_shape"))
         if _rank_entry(affine.get("ranks"), tp_rank) is not None and logical == full:
-            if _SCALE_POWER.get(state_key, 1) != 1 and _scaled_anywhere(affine):
+            # a piece's scale applies to each stored state by its power (deepspeed/checkpoint/affine.py)
+            if SCALE_POWER.get(state_key, 1) != 1 and _scaled_anywhere(affine):
                 raise NotImplementedError(
                     'Converting an optimizer state through a scaled piece is not supported: the moments transform '
                     'correctly, but the optimizer group hyperparameters would still be in the source coordinate, '

@@ -14,19 +14,7 @@ from ..planning.plan import Plan
 from ..planning.state import CheckpointState
 from ..zero.discovery import ZeroCheckpoint
 from ..zero.read import read_zero_state
-
-OPTIMIZER_STATE = "zero/optimizer_state.pt"
-
-
-def param_state_path(name: str, state: str) -> str:
-    return f"zero/{name}/{state}.pt"
-
-
-def param_of_path(relpath: str):
-    """The parameter whose folder holds ``relpath`` (a path of a universal folder, '/'-separated), or
-    None for a file outside the parameter folders."""
-    parts = relpath.split("/")
-    return parts[1] if len(parts) == 3 and parts[0] == "zero" else None
+from .layout import OPTIMIZER_STATE, param_state_path
 
 
 def universal_plan(state: CheckpointState) -> Plan:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, List, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..tensors import FLOATING, ITEMSIZE, NewTensor, numel
@@ -26,6 +26,7 @@ from ..formats.pickle_read import TensorRef
 from ..formats.dtype_cast import cast_bytes
 from ..native import CONVERT_TO_F32, KIND_COPY, KIND_SOURCE_DTYPE, cast_kind
 from ..planning.plan import Piece
+from ..planning.state import FP32, MOMENTS, STEP
 from .discovery import ZeroCheckpoint
 from .model_states import ModelStates
 from .read import read_zero_state
@@ -39,19 +40,28 @@ class ConsolidatedState:
     aliases: "OrderedDict[str, str]" = field(default_factory=OrderedDict)
     buffers: Tuple[str, ...] = ()
     frozen: Tuple[str, ...] = ()
+    # name -> {exp_avg, exp_avg_sq, step} as the same read of the optimizer shards found them
+    # (consolidate(optimizer=True)); None where they were not asked for
+    optimizer_states: Optional[Dict[str, Dict[str, object]]] = None
 
     def names(self) -> List[str]:
         """Every key of the state dict, in zero_to_fp32's order."""
         return list(self.tensors) + list(self.aliases)
 
 
-def consolidate(ck: ZeroCheckpoint, exclude_frozen: bool = False, dense_only: bool = False) -> ConsolidatedState:
+def consolidate(ck: ZeroCheckpoint, exclude_frozen: bool = False, dense_only: bool = False,
+                optimizer: bool = False) -> ConsolidatedState:
+    """``zero_to_fp32``'s state dict of ``ck``; ``optimizer`` also keeps every trainable parameter's Adam
+    moments and step, found by the same read of the optimizer shards (``optimizer_states``)."""
+    read: Dict[str, Dict[str, object]] = {}
+
     def trainable() -> Iterator[Tuple[str, NewTensor]]:
         # An input without universal_checkpoint_info is fine here as for zero_to_fp32, except where the
         # TP merge rules would be guessed.
         state, _ = read_zero_state(ck, inject_missing_state=ck.tp * ck.pp == 1, dense_only=dense_only, strict=False,
-                                   states=("fp32", ))
-        fp32 = {name: held["fp32"] for name, held in state.params.items() if "fp32" in held}
+                                   states=(FP32, ) + (MOMENTS + (STEP, ) if optimizer else ()))
+        read.update(state.params)
+        fp32 = {name: held[FP32] for name, held in state.params.items() if FP32 in held}
         for name, shape in trainable_shapes(ck).items():
             obj = fp32.get(name)
             if obj is None:
@@ -66,7 +76,12 @@ def consolidate(ck: ZeroCheckpoint, exclude_frozen: bool = False, dense_only: bo
                 t = NewTensor(t.dtype, shape, t.pieces, t.requires_grad, t.data)  # ZeRO-3 writes flat 1-D tensors
             yield name, t
 
-    return assemble(ck, trainable, exclude_frozen)
+    out = assemble(ck, trainable, exclude_frozen)
+    if optimizer:
+        # as a read of the moments and step alone holds them: a parameter none of them was found for is absent
+        rest = {name: {k: v for k, v in held.items() if k != FP32} for name, held in read.items()}
+        out.optimizer_states = {name: held for name, held in rest.items() if held}
+    return out
 
 
 def assemble(ck, trainable: Callable[[], Iterable[Tuple[str, NewTensor]]], exclude_frozen: bool) -> ConsolidatedState:

@@ -17,12 +17,11 @@ from ..formats.confined import check_links_inside, inside, read_small_text
 from ..formats.torch_zip import SourceFile, iter_sources
 from ..planning.collector import pauses_collector
 from .model_states import ModelStates, read_model_states
-from .names import check_tag, missing_ranks
+from .names import ZERO3_MODEL_RE, check_tag, missing_ranks
 from .shard_row import ShardRow
 from .shards import ZeroShard, read_zero_shard, read_zero_stage
 
 _ZERO_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt\Z")
-_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt\Z")
 
 
 def natural_key(text: str):
@@ -36,11 +35,6 @@ def is_expert_model_file(name: str) -> bool:
 
 def expert_files_in(names) -> List[str]:
     return sorted(n for n in names if is_expert_model_file(n))
-
-
-def resolve_tag_folder(path) -> str:
-    """Accept the tag folder itself, or the save_dir holding ``latest``."""
-    return _tag_folder_and_names(path)[0]
 
 
 def _tag_folder_and_names(path):
@@ -279,7 +273,7 @@ def _discover_zero3(folder, names, zero_names, first) -> ZeroCheckpoint:
         raise CheckpointFormatError(f"can't find ZeRO Stage 3 model state files in directory '{folder}'")
     by_rank = {}
     for n in model_names:
-        m = _ZERO3_MODEL_RE.match(n)
+        m = ZERO3_MODEL_RE.match(n)
         if m:
             by_rank[(int(m.group(2)), int(m.group(1)))] = n
     for t in range(tp):

@@ -25,6 +25,10 @@ import re
 from ..errors import CheckpointFormatError
 
 NAME_MAX = 255
+# DeepSpeed's model-state file names (engine._get_ckpt_name, _get_zero_ckpt_name): ZeRO-1/2 writes one per
+# model-parallel rank, ZeRO-3 one per data- and model-parallel rank; a Universal Checkpoint keeps them.
+ZERO12_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt\Z")
+ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt\Z")
 _FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f/\\]")  # C0 and C1 controls, DEL, both slashes
 
 

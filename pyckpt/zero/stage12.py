@@ -19,12 +19,12 @@ from ..tensors import ITEMSIZE, NewTensor, numel
 from ..formats.pickle_read import TensorRef
 from ..native import CONVERT_TO_F32
 from ..planning.plan import Piece, Segments
-from ..planning.state import CheckpointState
+from ..planning.state import TENSOR_STATES, CheckpointState
 from .autoep.layers import (ZERO12_PATTERNS, aggregate_zero12, check_expert_files, resaved_model_states,
                             zero12_param_info)
 from .autoep.stage12 import Holding, plan_zero12_experts
 from .discovery import ZeroCheckpoint, expert_files_in
-from .optimizer_state import STATES, universal_optimizer_state
+from .optimizer_state import universal_optimizer_state
 from .tp_merge import Slice, TpRules
 from .shards import Step
 
@@ -133,7 +133,7 @@ def plan_zero12(ck: ZeroCheckpoint, state: CheckpointState, inject_missing_state
     autoep_info = zero12_param_info(layers, ck.model[0].path) if layers is not None else {}
     # dense_only: leave out what lives in expert-parallel param groups
     expert_groups = set() if layers is None and expert_file_names else None
-    wanted = state.wanted(STATES)
+    wanted = state.wanted(TENSOR_STATES)
     gathered, holdings = [], {}
     for row in ck.optim_grid:  # AutoEP has one row (tp = pp = 1, checked above)
         held, holdings = _gather(row, wanted, ck.dp, state.wants("step"), autoep_info.keys(), expert_groups)

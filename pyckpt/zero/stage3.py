@@ -13,10 +13,10 @@ from typing import Dict
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError
 from ..tensors import ITEMSIZE, NewTensor, numel
 from ..planning.plan import Segments
-from ..planning.state import CheckpointState
+from ..planning.state import TENSOR_STATES, CheckpointState
 from .autoep.stage3 import plan_zero3_experts
 from .discovery import ZeroCheckpoint
-from .optimizer_state import STATES, universal_optimizer_state
+from .optimizer_state import universal_optimizer_state
 from .tp_merge import Slice, TpRules
 from .stage3_partition import shard_pieces
 
@@ -48,7 +48,7 @@ def plan_zero3(ck: ZeroCheckpoint, state: CheckpointState, strict: bool = True) 
                                          "(tensor parallel) ZeRO-3 checkpoint is not supported (nor by DeepSpeed)")
     rules = TpRules(ck.model[0].universal_info or {}, ck.tp, ck.folder, ck.model[0].path) if ck.tp > 1 else None
     experts = plan_zero3_experts(ck, state)
-    keys = state.wanted(STATES)
+    keys = state.wanted(TENSOR_STATES)
     extracted = [_extract(ck, t, experts, keys) for t in range(ck.tp)]
     names = [n for n in ck.model_grid[0][0].shapes if n not in experts]
     for name in names:

@@ -26,6 +26,7 @@ from typing import List, Optional, Tuple
 
 from ...errors import PyckptError, UnsafePickleError
 from ...formats.pickle_read import OPAQUE_CLASSES, OPAQUE_ENUMS
+from ...universal.layout import OPTIMIZER_STATE_FILE, STATE_SUFFIX, STATES_FOLDER
 
 TRUST_HINT = ("pyckpt does not let a checkpoint run code; if you trust this checkpoint, "
               "pyckpt.deepspeed.enable(trust_pickles=True) gives it to DeepSpeed's own reader "
@@ -83,7 +84,7 @@ def _universal_state_files(checkpoint_folder: str) -> List[str]:
     """Every file DeepSpeed's universal loader may unpickle: ``zero/optimizer_state.pt`` and each
     ``zero/<name>/<key>.pt`` (DeepSpeed opens the files of every folder a parameter names, following
     links; the names here are the folder's own)."""
-    zero = os.path.join(checkpoint_folder, "zero")
+    zero = os.path.join(checkpoint_folder, STATES_FOLDER)
     out = []
     try:
         entries = sorted(os.listdir(zero))
@@ -96,8 +97,8 @@ def _universal_state_files(checkpoint_folder: str) -> List[str]:
                 names = sorted(os.listdir(path))
             except OSError:
                 continue
-            out.extend(os.path.join(path, n) for n in names if n.endswith(".pt") and len(n) > 3)
-        elif entry == "optimizer_state.pt":
+            out.extend(os.path.join(path, n) for n in names if n.endswith(STATE_SUFFIX) and len(n) > len(STATE_SUFFIX))
+        elif entry == OPTIMIZER_STATE_FILE:
             out.append(path)
     return out
 

@@ -16,6 +16,7 @@ import os
 from typing import Optional, Tuple
 
 from ...errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError
+from ...universal.layout import STATES_FOLDER
 from ...zero.discovery import follow_pointer
 from . import topology, zero_view
 from .pickle_policy import TRUST_HINT
@@ -27,7 +28,7 @@ def is_zero_tag_folder(path: str) -> bool:
         names = os.listdir(path)
     except OSError:
         return False
-    return any(n.endswith("_optim_states.pt") for n in names) and "zero" not in names
+    return any(n.endswith("_optim_states.pt") for n in names) and STATES_FOLDER not in names
 
 
 def zero_target(load_dir: str, tag: Optional[str]) -> Optional[Tuple[str, str]]:

@@ -19,14 +19,15 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
+from ...universal.layout import state_file
 from ...universal.slice import zero3_partition_runs
 from ...errors import CheckpointFormatError
+from ...planning.state import MOMENTS, TENSOR_STATES
 from . import restore_targets
 from .gather import TensorFill, state_buffer
 from .state_files import FolderStates, loss_scaler
 from .unsupported import Unsupported
 
-KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 # Keys of a param group that name the live engine's MoE group (DeepSpeed's
 # split_params_into_different_moe_groups_for_optimizer: "ep_size_4" after a load at another
 # expert-parallel size), not training hyper-parameters: a run that never checkpointed keeps its own.
@@ -83,7 +84,7 @@ def _param_runs(opt, states, keys, cache: Dict[str, object]) -> List[tuple]:
             for key in keys:
                 sf = ps.states.get(key)
                 if sf is None:
-                    raise CheckpointFormatError(f"{os.path.join(ps.folder, key + '.pt')}: missing")
+                    raise CheckpointFormatError(f"{os.path.join(ps.folder, state_file(key))}: missing")
                 files[key] = sf
                 runs[key] = _state_runs(opt, param, sf, autotp)
             if len({sum(n for _, n in r) for r in runs.values()}) != 1:
@@ -125,7 +126,7 @@ def plan(opt, checkpoint_dir: str, load_optimizer_states: bool, load_from_fp32_w
         raise CheckpointFormatError(f"{gs.path}: {len(gs.param_groups)} optimizer param groups, but the optimizer "
                                     f"being loaded has {n_live}")
     scaler = loss_scaler(gs.raw["loss_scaler"], None, gs.path) if "loss_scaler" in gs.raw else None
-    per_group = _param_runs(opt, states, KEYS, {})
+    per_group = _param_runs(opt, states, TENSOR_STATES, {})
     extra = sorted({k for entries in per_group for _, files, _ in entries for k in files} - {"fp32"})
 
     def apply(workers: int = 0) -> int:
@@ -143,7 +144,7 @@ def plan(opt, checkpoint_dir: str, load_optimizer_states: bool, load_from_fp32_w
             nbytes += fill.bytes_read
             step = gs.step
             opt.optimizer.state[flat]["step"] = step.clone() if torch.is_tensor(step) else step
-            for key in KEYS[1:] + tuple(k for k in extra if k not in KEYS):
+            for key in MOMENTS + tuple(k for k in extra if k not in TENSOR_STATES):
                 # _fill writes every element, zeros included
                 buffer = state_buffer(opt.optimizer.state[flat], key, flat)
                 fill = _fill(buffer, entries, key)

@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
 from ...zero.names import check_param_name
-from ...universal.layout import read_state
+from ...planning.state import STEP
+from ...universal.layout import (OPTIMIZER_STATE, OPTIMIZER_STATE_FILE, STATE_SUFFIX, STATES_FOLDER, param_folder,
+                                 read_state, state_file)
 from ...errors import CheckpointFormatError
 from ...formats.confined import inside
 from ...tensors import ITEMSIZE
 from ...formats.pickle_read import Opaque, TensorRef
 from ...formats.torch_zip import SourceFile
 
-STEP = "step"
 # DeepSpeed picks up every "<key>.pt" of a parameter's folder as a state (an unanchored search for
 # "(.+).pt" in each name); the anchored form takes the same files for every name DeepSpeed writes.
-_STATE_FILE = re.compile(r"^(.+)\.pt\Z")
+_STATE_FILE = re.compile(r"^(.+)" + re.escape(STATE_SUFFIX) + r"\Z")
 _SCALAR_DTYPES = {"float32": "f", "float64": "d", "int64": "q", "int32": "i"}
 
 
@@ -49,7 +50,7 @@ class ParamStates:
     label: Any = None
 
     def path_of(self, key: str) -> str:
-        return self.label(key) if self.label else os.path.join(self.folder, f"{key}.pt")
+        return self.label(key) if self.label else os.path.join(self.folder, state_file(key))
 
 
 def scalar_tensor(dtype: str, shape, numel: int, read, where: str):
@@ -99,7 +100,7 @@ def read_param_states(zero_dir: str, name: str, stage: int) -> ParamStates:
             continue
         key = m.group(1)
         # a state file that links out of the checkpoint is refused, whatever DeepSpeed would follow
-        source = SourceFile(inside(os.path.dirname(zero_dir), os.path.join("zero", name, entry)))
+        source = SourceFile(inside(os.path.dirname(zero_dir), f"{param_folder(name)}/{entry}"))
         obj = source.load()
         if key == STEP:
             out.step = read_step(source, obj)
@@ -152,10 +153,10 @@ def _bad(where: str, record):
 
 
 def read_global_state(zero_dir: str, stage: int) -> GlobalState:
-    path = os.path.join(zero_dir, "optimizer_state.pt")
+    path = os.path.join(zero_dir, OPTIMIZER_STATE_FILE)
     # DeepSpeed's own message, so that a load fails the same way with pyckpt enabled.
     assert os.path.isfile(path), f'{path} containing optimizer global state is missing! Cannot proceed.'
-    source = SourceFile(inside(os.path.dirname(zero_dir), os.path.join("zero", "optimizer_state.pt")))
+    source = SourceFile(inside(os.path.dirname(zero_dir), OPTIMIZER_STATE))
     return global_state_of(source.load(), path, stage, source)
 
 
@@ -182,7 +183,7 @@ class FolderStates:
     """The ``zero/`` folder of a Universal Checkpoint on disk: what the planners read."""
 
     def __init__(self, checkpoint_dir: str):
-        self.zero_dir = os.path.join(checkpoint_dir, "zero")
+        self.zero_dir = os.path.join(checkpoint_dir, STATES_FOLDER)
 
     def global_state(self, stage: int) -> GlobalState:
         return read_global_state(self.zero_dir, stage)

@@ -19,10 +19,10 @@ import os
 from typing import Dict, List, Tuple
 
 from ...zero.discovery import discover
-from ...universal.layout import STATE_META_TYPES
+from ...universal.layout import OPTIMIZER_STATE, STATE_META_TYPES, param_folder, param_state_path
 from ...zero.read import read_zero_state
-from ...universal.write import OPTIMIZER_STATE, param_state_path
 from ...errors import CheckpointFormatError, metadata_errors
+from ...planning.state import STEP
 from ...tensors import ITEMSIZE, NewTensor
 from ...native import KIND_COPY, KIND_SOURCE_DTYPE
 from .state_files import GlobalState, ParamStates, StateFile, global_state_of, scalar_tensor
@@ -103,7 +103,7 @@ class ZeroView:
         return global_state_of(self.state.optimizer, self._label(OPTIMIZER_STATE), stage, self.ck.optim[0].file)
 
     def param_states(self, name: str, stage: int) -> ParamStates:
-        folder = self._label(f"zero/{name}")
+        folder = self._label(param_folder(name))
         objs = self._by_param.get(name)
         if objs is None:
             raise CheckpointFormatError(f"{self.folder}: the checkpoint has no state for parameter {name!r} of the "
@@ -111,7 +111,7 @@ class ZeroView:
         out = ParamStates(folder, label=lambda key: self._label(param_state_path(name, key)))
         for key, obj in sorted(objs.items()):
             label = self._label(param_state_path(name, key))
-            if key == "step":
+            if key == STEP:
                 out.step = _scalar(obj, label) if isinstance(obj, NewTensor) else obj
                 continue
             tensor, meta = (obj.get("param"), {k: v for k, v in obj.items() if k != "param"}) \

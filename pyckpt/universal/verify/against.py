@@ -19,7 +19,8 @@ from ...native import KIND_SOURCE_DTYPE
 from ...tensors import ITEMSIZE, NewTensor, numel
 from ...zero.discovery import discover
 from ...zero.read import read_zero_state
-from ..write import param_of_path, universal_plan
+from ..layout import param_folder, param_of_path
+from ..write import universal_plan
 from .layout_rules import CheckedFiles, shape_tuple
 from .report import VerifyReport
 
@@ -58,7 +59,7 @@ def verify_against(folder, against, report, files: CheckedFiles, inject_missing_
         if param is not None and param not in present_params:
             if param not in missing_params:  # one line for the whole folder, not one per state file
                 missing_params.add(param)
-                report.add(os.path.join(folder, "zero", param), f"missing parameter folder: converting "
+                report.add(os.path.join(folder, param_folder(param)), f"missing parameter folder: converting "
                            f"{ck.folder} writes it")
             continue
         report.add(os.path.join(folder, rel), f"missing: converting {ck.folder} writes it")
@@ -68,7 +69,7 @@ def verify_against(folder, against, report, files: CheckedFiles, inject_missing_
         if param is not None and param not in planned_params:
             if param not in reported_dirs:
                 reported_dirs.add(param)
-                report.add(os.path.join(folder, "zero", param), f"extra parameter: converting {ck.folder} "
+                report.add(os.path.join(folder, param_folder(param)), f"extra parameter: converting {ck.folder} "
                            "writes no such folder")
             continue
         report.add(os.path.join(folder, rel), f"extra file: converting {ck.folder} does not write it")

@@ -9,7 +9,7 @@ from typing import Optional
 from ...errors import CheckpointFormatError, VerifyInputError
 from ...formats.confined import read_small_text
 from ...zero.names import check_tag
-from ..layout import LATEST_UNIVERSAL
+from ..layout import LATEST_UNIVERSAL, STATES_FOLDER
 from .report import VerifyReport
 
 
@@ -22,7 +22,7 @@ def resolve_universal_folder(path, report: Optional[VerifyReport] = None) -> Opt
     if not os.path.isdir(path):
         raise VerifyInputError(f"{path}: not a folder")
     names = os.listdir(path)
-    if "zero" in names or any(n.endswith("_model_states.pt") for n in names):
+    if STATES_FOLDER in names or any(n.endswith("_model_states.pt") for n in names):
         return path
     latest = os.path.join(path, LATEST_UNIVERSAL)
     if not os.path.lexists(latest):

@@ -11,13 +11,17 @@ from ...errors import CheckpointFormatError, PyckptError
 from ...formats.pickle_read import TensorRef
 from ...formats.torch_zip import SourceFile
 from ...formats.zip_integrity import member_crc_problems
+from ...planning.state import ALL_STATES, FP32, STEP, TENSOR_STATES
 from ...tensors import numel
 from ...zero.names import missing_ranks, name_problem
-from ..layout import ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, read_state
+from ..layout import (OPTIMIZER_STATE_FILE, STATES_FOLDER, ZERO3_MODEL_RE, ZERO12_MODEL_RE, fits, param_folder,
+                      read_state, state_file)
 from .report import VerifyReport
 
-STATE_FILES = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt")
-MOMENTS = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt")
+STATE_FILES = tuple(state_file(s) for s in ALL_STATES)
+TENSOR_FILES = tuple(state_file(s) for s in TENSOR_STATES)
+MASTER_FILE = state_file(FP32)
+STEP_FILE = state_file(STEP)
 
 
 class CheckedFiles:
@@ -136,21 +140,21 @@ def _collect_shapes(models, stage):
 
 def _check_param(folder: str, name: str, report: VerifyReport, files: CheckedFiles, stage, expected_states,
                  local: Dict[int, tuple], tp: int, where: Optional[str]):
-    pdir = os.path.join(folder, "zero", name)
+    pdir = os.path.join(folder, param_folder(name))
     present = sorted(os.listdir(pdir))
     for f in present:
         if f not in STATE_FILES:
             # load_hp_checkpoint_state torch.loads every *.pt in the folder and indexes ['param'].
             report.add(os.path.join(pdir, f), "unexpected file in a parameter folder (DeepSpeed's loader reads every "
                        "*.pt here)")
-    if "fp32.pt" not in present:
-        report.add(os.path.join(pdir, "fp32.pt"), "missing: every parameter needs its fp32 master weights")
+    if MASTER_FILE not in present:
+        report.add(os.path.join(pdir, MASTER_FILE), "missing: every parameter needs its fp32 master weights")
     for f in expected_states:
-        if f != "fp32.pt" and f not in present:
+        if f != MASTER_FILE and f not in present:
             report.add(os.path.join(pdir, f), "missing, although the other trainable parameters have it")
     shapes: Dict[str, tuple] = {}
     metas: Dict[str, dict] = {}
-    for f in MOMENTS:
+    for f in TENSOR_FILES:
         if f not in present:
             continue
         path = os.path.join(pdir, f)
@@ -165,7 +169,7 @@ def _check_param(folder: str, name: str, report: VerifyReport, files: CheckedFil
         shapes[f] = shape_tuple(tensor.shape)
         metas[f] = meta
     if shapes:
-        ref_file = "fp32.pt" if "fp32.pt" in shapes else next(iter(shapes))
+        ref_file = MASTER_FILE if MASTER_FILE in shapes else next(iter(shapes))
         ref = shapes[ref_file]
         for f, s in shapes.items():
             if s != ref:
@@ -177,8 +181,8 @@ def _check_param(folder: str, name: str, report: VerifyReport, files: CheckedFil
                 shown = ", ".join(f"tp{t}: {list(v)}" for t, v in sorted(local.items()))
                 report.add(os.path.join(pdir, f), f"shape {list(s)} does not agree with the shape recorded in "
                            f"{os.path.basename(where) if where else 'the model states'} ({shown})")
-    if "step.pt" in present:
-        path = os.path.join(pdir, "step.pt")
+    if STEP_FILE in present:
+        path = os.path.join(pdir, STEP_FILE)
         sf, obj = files.open(path)
         if sf is not None and obj is not None:
             if isinstance(obj, TensorRef):
@@ -192,11 +196,11 @@ def verify_folder(folder: str, report: VerifyReport, files: CheckedFiles) -> Non
     """Every rule DeepSpeed's universal loader relies on, checked on the files present."""
     names = sorted(os.listdir(folder))
     stage, tp, models = _model_files(folder, names, report, files)
-    zero = os.path.join(folder, "zero")
+    zero = os.path.join(folder, STATES_FOLDER)
     if not os.path.isdir(zero):
         report.add(zero, "missing: the per-parameter states and optimizer_state.pt live here")
         return
-    opt_path = os.path.join(zero, "optimizer_state.pt")
+    opt_path = os.path.join(zero, OPTIMIZER_STATE_FILE)
     if not os.path.lexists(opt_path):
         report.add(opt_path, "missing: DeepSpeed's universal loader asserts it exists")
     else:
@@ -231,7 +235,7 @@ def verify_folder(folder: str, report: VerifyReport, files: CheckedFiles) -> Non
     params = []
     for entry in entries:
         path = os.path.join(zero, entry)
-        if entry == "optimizer_state.pt":
+        if entry == OPTIMIZER_STATE_FILE:
             continue
         if not os.path.isdir(path):
             report.add(path, "unexpected file in zero/ (only parameter folders and optimizer_state.pt belong here)")
@@ -255,7 +259,7 @@ def verify_folder(folder: str, report: VerifyReport, files: CheckedFiles) -> Non
             peers |= {f for f in os.listdir(os.path.join(zero, name)) if f in STATE_FILES}
     for name in params:
         local = trainable.get(name) or module.get(name) or {}
-        needs = peers if name in trainable and any(numel(s) for s in local.values()) else {"fp32.pt"}
+        needs = peers if name in trainable and any(numel(s) for s in local.values()) else {MASTER_FILE}
         _check_param(folder, name, report, files, stage, sorted(needs), local, tp, where.get(name))
     report.params = len(params)
     for dirpath, dirnames, filenames in os.walk(folder):

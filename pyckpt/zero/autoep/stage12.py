@@ -17,8 +17,8 @@ from ...errors import AutoEPError
 from ...tensors import ITEMSIZE, NewTensor, numel
 from ...native import CONVERT_TO_F32
 from ...planning.plan import Segments
-from ...planning.state import CheckpointState
-from ..optimizer_state import STATES, agreed_step
+from ...planning.state import TENSOR_STATES, CheckpointState
+from ..optimizer_state import agreed_step
 from ..shards import FlatGroup, Fragment, ZeroShard
 from .layers import in_files, zero12_dp_ranks
 
@@ -47,7 +47,7 @@ def plan_zero12_experts(ck, out: CheckpointState, fragments: Dict[str, List[Hold
         local_numel = numel(local_shape)
         by_rank = {held[0].dp_rank: held for held in fragments.get(name, [])}
         full_shape = (n_exp, ) + local_shape[1:]
-        for state in out.wanted(STATES):
+        for state in out.wanted(TENSOR_STATES):
             ep_parts = []  # per EP rank: (Segments, dtype, requires_grad)
             absent = _absent_moment(state, by_rank)
             if absent:

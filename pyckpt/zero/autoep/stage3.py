@@ -16,8 +16,7 @@ from typing import Dict, Tuple
 from ...errors import AutoEPError, UnsupportedCheckpointError
 from ...tensors import ITEMSIZE, NewTensor, numel
 from ...planning.plan import Segments
-from ...planning.state import CheckpointState
-from ..optimizer_state import STATES
+from ...planning.state import TENSOR_STATES, CheckpointState
 from ..stage3_partition import shard_pieces
 from .layers import (WEIGHTS, ZERO3_PATTERNS, Placement, in_files, is_partitioned, placement_of, resaved_model_states,
                      validate_zero3)
@@ -75,7 +74,7 @@ def plan_zero3_experts(ck, out: CheckpointState) -> set:
                 raise AutoEPError(f"AutoEP expert shard shape mismatch for {name}, EP rank {ep_rank}: got "
                                   f"{shape}, expected {expected} (in {ms.path}).")
             local_shape_of[(name, ep_rank)] = shape
-            for state in out.wanted(STATES):
+            for state in out.wanted(TENSOR_STATES):
                 t = group.tensor(state)
                 if t is None:
                     if state == "fp32":
