@@ -1,55 +1,15 @@
-"""Command line: ``pyckpt inspect CKPT`` and ``python -m pyckpt.describe CKPT``.
+"""``python -m pyckpt.describe CKPT``: the documented entry point of ``pyckpt inspect``, which lives in
+:mod:`pyckpt.cli.inspect`; this module only forwards to its ``main``."""
 
-The module is not named ``inspect``, the standard library's name; the subcommand keeps the word users
-type.
-"""
-
-import json
 import sys
 
-# Light (os, signal, sys): nothing slow runs before the handler below is in place.
+# Light (os, signal, sys): a Ctrl-C from here on is one line, not a traceback from whichever import it hit.
 from .cli.common import starting
 
 if __name__ == "__main__":
     starting()
 
-from .cli import common as cli_common  # noqa: E402  (after the start-up handler on purpose)
-from .cli.common import add_common_flags
-
-DESCRIPTION = ("Show a DeepSpeed ZeRO checkpoint's stage, dp degree, dtypes, parameter count, bytes and files. "
-               "Reads only the pickled metadata; runs no code from it.")
-IMPORTS = ("pyckpt.zero.describe",)  # numpy and the native module: loaded as part of start-up
-
-
-def add_arguments(p) -> None:
-    p.add_argument("checkpoint", help="tag folder, or the folder holding `latest`")
-    add_common_flags(p, json="machine-readable output")
-
-
-def run(args) -> int:
-    from .errors import printable, printable_line
-    from .zero.describe import describe
-    info = describe(args.checkpoint)
-    if args.json:
-        print(json.dumps(info, indent=2, default=str))  # escapes every control character itself
-        return 0
-    # The values come from the checkpoint (ds_version, the tag `latest` names, file names): a string is
-    # shown escaped, so that none can forge a line of this output or drive the terminal.
-    for key, value in info.items():
-        if key == "file_sizes":
-            print("files:")
-            for name, size in value.items():
-                print(f"  {size:>14,d}  {printable(name)}")
-        elif key == "resumable_at":
-            print(f"resumable at: {printable_line(value)}")
-        elif key != "resumable":  # the same in words above
-            print(f"{key}: {printable(value) if isinstance(value, str) else printable_line(str(value))}")
-    return 0
-
-
-def main(argv=None) -> int:
-    return cli_common.main(sys.modules[__name__], "python -m pyckpt.describe", argv)
-
+from .cli.inspect import main  # noqa: E402  (after the start-up handler on purpose)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,7 +6,9 @@
 # bit); DeepSpeed resumes on 3 ranks through pyckpt's accelerated loader (state checked).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# The test extras (DeepSpeed, transformers, tokenizers) with the release build of the native module, as a
+# user's install has it: no test hooks (scripts/setup.sh; scripts/test.sh installs the test build again).
+PYCKPT_TESTING=OFF bash scripts/setup.sh
 . .venv/bin/activate
 cd "${TMPDIR:-/tmp}"
 exec python -m pyckpt.demo "$@"

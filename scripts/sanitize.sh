@@ -12,8 +12,10 @@ PIP_CONSTRAINT="$PWD/constraints.txt" python -m pip install --quiet pybind11
 BUILD=build/sanitize
 GENERATOR=()
 command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+# With the test hooks (PYCKPT_TESTING): the fault-injection and portable-kernel tests run under the sanitizers too.
 cmake -S . -B "$BUILD/cmake" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYCKPT_SANITIZE=ON \
-  -DPython_EXECUTABLE="$(command -v python)" -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" >/dev/null
+  -DPYCKPT_TESTING=ON -DPython_EXECUTABLE="$(command -v python)" \
+  -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" >/dev/null
 cmake --build "$BUILD/cmake" >/dev/null
 # An importable copy of the package with the instrumented module, put first on PYTHONPATH.
 rm -rf "$BUILD/pkg" && mkdir -p "$BUILD/pkg"

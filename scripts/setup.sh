@@ -9,7 +9,11 @@ PY=${PYTHON:-python3}
 # The constraints also reach pip's isolated build environment (scikit-build-core, pybind11) this way.
 export PIP_CONSTRAINT="$PWD/constraints.txt"
 python -m pip install --quiet torch numpy
-python -m pip install --quiet ".[${PYCKPT_EXTRAS:-test}]"
+# The test build (the default, PYCKPT_EXTRAS=test) compiles the native test hooks, pyckpt._core.testing, that the
+# tests drive; any other set of extras, or PYCKPT_TESTING=OFF, installs the release build without them, as a
+# plain `pip install .` does (CMakeLists.txt, option PYCKPT_TESTING).
+if [ "${PYCKPT_EXTRAS:-test}" = test ]; then TESTING=${PYCKPT_TESTING:-ON}; else TESTING=${PYCKPT_TESTING:-OFF}; fi
+python -m pip install --quiet -C cmake.define.PYCKPT_TESTING="$TESTING" ".[${PYCKPT_EXTRAS:-test}]"
 if [ "${PYCKPT_EXTRAS:-test}" = test ]; then
     # torchtitan's wheel asks for a nightly torch: installed without dependencies, at the pins of
     # constraints.txt (what its Llama3 model, state-dict adapter and optimizer utilities import)

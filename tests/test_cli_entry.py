@@ -1,4 +1,4 @@
-"""The pyckpt console script (pyckpt/cli.py): subcommands that are the python -m entry points.
+"""The pyckpt console script (pyckpt/cli/): subcommands that are the python -m entry points.
 
 Most checks call cli.main in-process; those about the installed script, start-up cost and signals
 start it. The slow ones run it on a real DeepSpeed checkpoint next to python -m pyckpt.convert.
@@ -18,13 +18,14 @@ import pytest
 
 from pyckpt import cli
 from pyckpt.cli import common as cli_common
-from pyckpt.execution.publish import stale_entries
+from pyckpt.execution.leftovers import stale_entries
 
 from child_signals import default_signals
 from compare import digest
 
 SCRIPT = Path(sys.executable).with_name("pyckpt")
-MODULES = {"convert": "pyckpt.convert", "inspect": "pyckpt.describe", "verify": "pyckpt.verify"}
+MODULES = {"convert": "pyckpt.convert", "export": "pyckpt.export", "inspect": "pyckpt.describe",
+           "verify": "pyckpt.verify"}
 
 
 def run(*args, check=False):
@@ -76,7 +77,7 @@ def test_console_script_is_installed_and_lists_the_subcommands():
     assert SCRIPT.is_file() and os.access(SCRIPT, os.X_OK), f"{SCRIPT}: pip install the package (it declares it)"
     proc = run(SCRIPT, "--help", check=True)
     lines = proc.stdout.splitlines()
-    for name, _, summary in cli.COMMANDS:
+    for name, summary in cli.COMMANDS:
         assert any(line.split() == [name, *summary.split()] for line in lines), (name, proc.stdout)
     assert proc.stdout.startswith("usage: pyckpt ")
 
@@ -96,6 +97,16 @@ def test_subcommand_help_is_its_module_help(name, capsys, monkeypatch):
     assert _after_usage(out) == _after_usage(module)
 
 
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_python_dash_m_module_only_forwards_to_the_subcommand(name):
+    """pyckpt/NAME.py (describe.py for inspect) is the documented `python -m` door to pyckpt.cli.NAME: the
+    subcommand's own main, and no command of its own."""
+    import importlib
+    door, command = importlib.import_module(MODULES[name]), importlib.import_module(f"pyckpt.cli.{name}")
+    assert door.main is command.main
+    assert not any(hasattr(door, attr) for attr in ("run", "add_arguments", "DESCRIPTION"))
+
+
 def test_clean_help(capsys):
     code, out, _ = call(capsys, "clean", "--help")
     assert code == 0 and out.startswith("usage: pyckpt clean ")
@@ -105,8 +116,8 @@ def test_clean_help(capsys):
 
 def test_every_registered_module_is_a_command():
     import importlib
-    for name, module, summary in cli.COMMANDS:
-        command = importlib.import_module(f"pyckpt.{module}")
+    for name, summary in cli.COMMANDS:
+        command = importlib.import_module(f"pyckpt.cli.{name}")
         assert callable(command.add_arguments) and callable(command.run) and command.DESCRIPTION, name
         assert summary and "\n" not in summary and len(f"    {name:9} {summary}") <= 100, name
 
@@ -264,7 +275,7 @@ def test_clean_with_nothing_to_clean(tmp_path, capsys):
 INTERRUPT_AT = textwrap.dedent("""
     import signal, sys
     from pyckpt import cli
-    from pyckpt import describe as cli_inspect
+    from pyckpt.cli import inspect as cli_inspect
     def interrupt(*a, **k):
         signal.raise_signal(signal.SIGINT)
     where, folder = sys.argv[1:3]

@@ -330,11 +330,10 @@ def _in_process(command, *args):
     import contextlib
     import io
 
-    import pyckpt.convert
-    import pyckpt.export
+    from pyckpt.cli import convert, export
 
     argv = [str(a) for a in args] + ["--quiet"]
-    main = pyckpt.convert.main if command == "convert" else pyckpt.export.main
+    main = convert.main if command == "convert" else export.main
     if command == "export-dcp":
         argv += ["--format", "dcp"]
     err = io.StringIO()

@@ -153,7 +153,8 @@ auto run_released(ProgressHook& hook, Fn&& fn) {
     }
 }
 
-// One per concern, each in its register_<concern>.cpp; module.cpp calls them all.
+// One per concern, each in its register_<concern>.cpp; module.cpp calls them all (register_testing only in
+// the test build: CMakeLists.txt, PYCKPT_TESTING).
 void register_archive(py::module_& m);
 void register_crc(py::module_& m);
 void register_pickle(py::module_& m);

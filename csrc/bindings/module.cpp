@@ -38,6 +38,8 @@ PYBIND11_MODULE(_core, m) {
     register_archive(m);
     register_crc(m);
     register_pickle(m);
-    register_testing(m);
+#ifdef PYCKPT_TESTING
+    register_testing(m);  // the test build only (CMakeLists.txt, PYCKPT_TESTING)
+#endif
     register_fsops(m);
 }

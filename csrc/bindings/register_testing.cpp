@@ -1,7 +1,9 @@
-// Test hooks: fault injection for the executor's output syscalls and the portable fp16 paths.
-// Confined to the submodule pyckpt._core.testing, which nothing in the package imports: the release
-// module's own namespace holds only what pyckpt uses. Disarmed, a hook costs one relaxed atomic load
-// per output syscall.
+// Test hooks: fault injection for the executor's output syscalls and the portable fp16 paths, in the
+// submodule pyckpt._core.testing, which nothing in the package imports. Compiled only in the test build
+// (CMake option PYCKPT_TESTING: scripts/setup.sh for the tests, scripts/sanitize.sh); a release build has
+// no such submodule. The core's side (fault_injection.cpp, consulted by file_destination.cpp) is in every
+// build: disarmed, it costs one relaxed atomic load per output syscall, and without this file nothing can
+// arm it.
 #include "common.hpp"
 
 #include "../dtype_kernels.hpp"

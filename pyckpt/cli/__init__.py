@@ -1,26 +1,28 @@
 """The ``pyckpt`` console script (and ``python -m pyckpt``): one command with subcommands.
 
 ``pyckpt NAME ...`` is ``python -m pyckpt.NAME ...`` (same flags, output and exit status; ``inspect``
-is ``pyckpt.describe``, ``clean`` is ``convert --clean``); each subcommand is a front-end module as
-:mod:`pyckpt.cli.common` describes. Only the chosen subcommand's module is imported,
+is ``pyckpt.describe``, ``clean`` is ``convert --clean``); each subcommand is a module of this folder
+named after it (``pyckpt.cli.NAME``), a command as :mod:`pyckpt.cli.common` describes, and
+``pyckpt/NAME.py`` only forwards ``python -m`` to it. Only the chosen subcommand's module is imported,
 and those modules load numpy and the native reader only once they run, so that parsing (and
 --help) starts fast and a Ctrl-C during start-up is one line, as for ``python -m pyckpt.convert``.
 
-Import rule: the front ends' floor (with ``convert``, ``export``, ``verify``, ``describe``, ``clean``);
-a subcommand's module is imported by name when chosen, and the library never imports this folder.
+Import rule: the front ends' floor (with the ``python -m`` entry points beside it, which import only
+from here); a subcommand's module is imported by name when chosen, and the library never imports this
+folder.
 """
 
 import sys
 
 from . import common as cli_common
 
-# name, module (in this package), the line `pyckpt --help` shows. A new subcommand is one row here.
+# name (its module is pyckpt.cli.NAME), the line `pyckpt --help` shows. A new subcommand is one row here.
 COMMANDS = (
-    ("convert", "convert", "convert a ZeRO checkpoint to DeepSpeed's Universal Checkpoint layout"),
-    ("export", "export", "export as Hugging Face safetensors (zero_to_fp32) or torch DCP (with the optimizer)"),
-    ("inspect", "describe", "show a ZeRO checkpoint's stage, dp degree, dtypes, parameters and files"),
-    ("verify", "verify", "check a Universal Checkpoint folder before deleting the checkpoint it came from"),
-    ("clean", "clean", "remove what killed conversions into OUTPUT left beside it, or a job's memory tier"),
+    ("convert", "convert a ZeRO checkpoint to DeepSpeed's Universal Checkpoint layout"),
+    ("export", "export as Hugging Face safetensors (zero_to_fp32) or torch DCP (with the optimizer)"),
+    ("inspect", "show a ZeRO checkpoint's stage, dp degree, dtypes, parameters and files"),
+    ("verify", "check a Universal Checkpoint folder before deleting the checkpoint it came from"),
+    ("clean", "remove what killed conversions into OUTPUT left beside it, or a job's memory tier"),
 )
 
 DESCRIPTION = """\
@@ -41,11 +43,11 @@ def parse(argv, prog: str = "pyckpt"):
     # The top level has no options but --help, so the first word that is not a flag names the command.
     word = next((a for a in argv if not a.startswith("-")), None)
     chosen = {}
-    for name, module, summary in COMMANDS:
+    for name, summary in COMMANDS:
         if name != word:
             sub.add_parser(name, help=summary)  # listed, never parsed with: its module stays unloaded
             continue
-        command = importlib.import_module(f"pyckpt.{module}")
+        command = importlib.import_module(f"{__name__}.{name}")
         chosen[name] = command, sub.add_parser(name, help=summary, **cli_common.parser_options(command))
         command.add_arguments(chosen[name][1])
     args = parser.parse_args(argv)

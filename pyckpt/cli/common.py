@@ -1,17 +1,18 @@
 """What pyckpt's command lines share: the common flags, one-line errors, Ctrl-C and SIGTERM.
 
-A command is a module with ``DESCRIPTION`` (and optionally ``EPILOG``, ``FORMATTER``),
-``add_arguments(parser)`` and ``run(args) -> int``. ``run`` raises on failure (``UsageError`` for a
-usage mistake, anything else becomes ``pyckpt: error: <one line>``). Optional module attributes:
-``IMPORTS`` (the modules ``run`` needs, loaded while a Ctrl-C still counts as start-up),
-``ERROR_EXIT`` (the exit status of such an error, 1) and ``WRITES_OUTPUT`` (True: SIGTERM/SIGHUP
-unwind like Ctrl-C so that clean-up runs, and an interrupt says what was published). A signal
-ignored on entry (SIGHUP under nohup, SIGINT in a background job) is left ignored. The same
-module serves ``python -m pyckpt.<name>`` (through :func:`main`) and ``pyckpt <name>``
-(:mod:`pyckpt.cli`).
+A command is a module of this folder, ``pyckpt.cli.<name>``, with ``DESCRIPTION`` (and optionally
+``EPILOG``, ``FORMATTER``), ``add_arguments(parser)`` and ``run(args) -> int``. ``run`` raises on
+failure (``UsageError`` for a usage mistake, anything else becomes ``pyckpt: error: <one line>``).
+Optional module attributes: ``IMPORTS`` (the modules ``run`` needs, loaded while a Ctrl-C still
+counts as start-up), ``ERROR_EXIT`` (the exit status of such an error, 1) and ``WRITES_OUTPUT``
+(True: SIGTERM/SIGHUP unwind like Ctrl-C so that clean-up runs, and an interrupt says what was
+published). A signal ignored on entry (SIGHUP under nohup, SIGINT in a background job) is left
+ignored. The same module serves ``python -m pyckpt.<name>`` (``pyckpt/<name>.py``, ``describe.py``
+for inspect, forwards to the command's ``main``, which calls :func:`main` here) and ``pyckpt
+<name>`` (:mod:`pyckpt.cli`).
 
-Only os, signal and sys are imported at the top: convert.py imports this module before its
-start-up handler is in place, and the console script before parsing its arguments.
+Only os, signal and sys are imported at the top: the ``python -m`` entry points import this module
+before their start-up handler is in place, and the console script before parsing its arguments.
 """
 
 import os

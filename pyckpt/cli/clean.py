@@ -4,7 +4,7 @@ import argparse
 import json
 import sys
 
-from .cli.common import UsageError, add_common_flags, note
+from .common import UsageError, add_common_flags, note
 
 DESCRIPTION = """\
 Remove what killed runs into OUTPUT left beside it (the hidden .NAME.pyckpt-* entries), restoring
@@ -47,8 +47,8 @@ def run(args) -> int:
 def clean_memory(args) -> int:
     import os
 
-    from .deepspeed.tiers.memory_root import default_root, job_id, open_root, remove_job
-    from .errors import printable
+    from ..deepspeed.tiers.memory_root import default_root, job_id, open_root, remove_job
+    from ..errors import printable
 
     job = job_id(args.memory)
     root = args.memory_root or default_root()
@@ -69,8 +69,8 @@ def clean_memory(args) -> int:
 
 
 def clean_beside(target: str, args) -> int:
-    from .errors import printable
-    from .execution.publish import clean
+    from ..errors import printable
+    from ..execution.leftovers import clean
     done = clean(target, notify=note)
     if args.json:
         print(json.dumps({"output": target, "removed": done}, indent=2))
