@@ -42,7 +42,7 @@ SLOW_TESTS = {"test_failing_rank_fails_the_launch_fast", "test_structure_matches
 # long file started last would leave the other workers idle at the end.
 FIRST = ("test_load_backend.py", "test_reshard_clients.py", "test_hf_client.py", "test_dsharness.py",
          "test_save_glue.py", "test_async_save.py", "test_benchmarks_quick.py", "test_demo.py",
-         "test_make_checkpoint.py")
+         "test_make_checkpoint.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(config, items):
