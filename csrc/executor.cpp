@@ -1,3 +1,7 @@
+// The executor behind executor.hpp's two entry points. One unit, longer than most: the window
+// filling, the workers' scheduling and the cancellation/cleanup path share state that the
+// compiler should see whole (the hot loop inlines the fill), and every way out of a call must
+// leave no output behind, which one reading of one file can check.
 #include "executor.hpp"
 
 #include <fcntl.h>

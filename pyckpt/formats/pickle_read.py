@@ -10,6 +10,9 @@ global a pickle names. This module parses them with an allowlist instead:
   (global, arguments, state) - inert data that :mod:`pyckpt.formats.pickle_write` can write back under the
   same global name without importing it;
 * anything else raises :class:`UnsafePickleError` naming the file and the global.
+
+One module, longer than most: the opcode reader and the allowlist are one security boundary, and
+everything that decides what a pickle may make is kept where one reading audits all of it.
 """
 
 from __future__ import annotations

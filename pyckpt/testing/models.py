@@ -1,5 +1,7 @@
 """Parameter layouts: the toy stacks, and the real models' names and shapes at any width (Llama,
-Mixtral and DeepSeek-V3 under AutoEP, AutoTP's cut of Llama)."""
+Mixtral and DeepSeek-V3 under AutoEP, AutoTP's cut of Llama).
+
+Longer than most modules because it is a table: one short builder per model family, read side by side."""
 
 from __future__ import annotations
 

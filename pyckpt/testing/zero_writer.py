@@ -1,6 +1,9 @@
 """The files DeepSpeed 0.19.8's ``save_checkpoint`` writes for a model and a topology: ZeRO-1/2
 (one model-state file, a shard per dp rank, AutoEP's per-expert files) and ZeRO-3 (a model-state
-file and a shard per dp rank), as a plan the native executor runs."""
+file and a shard per dp rank), as a plan the native executor runs.
+
+One module, longer than most: each file kind's records follow from the same partitioning of the model
+(DeepSpeed's flat groups, padding and dp fragments), computed once per checkpoint and read by all of them."""
 
 from __future__ import annotations
 

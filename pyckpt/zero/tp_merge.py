@@ -11,6 +11,10 @@ straight into the output record. Precedence, pattern bookkeeping and error cases
 4. ``parameter_with_sub_params``: per sub-parameter, each rank's width along ``partition_dim``;
 5. otherwise concatenation along dim 1 (``parameter_with_row_parallelism_patterns``) or dim 0;
 then ``vocabulary_parameter_patterns`` keep the first ``original_vocab_size`` rows.
+
+One module for all of them, longer than most: the rules share that precedence and the bookkeeping of
+which patterns matched (DeepSpeed reports a pattern that matched nothing), which one reading order keeps
+true; split by rule, the precedence would be spelled in each piece.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ it; and a save asks :func:`fits` before it writes, keeping a share of the node's
 
 Nodes are numbered as torchrun numbers them (its group rank), not by host name, so two agents on one
 machine with a root each behave exactly as two hosts.
+
+One module, longer than most: naming a job's folder, opening it level by level, measuring it against the
+budget and removing it all walk the same tree with the same descriptor-relative, no-follow rules, and
+those rules are the tier's safety; they are kept where one reading sees all of them.
 """
 
 from __future__ import annotations

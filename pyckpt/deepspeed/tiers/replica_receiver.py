@@ -1,6 +1,10 @@
 """The receiving side of the replica protocol (:mod:`.replica_protocol`): a :class:`ReplicaReceiver`
 runs on the node that keeps a peer's replica, checks everything a sender says before it writes, and
 publishes a replica only once every file's size and CRC-32 matched.
+
+One module, longer than most: admission, the manifest's checks, the streamed write and the publish are
+the steps of one transfer whose state each step checks; apart, a reader could not see what a sender
+can make the receiver do.
 """
 
 from __future__ import annotations
