@@ -29,7 +29,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # pagecache: mincore and eviction helpers
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # pagecache: mincore and eviction helpers
 
 
 def proc_io() -> dict:

@@ -4,8 +4,8 @@
 
 Each layer has a column-parallel QKV and h->4h (split on dim 0), row-parallel attention output and
 4h->h (split on dim 1: the strided merge), and a replicated layernorm; a vocabulary-padded embedding
-heads the stack. It is written by tests/tp_builder.py, the same code whose small checkpoints
-tests/test_tp.py proves format-exact against DeepSpeed's ds_to_universal.
+heads the stack. It is written by tests/helpers/tp_builder.py, the same code whose small checkpoints
+tests/zero/test_megatron_tp_pp.py proves format-exact against DeepSpeed's ds_to_universal.
 """
 
 import argparse
@@ -16,7 +16,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))
 
 from tp_builder import Param, build, replicate, split_dim  # noqa: E402
 

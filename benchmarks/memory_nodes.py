@@ -42,7 +42,7 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # pagecache: eviction
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # pagecache: eviction
 
 GOALS = {"deepspeed_over_pyckpt": 20.0, "replication_over_cp": 1.3}
 CLIENT = {"universal_checkpoint_info": {}}

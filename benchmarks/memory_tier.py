@@ -57,7 +57,7 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # pagecache: eviction and mincore
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # pagecache: eviction and mincore
 
 from make_real_checkpoint import build_model, ds_config, skip_shm_comm_op
 

@@ -38,7 +38,7 @@ import deepspeed  # noqa: E402
 
 import pyckpt.deepspeed as pd  # noqa: E402
 from make_real_checkpoint import build_model, ds_config, skip_shm_comm_op  # noqa: E402
-from pyckpt.deepspeed.save import collective_save  # noqa: E402
+from pyckpt.deepspeed.save import async_save  # noqa: E402
 
 WIDTH = int(os.environ.get("PYCKPT_GPU_SAVE_WIDTH", "1024"))
 PARAMS = os.environ.get("PYCKPT_GPU_SAVE_PARAMS", "24M")  # ~100 MB of fp32 state a tensor kind: copies take ms
@@ -127,17 +127,17 @@ def held_background_write(gate: threading.Event, limit_s: float = 120.0):
     """The background write waits for ``gate`` (set once the caller's steps after the save have run),
     so "the save was not done after the steps" holds on a slow or busy machine too, not only when the
     steps outran a fixed delay."""
-    real = collective_save.write_files
+    real = async_save.write_files
 
     def held(*args, **kwargs):
         gate.wait(limit_s)
         return real(*args, **kwargs)
 
-    collective_save.write_files = held
+    async_save.write_files = held
     try:
         yield
     finally:
-        collective_save.write_files = real
+        async_save.write_files = real
 
 
 def tree(folder: str) -> dict:

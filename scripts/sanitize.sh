@@ -40,9 +40,10 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$REPORTS/ubsan
 export PYTHONPATH="$PWD/$BUILD/pkg${PYTHONPATH:+:$PYTHONPATH}"
 export PYCKPT_EXPECT_SANITIZED=1
 if [ $# -eq 0 ]; then
-  set -- tests/test_core.py tests/test_native_faults.py tests/test_hostile_input.py tests/test_hostile_round3_cli.py \
-    tests/test_torch_save_file.py \
-    $(ls tests/test_properties.py tests/test_fuzz.py tests/test_fuzz_regressions.py 2>/dev/null)
+  set -- tests/native/test_core.py tests/native/test_native_faults.py \
+    tests/universal/test_hostile_paths_and_metadata.py tests/cli/test_hostile_cli_input.py \
+    tests/formats/test_torch_save_file.py \
+    $(ls tests/planning/test_properties.py tests/formats/test_fuzz.py tests/formats/test_fuzz_regressions.py 2>/dev/null)
 fi
 status=0
 # Two processes as in scripts/test.sh (each ASan report file is named by its process id).

@@ -10,12 +10,21 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-import dsharness
-from dsharness import Config
+# Test files live in one folder per package folder they test (tests/README.md); the modules they share
+# are imported by name, so the helpers, the workers (some are imported as well as run) and the harness
+# must be importable before any test module is: pytest only puts each test file's own folder on sys.path.
+TESTS = Path(__file__).resolve().parent
+for _folder in (TESTS / "workers", TESTS / "helpers", TESTS):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
+import dsharness  # noqa: E402
+from dsharness import Config  # noqa: E402
 
 def pytest_configure(config):
     # scripts/sanitize.sh: refuse to report a pass for a run that did not load the instrumented module.

@@ -41,7 +41,7 @@ to the executor in batches, so memory stays flat in dp.
 Modules: DeepSpeed's pickled records (:mod:`.records`), the noise file and views of it (:mod:`.noise`),
 parameter layouts (:mod:`.models`), the files of a topology (:mod:`.zero_writer`), and the entry
 points (:mod:`.synthetic`). Its output is proven format-exact by DeepSpeed's converter accepting it
-(tests/test_make_checkpoint.py).
+(tests/project/test_make_checkpoint.py).
 
 Import rule: a writer of DeepSpeed's ZeRO files through the library's own executor: ``execution``,
 ``planning``, ``formats`` and the vocabulary; no reader of checkpoints, so that what it writes is not

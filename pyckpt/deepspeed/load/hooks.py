@@ -35,7 +35,7 @@ from .unsupported import Unsupported
 
 logger = logging.getLogger("pyckpt")
 
-# The DeepSpeed versions whose load path these hooks were proven against (tests/test_load_backend.py).
+# The DeepSpeed versions whose load path these hooks were proven against (tests/deepspeed/load/test_load_backend.py).
 PROVEN_VERSIONS = ("0.19.8", )
 
 # (module, class) -> the planner for that optimizer class

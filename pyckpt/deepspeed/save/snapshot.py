@@ -148,7 +148,7 @@ class _StoragePickler(pickle.Pickler):
     The persistent id of a storage is the tuple torch.save's own serializer gives it ("storage", its
     storage class, a key numbering storages in the order they are met, its location, its element
     count), built from the same torch helpers and the same kinds of objects, so the pickle's bytes,
-    memo references included, are the ones torch.save writes (tests/test_async_units.py compares
+    memo references included, are the ones torch.save writes (tests/deepspeed/save/test_async_units.py compares
     them). Taking the pickling into pyckpt lets the snapshot copy a GPU storage on a side stream into
     pinned memory instead of torch's synchronous ``storage.cpu()``."""
 

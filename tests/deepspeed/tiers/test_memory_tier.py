@@ -1,0 +1,145 @@
+"""The memory tier with real DeepSpeed on CPU (tests/workers/save_glue_worker.py): saves into a node-local
+memory folder (DeepSpeed's own files, published by the same rules), the newest `keep` kept there,
+every N-th persisted to save_dir in the background, and a resume under enable(memory=...) taking the
+newest step across both tiers; a checkpoint that does not fit, or a root that is not safe, goes to
+save_dir with one line saying why."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import dsharness as h
+from dsharness import _launch
+
+pytestmark = pytest.mark.slow
+
+WORKER = str(Path(__file__).resolve().parents[2] / "workers" / "save_glue_worker.py")
+TIMEOUT_S = 300
+
+
+def _call(function: str, cfg: h.Config, root: Path, **extra) -> dict:
+    return {"kind": "call", "module": WORKER, "function": function, "cfg": dataclasses.asdict(cfg),
+            "root": str(root), **extra}
+
+
+def _crash_job(tmp_path, ds_environ, cfg: h.Config, **job) -> None:
+    """tests/workers/memory_crash_worker.py under torchrun (2 ranks, --max-restarts 1): six steps saved to memory,
+    every third persisted, rank 1 killed at step 4 (``job`` adds to that), the restart resuming."""
+    import json
+    import subprocess
+    import sys
+
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 6, "kill_at": 4,
+                                "persist_every": 3, **job}))
+    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYCKPT_JOB_ID", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--max-restarts", "1", "--monitor-interval", "0.5", WORKER.replace("save_glue_worker",
+                                                                                               "memory_crash_worker"),
+                           str(spec)], capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("cfg", [h.Config(2, "fp32", 2), h.Config(3, "bf16", 2)], ids=["z2-fp32", "z3-bf16"])
+def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
+    (res, ) = _launch(2, [_call("memory_tier", cfg, tmp_path)], None, "memory tier", TIMEOUT_S)
+    assert res["results"] == [[True] * 5] * 2
+    assert res["mode"] == "0o700"
+    # keep=2 in memory; every 2nd persisted, keep_last=1 on disk
+    assert res["listing"]["memory"] == ["latest", "s4", "s5", "zero_to_fp32.py", "zero_to_torch.py"]
+    assert res["listing"]["durable"] == ["latest", "s4"] and res["latest_durable"] == "s4"
+    # the persisted copy is the memory files, less the node manifest pyckpt keeps beside DeepSpeed's
+    assert res["persisted"] is True and res["differ"] == ["pyckpt-node.json"]
+    # the resume took step 5 from memory (newer than step 4 on disk), equal to DeepSpeed's own load of it
+    assert res["path"].endswith("/s5/") or "/s5" in res["path"], res["path"]
+    (line, ), none = res["log"]
+    assert none == [] and line.startswith("pyckpt: resuming step ") and "from memory" in line
+    assert "newer than step" in line
+    assert res["vs_stock"] == [] and res["vs_save"] == []
+
+
+def test_what_does_not_fit_or_is_not_safe_goes_to_save_dir_with_one_line(tmp_path):
+    (res, ) = _launch(2, [_call("memory_refusals", h.Config(2, "fp32", 2), tmp_path)], None, "memory refusals",
+                      TIMEOUT_S)
+    assert res["ok"] == [[True, True]] * 2
+    full, hostile = res["warned"][0]
+    assert res["warned"][1] == []
+    assert full.startswith("pyckpt: checkpoint full goes to ") and "not to memory" in full and "limit" in full
+    assert hostile.startswith("pyckpt: checkpoint hostile goes to ") and "writable by" in hostile
+    assert res["durable"] == ["full", "hostile", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    assert [f for f in res["mem_files"] if "full" in f or "hostile" in f] == []
+    assert res["open_listing"] == []  # nothing made inside a root that others can write
+    # asynchronous memory saves back to back, the first one's write slowed: no deadlock, keep=1 kept b2
+    assert res["back_to_back"] == [[True, True]] * 2
+    assert res["mem2"] == ["b2", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+
+
+@pytest.mark.parametrize("cfg", [h.Config(2, "fp32", 2), h.Config(3, "bf16", 2)], ids=["z2-fp32", "z3-bf16"])
+def test_a_rank_killed_mid_run_resumes_from_memory_when_torchrun_restarts_it(tmp_path, ds_environ, cfg):
+    """A job saving to memory after every step (every 3rd persisted) loses rank 1 to SIGKILL after step
+    4's save is published; torchrun restarts the workers (--max-restarts 1), and engine.load_checkpoint
+    (save_dir) under enable(memory=...) resumes step 4 from memory, not the older step 3 on disk, equal
+    bit for bit to DeepSpeed's own load of that checkpoint."""
+
+    import torch
+
+    _crash_job(tmp_path, ds_environ, cfg)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)  # the test's own file
+    assert resumed["restart"] == 1 and resumed["global_steps"] == 4
+    (line, ) = resumed["log"]
+    assert line.startswith("pyckpt: resuming step 4 from memory (") and "newer than step 3" in line, line
+    memory = tmp_path / "mem" / "crash" / "node0"
+    (res, ) = _launch(2, [_call("stock_equals", cfg, memory, tag="s4", resumed=str(tmp_path / "resumed.pt"))],
+                      None, "stock load of the memory checkpoint", TIMEOUT_S)
+    assert res["global_steps"] == 4 and res["problems"] == []
+
+
+def test_a_rank_killed_while_its_memory_save_is_written_resumes_the_step_before(tmp_path, ds_environ):
+    """Rank 1 is SIGKILLed while its files of step 4 are being written into the memory tier's staging
+    folder (rank 0's are written, the step is not published): the restart resumes step 3 (in memory
+    and on disk alike: memory is read), equal to DeepSpeed's own load of it, and the next save clears
+    what the killed one left in memory."""
+
+    import torch
+
+    cfg = h.Config(3, "bf16", 2)
+    _crash_job(tmp_path, ds_environ, cfg, kill_mid_write=True)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)  # the test's own file
+    assert resumed["restart"] == 1 and resumed["global_steps"] == 3
+    (line, ) = resumed["log"]
+    assert line.startswith("pyckpt: resuming step 3 from memory (") and "the same step as in" in line, line
+    # the step saved after the resume took the killed save's tag: nothing hidden is left beside it
+    assert resumed["after_save"] == ["latest", "s3", "s4", "zero_to_fp32.py", "zero_to_torch.py"]
+    memory = tmp_path / "mem" / "crash" / "node0"
+    (res, ) = _launch(2, [_call("stock_equals", cfg, tmp_path / "durable", tag="s3",
+                                resumed=str(tmp_path / "resumed.pt"))], None, "stock load of step 3", TIMEOUT_S)
+    assert res["global_steps"] == 3 and res["problems"] == []
+    assert memory.is_dir()
+
+
+def test_a_job_that_ends_normally_leaves_its_newest_checkpoint_on_disk_and_nothing_in_memory(tmp_path, ds_environ):
+    """Five steps saved to memory (every 3rd persisted) and a normal end: at exit rank 0 persists step 5
+    (save_dir held step 3) and removes the job's memory folder; save_dir's latest then loads as DeepSpeed's
+    own checkpoint of step 5."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = h.Config(2, "fp32", 2)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 5, "kill_at": None,
+                               "persist_every": 3}))
+    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           WORKER.replace("save_glue_worker", "memory_crash_worker"), str(job)], capture_output=True,
+                          text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(p.name for p in (tmp_path / "mem").iterdir()) == []  # the job's folder is gone
+    durable = tmp_path / "durable"
+    assert (durable / "latest").read_text() == "s5" and sorted(p.name for p in durable.iterdir()) == ["latest", "s3", "s5"]
+    (res, ) = _launch(2, [_call("stock_step", cfg, durable)], None, "stock load of the persisted checkpoint", TIMEOUT_S)
+    assert res["global_steps"] == 5 and "/durable/s5/" in res["path"]

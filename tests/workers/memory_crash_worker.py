@@ -1,0 +1,116 @@
+"""A training job under torchrun that saves to the memory tier after every step and loses a rank to
+SIGKILL mid-run (tests/deepspeed/tiers/test_memory_tier.py); torchrun's elastic restart re-creates the workers, which
+resume from memory.
+
+    torchrun --standalone --nproc_per_node 2 --max-restarts 1 memory_crash_worker.py JOB.json
+
+JOB.json: {"cfg": a dsharness Config as a dict, "root": folder, "steps": N, "kill_at": K (or None: the
+job ends normally), "persist_every": P, "kill_mid_write": whether rank 1 dies while step K's memory
+save is being written rather than after it is published}. The first run trains, saving s<global_steps> to the memory tier asynchronously
+after every step (every P-th persisted to root/durable); once the save after step K is published,
+rank 1 kills itself and rank 0 is left in a collective. The restarted run (TORCHELASTIC_RESTART_COUNT
+1) calls engine.load_checkpoint(root/durable) under enable(memory=...), and rank 0 writes what it
+resumed to root/resumed.pt: the gathered state, global_steps and the lines pyckpt logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)  # the harness (dsharness/), the helpers (helpers/) and the other workers
+sys.path[:0] = [HERE, os.path.join(TESTS, "dsharness"), os.path.join(TESTS, "helpers"), TESTS]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import worker as W  # noqa: E402
+
+import pyckpt.deepspeed as pd  # noqa: E402
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    W.skip_shm_comm_op()
+    import deepspeed
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # The workers share torchrun's agent store across restarts; gloo's own keys in it carry no attempt
+    # number, so a restarted rank 0 connected to the killed rank 1's old address (torch 2.13, CPU:
+    # "Gloo connectFullMesh failed ... Connection refused"). A prefix per attempt keeps the rounds apart.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg, root = job["cfg"], job["root"]
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    durable = os.path.join(root, "durable")
+    # kept at the end when the test compares it with DeepSpeed's own load afterwards
+    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="crash", keep=2, persist_every=job["persist_every"],
+                         keep_at_exit=job["kill_at"] is not None)
+    lines = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    pd.enable(memory=tier)
+    engine = W.make_engine(cfg, ws)
+    if restart > 0:
+        engine.load_checkpoint(durable)
+        opt = engine.optimizer
+        if getattr(opt, "_hp_optimizer_states_linked", True) is False:
+            opt._lazy_init_hp_params_optimizer_state()
+        state = W.gather_state(engine)
+        if rank == 0:
+            torch.save({"state": state, "global_steps": engine.global_steps, "log": lines, "restart": restart},
+                       os.path.join(root, "resumed.pt"))
+        W.train_step(engine, cfg, rank, engine.global_steps + 1)  # and training goes on
+        if job.get("kill_mid_write"):  # the next save clears what the killed one left in memory
+            pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier)
+            if rank == 0:
+                folder = tier.folder()
+                torch.save({**torch.load(os.path.join(root, "resumed.pt"), weights_only=False),
+                            "after_save": sorted(os.listdir(folder))}, os.path.join(root, "resumed.pt"))
+        engine.destroy()
+        dist.barrier()
+        return 0
+    for step in range(1, job["steps"] + 1):
+        W.train_step(engine, cfg, rank, step)
+        if step == job["kill_at"] and job.get("kill_mid_write") and rank == 1:
+            # rank 1 dies while its files are being written into the memory tier's staging folder
+            from pyckpt.deepspeed.save import async_save
+
+            def write_then_never(*args, **kwargs):
+                time.sleep(600)
+
+            async_save.write_files = write_then_never
+            pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        handle = pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
+        if step == job["kill_at"] and job.get("kill_mid_write"):  # rank 0: its own write done, rank 1's never
+            W.train_step(engine, cfg, rank, step + 1)
+            time.sleep(600)
+        if step == job["kill_at"]:
+            handle.wait()  # published on every rank (the outcome is agreed before wait returns)
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            W.train_step(engine, cfg, rank, step + 1)  # rank 0: a collective rank 1 never joins
+            time.sleep(600)
+    if job["kill_at"] is None:  # a normal end: the memory tier goes, its newest checkpoint persisted first
+        engine.destroy()
+        dist.barrier()
+        return 0
+    return 1  # the kill never came
+
+
+if __name__ == "__main__":
+    from pyckpt.execution.distributed import leave_and_exit
+
+    # a normal end runs pyckpt's exit duties (the memory tier persists and clears) before leaving
+    leave_and_exit(main(), exit_handlers=True)

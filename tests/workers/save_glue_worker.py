@@ -1,0 +1,618 @@
+"""Rank code for tests/deepspeed/save/test_save_glue.py, run in a dsharness launch through `call` tasks.
+
+Every function trains a small engine on each rank and saves through `pyckpt.deepspeed.save_checkpoint`;
+rank 0 returns what the test checks (each rank's outcome is gathered, so "every rank raised the same"
+is checked too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as tdist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)  # the harness (dsharness/), the helpers (helpers/) and the other workers
+sys.path[:0] = [HERE, os.path.join(TESTS, "dsharness"), os.path.join(TESTS, "helpers"), TESTS]
+import worker as W  # noqa: E402  (dsharness/worker.py, already imported by the supervisor)
+from dsharness import compare_states  # noqa: E402
+from hf_client_worker import build_tokenizer  # noqa: E402
+
+import pyckpt.deepspeed as pd  # noqa: E402
+
+MODEL_CONFIG = {"model_type": "pyckpt-test", "hidden_size": 8, "dtype": "float32"}
+
+
+def _client_state(cfg: dict) -> dict:
+    # as dsharness's run_save: the ZeRO checkpoint carries universal_checkpoint_info
+    return {"universal_checkpoint_info": {}} if cfg["uc_info"] else {}
+
+
+def _engine(cfg: dict, ws: int, rank: int, steps: int):
+    engine = W.make_engine(cfg, ws)
+    engine.train()
+    for step in range(steps):
+        W.train_step(engine, cfg, rank, step)
+    return engine
+
+
+def _gather(value) -> list:
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, value)
+    return out
+
+
+def _tokenizer(task: dict, rank: int):
+    folder = os.path.join(task["root"], f"tokenizer-source-{rank}")
+    return build_tokenizer(folder)
+
+
+def _reload(cfg: dict, ws: int, root: str, tag=None):
+    """A fresh engine resumed by DeepSpeed's own load_checkpoint: (its state, load path, client state)."""
+    engine = W.make_engine(cfg, ws)
+    path, client = engine.load_checkpoint(root, tag=tag)
+    return _state_after_load(engine), path, client
+
+
+def _state_after_load(engine) -> dict:
+    """The engine's gathered state right after a load, global_steps included; the engine is destroyed."""
+    opt = engine.optimizer
+    if getattr(opt, "_hp_optimizer_states_linked", True) is False:
+        # ZeRO-1/2 link the fragments' moment views at the first step; a state read before any
+        # step (as here, right after the load) needs them linked now
+        opt._lazy_init_hp_params_optimizer_state()
+    state = W.gather_state(engine)
+    state["meta"]["global_steps"] = engine.global_steps
+    engine.destroy()
+    return state
+
+
+def equal(task: dict, rank: int, ws: int) -> dict:
+    """A bare engine.save_checkpoint and the glue's save of the same state, then a resume from the glue's."""
+    from pyckpt.deepspeed.save.space import estimate_rank_bytes
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 2)
+    client = {**_client_state(cfg), "note": "from the test"}
+    engine.save_checkpoint(os.path.join(root, "bare"), tag="t", client_state=dict(client))
+    estimate = estimate_rank_bytes(engine)
+    ok = pd.save_checkpoint(engine, os.path.join(root, "glue"), tag="t", tokenizer=_tokenizer(task, rank),
+                            model_config=MODEL_CONFIG, client_state=dict(client))
+    saved = W.gather_state(engine)
+    lrs = [g["lr"] for g in engine.optimizer.param_groups]
+    engine.destroy()
+    loaded, path, client_loaded = _reload(cfg, ws, os.path.join(root, "glue"))
+    return {"ok": _gather(ok), "estimates": _gather(estimate), "problems": compare_states(saved, loaded),
+            "load_path": str(path), "client_note": client_loaded.get("note"), "lrs": lrs,
+            "global_steps": loaded["meta"]["global_steps"]}
+
+
+@contextlib.contextmanager
+def _fault(kind: str, active: bool):
+    """One rank's save breaks: an exception from torch.save, a file-size limit, a folder it may not write."""
+    if not active:
+        yield
+        return
+    if kind == "exception":
+        real = torch.save
+
+        def failing_save(*args, **kwargs):
+            raise RuntimeError("injected failure in torch.save")
+
+        torch.save = failing_save
+        try:
+            yield
+        finally:
+            torch.save = real
+    elif kind == "fsize":
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        # above the rank's log file (stdout), below the optimizer shard it is about to write
+        limit = os.fstat(1).st_size + (1 << 20)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    elif kind == "readonly":
+        # Permission bits do not stop root: the rank writes as nobody (as under NFS root squashing),
+        # so the staging folder rank 0 made is read-only to it. The launch's rendezvous file (the
+        # process group's store) stays usable to it, as a TCP store would be.
+        import json
+
+        store = json.load(open(sys.argv[1]))["store"]
+        os.chmod(os.path.dirname(store), 0o711)
+        os.chmod(store, 0o666)
+        os.setegid(65534)
+        os.seteuid(65534)
+        try:
+            yield
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+    else:
+        raise ValueError(kind)
+
+
+def _listing(root: str) -> list:
+    return sorted(os.listdir(root))
+
+
+def fault(task: dict, rank: int, ws: int) -> dict:
+    """A good save, a save that fails on rank 1, one more training step, a good save; then the first loads."""
+    from pyckpt.deepspeed.save import SaveError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    first = pd.save_checkpoint(engine, root, tag="good", client_state=_client_state(cfg))
+    good = W.gather_state(engine)
+    before = _listing(root)
+    W.train_step(engine, cfg, rank, 1)
+    error = None
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    with _fault(task["fault"], rank == 1):
+        try:
+            result = pd.save_checkpoint(engine, root, tag="bad", client_state=_client_state(cfg),
+                                        on_error=task["on_error"])
+        except SaveError as exc:
+            result, error = "raised", str(exc)
+    logging.getLogger("pyckpt").removeHandler(handler)
+    after = _listing(root)
+    latest_after = open(os.path.join(root, "latest")).read()
+    loss = W.train_step(engine, cfg, rank, 2)
+    last = pd.save_checkpoint(engine, root, tag="next", client_state=_client_state(cfg))
+    latest_last = open(os.path.join(root, "latest")).read()
+    engine.destroy()
+    loaded, path, _ = _reload(cfg, ws, root, tag="good")
+    return {"first": first, "results": _gather(result), "errors": _gather(error), "warned": _gather(warned), "before": before, "after": after,
+            "latest_after": latest_after, "loss_after": loss, "last": _gather(last), "latest_last": latest_last,
+            "final": _listing(root), "problems": compare_states(good, loaded), "load_path": str(path)}
+
+
+def partial(task: dict, rank: int, ws: int) -> dict:
+    """The save called on rank 0 only, then on rank 1 only, then on both."""
+    from pyckpt.deepspeed.save import CollectiveCallError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    errors = {}
+    for alone in (0, 1):
+        if rank == alone:
+            try:
+                pd.save_checkpoint(engine, root, tag=f"only{alone}", arrival_timeout=3)
+                errors[alone] = None
+            except CollectiveCallError as exc:
+                errors[alone] = str(exc)
+        tdist.barrier()
+    listing = _listing(root) if os.path.isdir(root) else []
+    if rank == 0:  # what a save killed earlier would have left: the next save removes it
+        os.makedirs(os.path.join(root, ".global_step9.pyckpt-tmp-deadhost-123-0abc", "zero"))
+    tdist.barrier()
+    both = pd.save_checkpoint(engine, root, tag="both", client_state=_client_state(cfg))
+    engine.destroy()
+    return {"errors": _gather(errors), "listing": listing, "both": _gather(both), "final": _listing(root)}
+
+
+def no_space(task: dict, rank: int, ws: int) -> dict:
+    """The filesystem says it has 1000 bytes free."""
+    import pyckpt.deepspeed.save.preflight as cs
+    from pyckpt.deepspeed.save import SaveError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    real = cs.free_bytes
+    cs.free_bytes = lambda path: 1000
+    try:
+        pd.save_checkpoint(engine, root, tag="big")
+        error = None
+    except SaveError as exc:
+        error = str(exc)
+    finally:
+        cs.free_bytes = real
+    engine.destroy()
+    return {"errors": _gather(error), "listing": _listing(root)}
+
+
+def converted(task: dict, rank: int, ws: int) -> dict:
+    """A save that the ranks then convert together to Universal and export for Hugging Face."""
+    cfg = task["cfg"]
+    engine = _engine(cfg, ws, rank, 2)
+    ok = pd.save_checkpoint(engine, task["root"], tag="t", model_config=MODEL_CONFIG, client_state=_client_state(cfg),
+                            universal=True, export="hf")
+    engine.destroy()
+    return {"ok": _gather(ok)}
+
+
+@contextlib.contextmanager
+def _slow_background_write(delay_s: float):
+    """The background write starts only after `delay_s` (the test's training steps run meanwhile)."""
+    from pyckpt.deepspeed.save import async_save, background
+
+    real = background.write_files
+
+    def slow(*args, **kwargs):
+        import time
+
+        time.sleep(delay_s)
+        return real(*args, **kwargs)
+
+    async_save.write_files = slow
+    try:
+        yield
+    finally:
+        async_save.write_files = real
+
+
+def async_equal(task: dict, rank: int, ws: int) -> dict:
+    """DeepSpeed's own save and an asynchronous save of the same state; training steps run while the
+    asynchronous one is written; then a resume from it."""
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 2)
+    # DeepSpeed's MoE save reserves universal_checkpoint_info for itself
+    client = {**(_client_state(cfg) if cfg["model"] != "moe" else {}), "note": "from the test"}
+    engine.save_checkpoint(os.path.join(root, "bare"), tag="t", client_state=dict(client))
+    saved = W.gather_state(engine)
+    steps_before = engine.global_steps
+    with _slow_background_write(2.0):
+        handle = pd.save_checkpoint(engine, os.path.join(root, "async"), tag="t", client_state=dict(client),
+                                    async_save=True, snapshot_limit=task.get("snapshot_limit"))
+        done_at_return = handle.done()
+        losses = [W.train_step(engine, cfg, rank, 2 + s) for s in range(2)]
+        done_after_steps = handle.done()
+        published_early = os.path.exists(os.path.join(root, "async", "latest"))
+        ok = handle.wait()
+    held = engine._pyckpt_arena.held
+    after = W.gather_state(engine)
+    # whether DeepSpeed took its ZeRO-Offload path (host-resident partitions and optimizer state)
+    offloaded = bool(getattr(engine.optimizer, "offload_optimizer" if cfg["stage"] == 3 else "cpu_offload", False))
+    engine.destroy()
+    loaded, path, client_loaded = _reload(cfg, ws, os.path.join(root, "async"))
+    return {"ok": _gather(ok), "done_at_return": _gather(done_at_return), "done_after_steps": done_after_steps,
+            "published_early": published_early, "problems": compare_states(saved, loaded),
+            "changed": compare_states(saved, after) != [], "load_path": str(path),
+            "client_note": client_loaded.get("note"), "global_steps": loaded["meta"]["global_steps"],
+            "steps_before": steps_before, "losses": losses,
+            "snapshot_held": held, "offloaded": offloaded}
+
+
+@contextlib.contextmanager
+def _background_fault(kind: str, active: bool):
+    """One rank's background write breaks: an exception from the writer, a file-size limit, a SIGKILL."""
+    from pyckpt.deepspeed.save import async_save, background
+
+    if not active:
+        yield
+        return
+    real = background.write_files
+
+    def broken(*args, **kwargs):
+        import signal
+        import time
+
+        time.sleep(0.5)  # the caller has gone on training by now
+        if kind == "exception":
+            raise RuntimeError("injected failure in the background write")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    async_save.write_files = broken
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if kind == "fsize":  # above the rank's log file, below the shard it is about to write
+        resource.setrlimit(resource.RLIMIT_FSIZE, (os.fstat(1).st_size + (1 << 20), limits[1]))
+    try:
+        yield
+    finally:
+        async_save.write_files = real
+
+
+def _restore_fsize():
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+
+
+def async_fault(task: dict, rank: int, ws: int) -> dict:
+    """A good asynchronous save; one whose background write fails on rank 1 while training goes on;
+    the next save joins it (the failure surfaces there), then saves; keep_last=1 throughout."""
+    from pyckpt.deepspeed.save import SaveError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    first = pd.save_checkpoint(engine, root, tag="good", client_state=_client_state(cfg), async_save=True,
+                               keep_last=1).wait()
+    good = W.gather_state(engine)
+    before = _listing(root)
+    with _background_fault(task["fault"], rank == 1):
+        handle = pd.save_checkpoint(engine, root, tag="bad", client_state=_client_state(cfg), async_save=True,
+                                    on_error=task["on_error"], keep_last=1)
+        returned = handle.done() is False
+        W.train_step(engine, cfg, rank, 1)
+        while not handle.done():  # the outcome is reached in the background, without a join
+            import time
+
+            time.sleep(0.05)
+    _restore_fsize()
+    after = _listing(root)
+    latest_after = open(os.path.join(root, "latest")).read()
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    error = None
+    try:  # the next save joins the failed one first
+        last = pd.save_checkpoint(engine, root, tag="next", client_state=_client_state(cfg), async_save=True,
+                                  on_error=task["on_error"], keep_last=1)
+    except SaveError as exc:
+        error = str(exc)
+        last = pd.save_checkpoint(engine, root, tag="next", client_state=_client_state(cfg), async_save=True,
+                                  on_error=task["on_error"], keep_last=1)
+    logging.getLogger("pyckpt").removeHandler(handler)
+    ok_last = last.wait()
+    after_next = _listing(root)
+    engine.destroy()
+    return {"first": first, "returned": _gather(returned), "errors": _gather(error), "warned": _gather(warned),
+            "before": before, "after": after, "latest_after": latest_after, "last": _gather(ok_last),
+            "latest_last": open(os.path.join(root, "latest")).read(), "final": after_next,
+            "handle_ok": _gather(handle.ok), "good": good if rank == 0 else None}
+
+
+def async_killed(task: dict, rank: int, ws: int) -> dict:
+    """A good asynchronous save, then one during whose background write rank 1 is killed."""
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    pd.save_checkpoint(engine, root, tag="good", client_state=_client_state(cfg), async_save=True, keep_last=1).wait()
+    good = W.gather_state(engine)  # collective
+    if rank == 0:
+        torch.save(good, os.path.join(task["state_dir"], "good.pt"))
+    tdist.barrier()
+    with _background_fault("kill", rank == 1):
+        handle = pd.save_checkpoint(engine, root, tag="bad", client_state=_client_state(cfg), async_save=True,
+                                    keep_last=1)
+        W.train_step(engine, cfg, rank, 1)
+        handle.wait()  # rank 1 dies in there; the supervisor then kills rank 0
+    return {}
+
+
+def async_after_kill(task: dict, rank: int, ws: int) -> dict:
+    """A new job after the killed one: resume from `latest`, then save asynchronously."""
+    cfg = task["cfg"]
+    root = task["root"]
+    listing = _listing(root)
+    latest = open(os.path.join(root, "latest")).read()
+    loaded, path, _ = _reload(cfg, ws, root)
+    good = torch.load(os.path.join(task["state_dir"], "good.pt"), weights_only=False)
+    engine = _engine(cfg, ws, rank, 0)
+    engine.load_checkpoint(root)
+    ok = pd.save_checkpoint(engine, root, tag="next", client_state=_client_state(cfg), async_save=True,
+                            keep_last=1).wait()
+    engine.destroy()
+    return {"listing": listing, "latest": latest, "problems": compare_states(good, loaded), "load_path": str(path),
+            "ok": _gather(ok), "final": _listing(root)}
+
+
+def async_destroy_joins(task: dict, rank: int, ws: int) -> dict:
+    """An asynchronous save left in flight; engine.destroy() joins it."""
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    with _slow_background_write(1.0):
+        handle = pd.save_checkpoint(engine, root, tag="t", client_state=_client_state(cfg), async_save=True)
+        in_flight = not handle.done()
+        engine.destroy()
+    return {"in_flight": _gather(in_flight), "done": _gather(handle.done()), "ok": _gather(handle.ok),
+            "listing": _listing(root), "arena": getattr(engine, "_pyckpt_arena", None) is None}
+
+
+def async_fallback(task: dict, rank: int, ws: int) -> dict:
+    """async_save=True where the state cannot be captured byte-equal (torch's legacy serialization):
+    a warning, then the synchronous save."""
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    engine.checkpoint_engine.zipfile_serialization = False
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    try:
+        handle = pd.save_checkpoint(engine, root, tag="t", client_state=_client_state(cfg), async_save=True)
+    finally:
+        logging.getLogger("pyckpt").removeHandler(handler)
+    done = handle.done()
+    ok = handle.wait()
+    saved = W.gather_state(engine)
+    engine.destroy()
+    loaded, path, _ = _reload(cfg, ws, root)
+    legacy = not open(os.path.join(root, "t", "mp_rank_00_model_states.pt"), "rb").read(2) == b"PK"
+    return {"warned": _gather(warned), "done": _gather(done), "ok": _gather(ok), "legacy": legacy,
+            "problems": compare_states(saved, loaded), "listing": _listing(root)}
+
+
+def refusals(task: dict, rank: int, ws: int) -> dict:
+    """What a save must refuse before it writes, on every rank alike, and what keep_last must spare:
+    a tag or conversion folder that is someone's, arguments that differ between ranks, a user folder
+    that looks like a checkpoint, a checkpoint touched after newer ones."""
+    from pyckpt.deepspeed.save import SaveError
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    if rank == 0:
+        os.makedirs(os.path.join(root, "notes"))
+        with open(os.path.join(root, "notes", "important.txt"), "w") as f:
+            f.write("mine")
+        os.makedirs(os.path.join(root, "analysis"))
+        with open(os.path.join(root, "analysis", "expert_counts.pt"), "w") as f:
+            f.write("mine")
+        os.makedirs(os.path.join(root, "s1_hf"))
+        with open(os.path.join(root, "s1_hf", "results.csv"), "w") as f:
+            f.write("mine")
+    tdist.barrier()
+
+    def attempt(**kwargs):
+        try:
+            out = pd.save_checkpoint(engine, root, client_state=_client_state(cfg), **kwargs)
+            return ("returned", bool(out.wait()) if hasattr(out, "wait") else bool(out))
+        except (SaveError, ValueError) as exc:
+            return ("raised", str(exc))
+
+    outcomes = {}
+    listings = {}
+    for name, kwargs in {"tag-async": dict(tag="notes", async_save=True),
+                         "tag-sync": dict(tag="notes"),
+                         "latest-tag": dict(tag="latest"),
+                         "async-differs": dict(tag="d1", async_save=rank == 0),
+                         "keep-last-differs": dict(tag="d2", keep_last=1 if rank == 0 else 2),
+                         "export-differs": dict(tag="d3", export="hf" if rank == 1 else None),
+                         "hf-folder-is-someones": dict(tag="s1", export="hf")}.items():
+        outcomes[name] = _gather(attempt(**kwargs))
+        listings[name] = _listing(root)
+        W.train_step(engine, cfg, rank, 1)  # a training collective after each: no rank was left behind
+    # keep_last counts this job's checkpoints only, by the steps they record
+    saved = {}
+    for tag in ("s2", "s3"):
+        W.train_step(engine, cfg, rank, 2)
+        out = pd.save_checkpoint(engine, root, tag=tag, client_state=_client_state(cfg), keep_last=2,
+                                 async_save=tag == "s3")
+        saved[tag] = out.wait() if tag == "s3" else out
+    if rank == 0:
+        os.utime(os.path.join(root, "s2"))  # touched: the newest folder by time, not by step
+    tdist.barrier()
+    W.train_step(engine, cfg, rank, 3)
+    saved["s4"] = pd.save_checkpoint(engine, root, tag="s4", client_state=_client_state(cfg), keep_last=2,
+                                     async_save=True).wait()
+    engine.destroy()
+    with open(os.path.join(root, "notes", "important.txt")) as f:
+        notes = f.read()
+    return {"outcomes": outcomes, "listings": listings, "saved": _gather(saved), "final": _listing(root),
+            "notes": notes, "latest": open(os.path.join(root, "latest")).read()}
+
+
+def _resume(cfg: dict, ws: int, root: str, memory):
+    """A fresh engine resumed under enable(memory=...) by a load naming no tag: (its state, path, log)."""
+    engine = W.make_engine(cfg, ws)
+    lines = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    try:
+        with pd.enable(memory=memory):
+            path, _ = engine.load_checkpoint(root)
+    finally:
+        logging.getLogger("pyckpt").removeHandler(handler)
+    return _state_after_load(engine), str(path), lines
+
+
+def _same_files(a: str, b: str) -> list:
+    """Names whose bytes differ between two checkpoint folders (or that only one holds)."""
+    names = sorted(set(os.listdir(a)) | set(os.listdir(b)))
+    out = []
+    for n in names:
+        pa, pb = os.path.join(a, n), os.path.join(b, n)
+        if not (os.path.isfile(pa) and os.path.isfile(pb)) or open(pa, "rb").read() != open(pb, "rb").read():
+            out.append(n)
+    return out
+
+
+def memory_tier(task: dict, rank: int, ws: int) -> dict:
+    """Five saves to a memory tier (keep 2, every 2nd persisted, async every other one), then a new
+    engine resumes under enable(memory=...) from the save folder: it must take the newest step, from
+    memory, equal to DeepSpeed's own load of that memory checkpoint and to the state at the save."""
+    from pyckpt.deepspeed.save.memory_save import wait_for_persistence
+
+    cfg = task["cfg"]
+    root = task["root"]
+    durable = os.path.join(root, "durable")
+    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="job1", keep=2, persist_every=2)
+    engine = _engine(cfg, ws, rank, 1)
+    results = []
+    for s in range(1, 6):
+        W.train_step(engine, cfg, rank, s)
+        out = pd.save_checkpoint(engine, durable, tag=f"s{s}", client_state=_client_state(cfg), memory=tier,
+                                 async_save=s % 2 == 0, keep_last=1)
+        results.append(bool(out.wait()) if hasattr(out, "wait") else bool(out))
+    at_save = W.gather_state(engine)
+    at_save["meta"]["global_steps"] = engine.global_steps
+    persisted = wait_for_persistence(engine)
+    engine.destroy()
+    folder = tier.folder()
+    listing = {"memory": _listing(folder), "durable": _listing(durable)}
+    differ = _same_files(os.path.join(durable, "s4"), os.path.join(folder, "s4"))
+    mode = oct(os.stat(os.path.join(root, "mem")).st_mode & 0o777)
+    resumed, path, log = _resume(cfg, ws, durable, tier)
+    stock, stock_path, _ = _reload(cfg, ws, folder, tag="s5")
+    return {"results": _gather(results), "persisted": persisted, "listing": listing, "differ": differ,
+            "mode": mode, "path": path, "log": _gather(log), "stock_path": str(stock_path),
+            "vs_stock": compare_states(stock, resumed), "vs_save": compare_states(at_save, resumed),
+            "latest_durable": open(os.path.join(durable, "latest")).read()}
+
+
+def memory_refusals(task: dict, rank: int, ws: int) -> dict:
+    """A memory tier whose budget a checkpoint exceeds, and one whose root is writable by others: each
+    save says why in one line and goes to save_dir; nothing is written to memory."""
+    cfg = task["cfg"]
+    root = task["root"]
+    durable = os.path.join(root, "durable")
+    engine = _engine(cfg, ws, rank, 1)
+    if rank == 0:
+        os.makedirs(os.path.join(root, "open"), mode=0o777)
+        os.chmod(os.path.join(root, "open"), 0o777)
+    tdist.barrier()
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    small = pd.MemoryTier(root=os.path.join(root, "mem"), job="j", limit_bytes=1000)
+    opened = pd.MemoryTier(root=os.path.join(root, "open"), job="j")
+    try:
+        full = pd.save_checkpoint(engine, durable, tag="full", client_state=_client_state(cfg), memory=small)
+        hostile = pd.save_checkpoint(engine, durable, tag="hostile", client_state=_client_state(cfg), memory=opened)
+    finally:
+        logging.getLogger("pyckpt").removeHandler(handler)
+    # Two asynchronous memory saves back to back while the first one's background write is slow: the
+    # second must join the first before its arrival (both wait on one store client otherwise: a deadlock)
+    # (rank 1's write slowed, rank 0's done and waiting for rank 1's outcome when its next save arrives)
+    tier = pd.MemoryTier(root=os.path.join(root, "mem2"), job="j", keep=1)
+    with _slow_background_write(2.0) if rank == 1 else contextlib.nullcontext():
+        first = pd.save_checkpoint(engine, durable, tag="b1", client_state=_client_state(cfg), memory=tier,
+                                   async_save=True)
+        if rank == 0:
+            time.sleep(0.5)  # a training step's worth: its background write is done, its agreement waiting
+        second = pd.save_checkpoint(engine, durable, tag="b2", client_state=_client_state(cfg), memory=tier,
+                                    async_save=True)
+        back_to_back = [first.wait(), second.wait()]
+    engine.destroy()
+    mem_files = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(os.path.join(root, "mem")) for f in fs]
+    return {"ok": _gather([full, hostile]), "warned": _gather(warned), "durable": _listing(durable),
+            "back_to_back": _gather(back_to_back), "mem2": _listing(tier.folder()),
+            "mem_files": mem_files, "open_listing": _listing(os.path.join(root, "open"))}
+
+
+def stock_equals(task: dict, rank: int, ws: int) -> dict:
+    """DeepSpeed's own load of task["root"]/task["tag"], compared with the state a resume wrote."""
+    cfg = task["cfg"]
+    stock, path, _ = _reload(cfg, ws, task["root"], tag=task["tag"])
+    resumed = torch.load(task["resumed"], weights_only=False)  # the test's own file
+    return {"problems": compare_states(stock, resumed["state"]), "path": str(path),
+            "global_steps": stock["meta"]["global_steps"]}
+
+
+def stock_step(task: dict, rank: int, ws: int) -> dict:
+    """DeepSpeed's own load of task["root"] (its latest): the step it resumes at."""
+    state, path, _ = _reload(task["cfg"], ws, task["root"])
+    return {"global_steps": state["meta"]["global_steps"], "path": str(path)}
