@@ -16,7 +16,6 @@ resumed to root/resumed.pt: the gathered state, global_steps and the lines pyckp
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -25,6 +24,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)  # the harness (dsharness/), the helpers (helpers/) and the other workers
 sys.path[:0] = [HERE, os.path.join(TESTS, "dsharness"), os.path.join(TESTS, "helpers"), TESTS]
+
+from logged import pyckpt_warnings  # noqa: E402  (tests/helpers/logged.py)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -54,10 +55,7 @@ def main() -> int:
     # kept at the end when the test compares it with DeepSpeed's own load afterwards
     tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="crash", keep=2, persist_every=job["persist_every"],
                          keep_at_exit=job["kill_at"] is not None)
-    lines = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("pyckpt").addHandler(handler)
+    lines = pyckpt_warnings()
     pd.enable(memory=tier)
     engine = W.make_engine(cfg, ws)
     if restart > 0:

@@ -21,7 +21,6 @@ step is trained and saved to memory, and the job ends normally.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -29,6 +28,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)  # the harness (dsharness/), the helpers (helpers/) and the other workers
 sys.path[:0] = [HERE, os.path.join(TESTS, "dsharness"), os.path.join(TESTS, "helpers"), TESTS]
+
+from logged import pyckpt_warnings  # noqa: E402  (tests/helpers/logged.py)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -61,10 +62,7 @@ def main() -> int:
     # persist the newest memory checkpoint together and remove the tier
     tier = pd.MemoryTier(job=job["job"], keep=2, persist_every=job["persist_every"],
                          keep_at_exit=job["phase"] == "train")
-    lines = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("pyckpt").addHandler(handler)
+    lines = pyckpt_warnings()
     pd.enable(memory=tier)
     engine = W.make_engine(cfg, ws)
     if job["phase"] == "resume":

@@ -11,11 +11,13 @@ fails on this rank (an injected fault)}.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
+from logged import pyckpt_warnings  # noqa: E402  (tests/helpers/logged.py)
 
 
 def main() -> int:
@@ -35,10 +37,7 @@ def main() -> int:
         return real_send(folder, node, tag, *args, **kwargs)
 
     memory_recovery.send_folder = send
-    lines = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("pyckpt").addHandler(handler)
+    lines = pyckpt_warnings()
     tier = MemoryTier(job="job", keep=2)
     found = memory_recovery.recover(tier, spec["save_dir"], TorchRanks())
     files = {}

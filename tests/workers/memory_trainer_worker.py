@@ -17,7 +17,6 @@ JSON keeps them exact), the resume point and the folder it named, and the lines 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)  # the harness (dsharness/), the helpers (helpers/) and the other workers
 sys.path[:0] = [HERE, os.path.join(TESTS, "dsharness"), os.path.join(TESTS, "helpers"), TESTS]
+
+from logged import pyckpt_warnings  # noqa: E402  (tests/helpers/logged.py)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -102,10 +103,7 @@ def main() -> int:
         hf.build_tokenizer(tokenizer_dir)
     dist.barrier()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    lines = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("pyckpt").addHandler(handler)
+    lines = pyckpt_warnings()
     out, ref = os.path.join(root, "out"), os.path.join(root, "ref")
     tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="trainer", keep=2)
     assert pd.enable(memory=tier)
