@@ -39,20 +39,49 @@ Archive::Archive(std::string path, uint64_t read_limit) : path_(std::move(path))
         fd.reset();
         open_mapped();
     } else {
-        held_.resize(size);
-        uint64_t got = 0;
-        while (got < size) {
-            ssize_t n = ::pread(fd.get(), held_.data() + got, size - got, static_cast<off_t>(got));
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0) throw_errno("read", path_);
-            if (n == 0) throw source_changed_error(path_);
-            got += static_cast<uint64_t>(n);
-        }
-        size_ = size;
-        data_ = reinterpret_cast<const uint8_t*>(held_.data());
+        read_in(fd.get(), 0, size);
     }
     parse();
     check_unchanged();
+}
+
+Archive::Archive(std::string path, uint64_t base, uint64_t length, uint64_t read_limit) : path_(std::move(path)) {
+    uint64_t size = 0;
+    UniqueFd fd = open_regular_file(path_, size);
+    if (base > size || length > size - base)
+        fail("archive at bytes [" + num(base) + ", " + num(base) + "+" + num(length) + ") lies past the end of the " +
+             num(size) + "-byte file");
+    if (length > read_limit) {
+        fd.reset();
+        open_mapped();
+        if (size_ < base + length) throw source_changed_error(path_);
+        data_ += base;
+        size_ = length;
+    } else {
+        read_in(fd.get(), base, length);
+    }
+    base_ = base;
+    parse();
+    check_unchanged();
+    // parse() worked in the window's own offsets; callers get the file's.
+    for (ArchiveMember& m : members_) {
+        m.header_offset += base_;
+        m.data_offset += base_;
+    }
+}
+
+void Archive::read_in(int fd, uint64_t offset, uint64_t size) {
+    held_.resize(size);
+    uint64_t got = 0;
+    while (got < size) {
+        ssize_t n = ::pread(fd, held_.data() + got, size - got, static_cast<off_t>(offset + got));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) throw_errno("read", path_);
+        if (n == 0) throw source_changed_error(path_);
+        got += static_cast<uint64_t>(n);
+    }
+    size_ = size;
+    data_ = reinterpret_cast<const uint8_t*>(held_.data());
 }
 
 void Archive::open_mapped() {
@@ -262,7 +291,7 @@ const ArchiveMember& Archive::member(std::string_view name) const {
 
 const uint8_t* Archive::member_data(const ArchiveMember& m) const {
     if (!data_) throw std::logic_error(path_ + ": archive is closed");
-    return data_ + m.data_offset;
+    return data_ + (m.data_offset - base_);
 }
 
 std::string Archive::prefix() const {

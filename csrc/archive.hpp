@@ -36,9 +36,15 @@ public:
     // CPUs to flush their TLBs, so those threads mostly waited on each other; reading costs one
     // copy of a few KB. A read-in archive never changes under its reader (check_unchanged passes).
     Archive(std::string path, uint64_t read_limit);
+    // The archive that bytes [base, base + length) of the file hold, as torch.distributed.checkpoint
+    // writes one torch.save archive per tensor chunk back to back in a data file: the ZIP is parsed
+    // within that window alone (its own offsets count from `base`, as torch's writer counted them),
+    // and members() report absolute file offsets. A window past the end of the file is refused.
+    Archive(std::string path, uint64_t base, uint64_t length, uint64_t read_limit);
 
     const std::string& path() const noexcept { return path_; }
-    uint64_t size() const noexcept { return size_; }
+    uint64_t size() const noexcept { return size_; }  // the window's length for a windowed archive
+    uint64_t base() const noexcept { return base_; }
     const std::vector<ArchiveMember>& members() const noexcept { return members_; }
 
     // Throws MemberNotFound naming the file and the member.
@@ -59,6 +65,7 @@ public:
 
 private:
     void open_mapped();
+    void read_in(int fd, uint64_t offset, uint64_t size);
     void parse();
     bool read_zip64_extra(const uint8_t* x, uint64_t len, std::initializer_list<uint64_t*> slots,
                           std::string_view member, const char* where) const;
@@ -70,6 +77,7 @@ private:
     std::string held_;                // the file's bytes when read in rather than mapped
     const uint8_t* data_ = nullptr;   // map_'s bytes or held_'s; null once closed
     uint64_t size_ = 0;
+    uint64_t base_ = 0;               // where the archive starts in the file (0 unless windowed)
     std::vector<ArchiveMember> members_;
     std::unordered_map<std::string_view, std::size_t> index_;  // views into members_[i].name
 };

@@ -1,6 +1,7 @@
 #include "archive_heads.hpp"
 
 #include <chrono>
+#include <memory>
 
 #include "parallel.hpp"
 
@@ -12,12 +13,17 @@ namespace pyckpt {
 constexpr uint64_t kReadWholeLimit = 128u << 10;
 
 std::vector<ArchiveHead> read_archive_heads(const std::vector<std::string>& paths, const std::string& member,
-                                            uint64_t max_bytes, unsigned workers) {
+                                            uint64_t max_bytes, unsigned workers,
+                                            const std::vector<ArchiveWindow>* windows) {
     std::vector<ArchiveHead> heads(paths.size());
     auto task = [&](uint64_t i, unsigned) {
         ArchiveHead& head = heads[i];
         try {
-            Archive ar(paths[i], kReadWholeLimit);
+            // Held by pointer: the member index keeps views into the members' names.
+            std::unique_ptr<Archive> opened =
+                windows ? std::make_unique<Archive>(paths[i], (*windows)[i].base, (*windows)[i].length, kReadWholeLimit)
+                        : std::make_unique<Archive>(paths[i], kReadWholeLimit);
+            Archive& ar = *opened;
             head.size = ar.size();
             head.prefix = ar.prefix();
             head.members = ar.members();

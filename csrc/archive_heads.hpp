@@ -30,8 +30,17 @@ struct ArchiveHead {
     std::string member_bytes;
 };
 
-// One head per path, in order. `member` is the name under the archive's top-level folder.
+// A byte range of a file holding one archive (a torch.distributed.checkpoint chunk).
+struct ArchiveWindow {
+    uint64_t base = 0;
+    uint64_t length = 0;
+};
+
+// One head per path, in order. `member` is the name under the archive's top-level folder. With
+// `windows` (one per path), each archive is the one in that byte range of its file; member offsets
+// stay absolute and `size` is the window's length.
 std::vector<ArchiveHead> read_archive_heads(const std::vector<std::string>& paths, const std::string& member,
-                                            uint64_t max_bytes, unsigned workers);
+                                            uint64_t max_bytes, unsigned workers,
+                                            const std::vector<ArchiveWindow>* windows = nullptr);
 
 }  // namespace pyckpt

@@ -21,7 +21,8 @@ _LAZY = {
     "VerifyReport": "universal.verify",
     "read_expert_slice": "universal.expert_slice",
     "check_load_topology": "universal.expert_slice",
-    "export_hf": "huggingface.export",
+    "export_hf_from_dcp": "dcp.to_hf",
+    "read_dcp": "dcp.read",
     "ExportReport": "huggingface.export",
     "state_dict": "huggingface.state_dict",
     "export_dcp": "dcp.export",
@@ -29,7 +30,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "convert_to_universal", "ConversionReport", "export_hf", "ExportReport", "export_dcp", "DcpReport", "state_dict", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
+    "convert_to_universal", "ConversionReport", "export_hf", "export_hf_from_dcp", "read_dcp", "ExportReport", "export_dcp", "DcpReport", "state_dict", "read_expert_slice", "check_load_topology", "verify_universal", "VerifyReport",
     # every exception pyckpt raises on purpose (pyckpt.errors), all PyckptError
     "PyckptError", "CheckpointFormatError", "UnsafePickleError", "OutputExistsError", "UnsupportedCheckpointError",
     "AutoEPError", "MissingExpertFileError", "InputChangedError", "PlanCheckError", "RanksFailedError",
@@ -37,6 +38,20 @@ __all__ = [
     "PointerNameError", "MemoryRootError", "ReplicationError",
 ]
 __version__ = "0.1.0"
+
+
+def export_hf(input, output, **options):
+    """Export a checkpoint as Hugging Face model files in the new folder ``output``: a DeepSpeed ZeRO or
+    Universal Checkpoint (:func:`pyckpt.huggingface.export.export_hf`, whose options apply), or a
+    torch.distributed.checkpoint folder of FSDP2 or torchtitan (:func:`pyckpt.dcp.to_hf.export_hf_from_dcp`:
+    ``model_key``, ``config``, ``from_torchtitan`` besides the common ones)."""
+    from .dcp.read import is_dcp_folder
+
+    if is_dcp_folder(input):
+        from .dcp.to_hf import export_hf_from_dcp
+        return export_hf_from_dcp(input, output, **options)
+    from .huggingface.export import export_hf as export_zero
+    return export_zero(input, output, **options)
 
 
 def __getattr__(name):

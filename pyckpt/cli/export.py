@@ -58,6 +58,19 @@ lr_scheduler,dataloader,train_state.
 """
 DESCRIPTION += "\n" + DCP
 
+FROM_DCP = """\
+INPUT may also be a torch.distributed.checkpoint (DCP) folder, as PyTorch FSDP2's dcp.save and
+torchtitan's checkpointer write it (.metadata and __K_0.distcp files; or the sharded safetensors of
+torch's HuggingFaceStorageWriter): its model entries are exported as Hugging Face files, each tensor
+reassembled from its shards by byte copies (nothing is loaded into memory). --model-key picks the
+model (default: "model" where the checkpoint has get_state_dict's {"model", "optim"}, else the
+top-level tensors); --config names the model's config.json (or its folder, whose tokenizer files are
+copied too), else one beside INPUT is used; a config with tie_word_embeddings leaves lm_head.weight
+out, as save_pretrained does. --from-torchtitan maps a torchtitan Llama3 checkpoint back to the
+Hugging Face Llama names (q and k rows out of its rotary order); it needs --config.
+"""
+DESCRIPTION += "\n" + FROM_DCP
+
 EPILOG = """\
 zero_to_fp32.py flags are accepted: --max_shard_size, --safe_serialization (the default),
 -t/--tag, --exclude_frozen_parameters.
@@ -96,8 +109,15 @@ def add_arguments(p) -> None:
     p.add_argument("--format", default="hf", choices=("hf", "dcp"),
                    help="hf: Hugging Face model files (default); dcp: a torch.distributed.checkpoint folder with the "
                    "optimizer state, for FSDP2 / torchtitan")
-    p.add_argument("--model-key", "--model_key", dest="model_key", default="model",
-                   help="--format dcp: the top-level key of the model's entries ('' for none; default: model)")
+    p.add_argument("--model-key", "--model_key", dest="model_key", default=None,
+                   help="--format dcp: the top-level key of the model's entries ('' for none; default: model); "
+                   "a DCP INPUT: the key its model lies under ('' for the top level; default: auto)")
+    p.add_argument("--config", default=None,
+                   help="a DCP INPUT: the model's config.json, or its folder (copied with its tokenizer files; "
+                   "default: the one beside INPUT)")
+    p.add_argument("--from-torchtitan", "--from_torchtitan", dest="from_torchtitan", action="store_true",
+                   help="a DCP INPUT saved by torchtitan for its Llama3 model: back to the Hugging Face Llama names "
+                   "(needs --config)")
     p.add_argument("--optim-key", "--optim_key", dest="optim_key", default="optim",
                    help="--format dcp: the top-level key of the optimizer state (default: optim)")
     p.add_argument("--no-optimizer", "--no_optimizer", dest="optimizer", action="store_false",
@@ -138,6 +158,14 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..execution.distributed import default_workers
     from ..huggingface.export import export_hf
+    from ..dcp.read import is_dcp_folder
+    if is_dcp_folder(args.input):
+        return _run_from_dcp(args)
+    if args.config is not None or args.from_torchtitan:
+        raise UsageError("--config and --from-torchtitan are for a DCP INPUT (a folder with .metadata); "
+                         f"{args.input} is not one")
+    if args.model_key is None:
+        args.model_key = "model"
     if args.torch_bin and args.safe_serialization:
         raise UsageError("--torch-bin and --safe_serialization ask for different formats: choose one")
     dcp = args.format == "dcp"
@@ -181,6 +209,34 @@ def run(args) -> int:
                            exclude_frozen_parameters=args.exclude_frozen_parameters, overwrite=args.overwrite,
                            dry_run=args.dry_run, workers=workers, progress=lead and not args.quiet,
                            fsync=args.fsync, notify=note if lead and not args.quiet else None, ranks=ranks)
+    return report_done(args, report) if lead else 0
+
+
+def _run_from_dcp(args) -> int:
+    from ..execution.distributed import default_workers
+    from ..dcp.to_hf import AUTO, export_hf_from_dcp
+    if args.format != "hf":
+        raise UsageError(f"{args.input} is a DCP checkpoint: it exports to Hugging Face files (--format hf)")
+    if (args.tag is not None or args.optim_key != "optim" or not args.optimizer or args.hf_names
+            or args.optim_layout != "nested" or args.torchtitan or args.initial_lr is not None
+            or args.exclude_frozen_parameters):
+        raise UsageError("-t/--tag, --optim-key, --optim-layout, --no-optimizer, --hf-names, --torchtitan, "
+                         "--initial-lr and --exclude_frozen_parameters are for a DeepSpeed INPUT, not a DCP one")
+    if args.torch_bin and args.safe_serialization:
+        raise UsageError("--torch-bin and --safe_serialization ask for different formats: choose one")
+    from ..huggingface.shards import parse_size
+    try:
+        parse_size(args.max_shard_size)
+    except ValueError as exc:
+        raise UsageError(f"argument --max_shard_size/--max-shard-size: {exc}") from None
+    with cli_common.among_processes() as (ranks, lead):
+        workers = args.workers if args.workers is not None or ranks is None else default_workers()
+        report = export_hf_from_dcp(args.input, args.output, model_key=AUTO if args.model_key is None else
+                                    args.model_key, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                    from_torchtitan=args.from_torchtitan, config=args.config,
+                                    torch_bin=args.torch_bin, overwrite=args.overwrite, dry_run=args.dry_run,
+                                    workers=workers, progress=lead and not args.quiet, fsync=args.fsync,
+                                    notify=note if lead and not args.quiet else None, ranks=ranks)
     return report_done(args, report) if lead else 0
 
 

@@ -161,11 +161,14 @@ def to_torchtitan_optimizer(tensors: "OrderedDict[str, NewTensor]", heads: Heads
 
 def _segments(name: str, t: NewTensor, where: str) -> Segments:
     """``t``'s bytes as source ranges in order: the tensor must be plain copies that tile it."""
-    if t.data is not None or any(p.src is None or p.rows != 1 or p.kind != KIND_COPY for p in t.pieces):
-        raise UnsupportedCheckpointError(f"{where}: {name} is not assembled from plain copies (a tensor-parallel "
-                                         "merge or a conversion), which torchtitan's row order cannot be laid over")
+    if t.data is not None or any(p.src is None or p.kind != KIND_COPY for p in t.pieces):
+        raise UnsupportedCheckpointError(f"{where}: {name} is not assembled from plain copies (a conversion), which "
+                                         "torchtitan's row order cannot be laid over")
+    # a strided piece (a column block of a tensor-parallel shard) is its rows, each a range of its own
+    flat = [Piece(p.src, p.src_off + r * p.nbytes, p.nbytes, p.dst_off + r * p.stride) for p in t.pieces
+            for r in range(p.rows)]
     seg, at = Segments(), 0
-    for p in sorted(t.pieces, key=lambda p: p.dst_off):
+    for p in sorted(flat, key=lambda p: p.dst_off):
         if p.dst_off != at:
             raise UnsupportedCheckpointError(f"{where}: the pieces of {name} do not tile it (a gap at byte {at})")
         seg.append(p.src, p.src_off, p.nbytes)
@@ -224,6 +227,51 @@ def _fused_qkv(names: Tuple[str, str, str], qkv: Tuple[NewTensor, NewTensor, New
         at += 2
     rows = (heads.heads + 2 * heads.kv_heads) * hd
     return NewTensor(q.dtype, (rows, q.shape[1]), pieces, q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+_FROM_TOP = {tt: hf for hf, tt in _TOP_NAMES.items()}
+_FROM_LAYER = {tt: hf for hf, tt in _LAYER_NAMES.items()}
+_TT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\Z")
+
+
+def hf_name(name: str, where: str) -> str:
+    """The Hugging Face Llama name of one torchtitan Llama3 parameter (the inverse of
+    :func:`torchtitan_name`), or refusal naming it."""
+    if name in _FROM_TOP:
+        return _FROM_TOP[name]
+    m = _TT_LAYER.match(name)
+    if m and m.group(2) in _FROM_LAYER:
+        return f"model.layers.{m.group(1)}.{_FROM_LAYER[m.group(2)]}"
+    raise UnsupportedCheckpointError(f"{where}: {name} is not a torchtitan Llama3 parameter pyckpt maps to a Hugging "
+                                     "Face name (embeddings, attention, MLP, norms and lm_head)")
+
+
+def from_torchtitan_model(tensors: "OrderedDict[str, NewTensor]", heads: Heads) -> "OrderedDict[str, NewTensor]":
+    """A torchtitan Llama3 state dict's entries under the Hugging Face names, q and k rows back in Hugging
+    Face's rotary order (what torchtitan's adapter ``to_hf`` gives)."""
+    out: "OrderedDict[str, NewTensor]" = OrderedDict()
+    for name, t in tensors.items():
+        hf = hf_name(name, heads.where)
+        if name.endswith(".qkv_linear.wq.weight"):
+            t = _unpermuted(name, t, heads.heads, heads)
+        elif name.endswith(".qkv_linear.wk.weight"):
+            t = _unpermuted(name, t, heads.kv_heads, heads)
+        if hf in out:
+            raise CheckpointFormatError(f"{heads.where}: two entries map to {hf}")
+        out[hf] = t
+    return out
+
+
+def _unpermuted(name: str, t: NewTensor, count: int, heads: Heads) -> NewTensor:
+    """The inverse of :func:`_permuted`: torchtitan's row ``2*i + c`` of a head back to row ``c*hd/2 + i``."""
+    row = _rows(name, t, count, heads)
+    seg = _segments(name, t, heads.where)
+    hd = heads.head_dim
+    half = hd // 2
+    pieces = [p for h in range(count) for c in (0, 1)
+              for p in row_pieces(seg.slice(h * hd * row, hd * row), half, 2 * row, c * row, row,
+                                  (h * hd + c * half) * row, row)]
+    return NewTensor(t.dtype, tuple(t.shape), pieces, t.requires_grad)
 
 
 def optimizer_renames(names, where: str) -> Dict[str, Optional[str]]:

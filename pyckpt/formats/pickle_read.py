@@ -172,6 +172,20 @@ class OpaqueEnum(Opaque):
         return hash(self._args[0])
 
 
+class OpaqueKey(Opaque):
+    """A record that a pickle uses as a dict key: its hash is its fields' (those that hash), so equal
+    records still hash alike and distinct ones rarely collide."""
+
+    def __hash__(self):
+        state = self._state
+        try:
+            if isinstance(state, dict):
+                return hash((self._global, tuple(state.items())))
+            return hash((self._global, self._args, state))
+        except TypeError:  # a field that does not hash (a crafted file): the class alone, as any Opaque
+            return hash(self._global)
+
+
 class TorchSize(tuple):
     """torch.Size as data: a tuple that is written back as ``torch.Size`` (torch is never imported)."""
 
@@ -204,6 +218,7 @@ class GlobalName:
     name: str
 
 
+_DCP_MD = "torch.distributed.checkpoint.metadata"
 # Classes that are rebuilt as inert Opaque records.
 OPAQUE_CLASSES = {
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
@@ -218,9 +233,28 @@ OPAQUE_CLASSES = {
     ("numpy", "ndarray"),
     ("numpy", "dtype"),
     ("copyreg", "_reconstructor"),
+    # torch.distributed.checkpoint's .metadata (torch 2.13, metadata.py and filesystem.py): records of
+    # keys, chunks and where each chunk's archive lies. StorageMeta keeps the checkpoint_id the job
+    # saved to, a str or a pathlib path.
+    (_DCP_MD, "Metadata"),
+    (_DCP_MD, "TensorStorageMetadata"),
+    (_DCP_MD, "BytesStorageMetadata"),
+    (_DCP_MD, "ChunkStorageMetadata"),
+    (_DCP_MD, "TensorProperties"),
+    (_DCP_MD, "StorageMeta"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib._local", "PosixPath"),
+}
+# Records used as dict keys (DCP's storage_data is keyed by MetadataIndex): hashed by their fields, so
+# a dict of n of them is built in n steps, not n * n comparisons of equal hashes.
+OPAQUE_KEYS = {
+    (_DCP_MD, "MetadataIndex"),
 }
 OPAQUE_ENUMS = {
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    (_DCP_MD, "_MEM_FORMAT_ENCODING"),
 }
 TORCH_DTYPE_NAMES = {
     "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool", "complex64",
@@ -410,8 +444,8 @@ def _allowed_globals() -> Dict[Tuple[str, str], Any]:
     }
     for name in set(STORAGE_DTYPES) | TORCH_DTYPE_NAMES:
         table.setdefault(("torch", name), GlobalName("torch", name))
-    for key in OPAQUE_CLASSES | OPAQUE_ENUMS:
-        base = OpaqueEnum if key in OPAQUE_ENUMS else Opaque
+    for key in OPAQUE_CLASSES | OPAQUE_ENUMS | OPAQUE_KEYS:
+        base = OpaqueEnum if key in OPAQUE_ENUMS else OpaqueKey if key in OPAQUE_KEYS else Opaque
         table[key] = type(key[1], (base, ), {"_global": key, "__module__": __name__})
     return table
 

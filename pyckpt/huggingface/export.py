@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Callable, Optional, Union
 
 from ..zero.consolidated import cast
-from ..tensors import FLOATING, ITEMSIZE
+from ..tensors import FLOATING, ITEMSIZE, NewTensor
 from ..universal.input import read_consolidated
 from .autoep_names import autoep_naming, to_hf_names
 from .companions import add_companions, companion_folder, read_model_config, resolve_dtype
@@ -53,29 +53,42 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
     ck, state = read_consolidated(input, tag, exclude_frozen, dense_only)
     companions = companion_folder(ck.folder)
     config, config_bytes = read_model_config(companions)
+    named = _hf_module_names(ck, state, config, plan_notes := [])
+    plan, target, count, total = plan_model_files(ck.folder, named, state.aliases, companions, config, config_bytes,
+                                                  dtype, max_shard_size, torch_bin, plan_notes)
+    return ck, plan, target, count, total
+
+
+def plan_model_files(folder: str, named: "OrderedDict[str, NewTensor]", aliases, companions: Optional[str],
+                     config: Optional[dict], config_bytes: Optional[bytes], dtype: str = "fp32",
+                     max_shard_size: Union[int, str] = "5GB", torch_bin: bool = False, notes=()):
+    """(plan, dtype, tensors written, total bytes) of a Hugging Face model folder holding ``named`` (the state
+    dict's tensors under their Hugging Face names; ``aliases``: name -> the entry whose tensor it is, left out of
+    safetensors), cast to ``dtype``, split by ``max_shard_size``, with the companions of ``companions`` (a folder,
+    or None for none). ``folder`` names the input in messages. Any reader's state goes through here: a ZeRO or
+    Universal checkpoint's, a DCP checkpoint's."""
     target = resolve_dtype(dtype, config)
     limit = parse_size(max_shard_size)
-    named = _hf_module_names(ck, state, config, plan_notes := [])
     tensors = {name: cast(t, target) if t.dtype in FLOATING else t for name, t in named.items()}
     for name, t in tensors.items():
         if t.dtype not in ITEMSIZE:
-            raise CheckpointFormatError(f"{ck.folder}: {name} has dtype {t.dtype}, which safetensors cannot hold")
+            raise CheckpointFormatError(f"{folder}: {name} has dtype {t.dtype}, which safetensors cannot hold")
     nbytes = {k: t.numel() * ITEMSIZE[t.dtype] for k, t in tensors.items()}
     plan = Plan()
-    plan.notes.extend(plan_notes)
+    plan.notes.extend(notes)
     if torch_bin:
         # torch.save keeps shared storage: an alias is the same tensor as its holder, one storage in
         # the holder's file (what zero_to_fp32 writes without --safe_serialization)
-        keys = list(tensors) + list(state.aliases)
-        shards = split(keys, nbytes, state.aliases, limit, WEIGHTS_NAME)
+        keys = list(tensors) + list(aliases)
+        shards = split(keys, nbytes, aliases, limit, WEIGHTS_NAME)
         for fname, names in shards.files.items():
-            plan.add_archive(fname, OrderedDict((n, tensors[state.aliases.get(n, n)]) for n in names))
+            plan.add_archive(fname, OrderedDict((n, tensors[aliases.get(n, n)]) for n in names))
         index_name = WEIGHTS_INDEX_NAME
     else:
         # safetensors holds no shared storage: tied aliases are left out, as save_pretrained leaves
         # them out, and the model re-ties them on load.
         if RESERVED_NAME in tensors:
-            raise UnsupportedCheckpointError(f"{ck.folder}: parameter {RESERVED_NAME!r} cannot be stored in a "
+            raise UnsupportedCheckpointError(f"{folder}: parameter {RESERVED_NAME!r} cannot be stored in a "
                                              "safetensors file, where that name is the header's metadata key; "
                                              "export with --torch-bin (pytorch_model.bin) instead")
         shards = split(list(tensors), nbytes, {}, limit, SAFE_WEIGHTS_NAME)
@@ -85,10 +98,11 @@ def plan_export(input, dtype: str = "fp32", max_shard_size: Union[int, str] = "5
         index_name = SAFE_WEIGHTS_INDEX_NAME
     if shards.sharded:
         plan.add_raw_file(index_name, shards.index_json())
-    if state.aliases and not torch_bin:
-        plan.notes.append(f"  tied aliases left out of safetensors (re-tied on load): {', '.join(state.aliases)}")
-    add_companions(plan, companions, config, config_bytes, target)
-    return ck, plan, target, len(shards.weight_map()), shards.total_size
+    if aliases and not torch_bin:
+        plan.notes.append(f"  tied aliases left out of safetensors (re-tied on load): {', '.join(aliases)}")
+    if companions is not None:
+        add_companions(plan, companions, config, config_bytes, target)
+    return plan, target, len(shards.weight_map()), shards.total_size
 
 
 def _hf_module_names(ck, state, config: Optional[dict], notes: list):
