@@ -28,6 +28,13 @@ new). Runs into one OUTPUT take turns (a lock file .NAME.pyckpt-lock beside it w
 that was killed leaves hidden .NAME.pyckpt-* entries; the next run into OUTPUT removes them, or --clean
 does. A signal ignored on entry (SIGHUP under nohup) stays ignored.
 
+INPUT may also be a torch.distributed.checkpoint (DCP) folder of a PyTorch FSDP2 job (dcp.save of
+get_state_dict(model, optimizer) with torch Adam or AdamW): the model becomes the fp32 masters and
+the Adam state (exp_avg, exp_avg_sq, step) and param groups the optimizer's, so a DeepSpeed job of
+the same model, its param groups built in the same order, resumes with load_universal at any world
+size and ZeRO stage. --model-key / --optim-key name the entries (default: "model", and "optim" or
+torchtitan's "optimizer"). Another optimizer's state (SGD, AMSGrad, Adafactor) is refused.
+
 Several processes share the work when started by torchrun, on one node or many:
   torchrun --nproc_per_node K [--nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT] \\
       -m pyckpt.convert INPUT OUTPUT
@@ -72,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="for checkpoints with native DeepSpeed-MoE / Megatron-DeepSpeed expert files (no AutoEP "
                    "metadata): convert the dense parameters and leave the experts out, as ds_to_universal.py does "
                    "(without this flag such checkpoints are refused: their experts need a model-specific migration)")
+    p.add_argument("--to", default="universal", choices=("universal", ),
+                   help="the output format: DeepSpeed's Universal Checkpoint (the only one; for Hugging Face files "
+                   "use `pyckpt export`)")
+    p.add_argument("--model-key", "--model_key", dest="model_key", default=None,
+                   help="a DCP INPUT: the key its model lies under ('' for the top level; default: auto)")
+    p.add_argument("--optim-key", "--optim_key", dest="optim_key", default=None,
+                   help="a DCP INPUT: the key of its optimizer state (default: optim, or optimizer)")
     p.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists (swapped in when complete)")
     p.add_argument("--clean", action="store_true",
                    help="only clean up: remove what killed runs into OUTPUT left beside it (restoring an old "
@@ -104,6 +118,23 @@ def run(args) -> int:
         workers = max(args.num_extract_workers or 0, args.num_merge_workers or 0)
     from ..execution.distributed import default_workers
     from ..universal.convert import convert_to_universal
+    from ..dcp.read import is_dcp_folder
+    if is_dcp_folder(src):
+        if args.inject_missing_state or not args.strict or args.dense_only:
+            raise UsageError("--inject_missing_state, --no_strict and --dense-only are for a DeepSpeed INPUT, not a "
+                             "DCP one")
+        from ..dcp.to_universal import convert_dcp_to_universal
+        with cli_common.among_processes() as (ranks, lead):
+            if workers is None and ranks is not None:
+                workers = default_workers()
+            report = convert_dcp_to_universal(src, dst, model_key="auto" if args.model_key is None else args.model_key,
+                                              optim_key="auto" if args.optim_key is None else args.optim_key,
+                                              overwrite=args.overwrite, dry_run=args.dry_run, workers=workers,
+                                              progress=lead and not args.quiet, fsync=args.fsync,
+                                              notify=note if lead and not args.quiet else None, ranks=ranks)
+        return report_done(args, report) if lead else 0
+    if args.model_key is not None or args.optim_key is not None:
+        raise UsageError("--model-key and --optim-key are for a DCP INPUT (a folder with .metadata)")
     with cli_common.among_processes() as (ranks, lead):
         if workers is None and ranks is not None:
             workers = default_workers()

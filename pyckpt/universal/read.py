@@ -97,6 +97,10 @@ def discover_universal(folder) -> UniversalCheckpoint:
     check_links_inside(folder, names)
     z12 = {int(m.group(1)): n for n in names if (m := ZERO12_MODEL_RE.match(n))}
     z3 = {(int(m.group(2)), int(m.group(1))): n for n in names if (m := ZERO3_MODEL_RE.match(n))}
+    if z12 and z3 and set(z12) == {0} and set(z3) == {(0, 0)}:
+        # one model-state file under both engines' names: a folder every ZeRO stage resumes from, as
+        # pyckpt's conversion of a DCP checkpoint writes it (pyckpt.dcp.to_universal); read as ZeRO-1/2's
+        z3 = {}
     if z12 and z3:
         raise CheckpointFormatError(f"{folder}: holds both mp_rank_* (ZeRO-1/2) and zero_pp_rank_* (ZeRO-3) "
                                     "model-state files")
