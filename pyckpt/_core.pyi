@@ -40,7 +40,10 @@ OP_COLUMNS: Tuple[str, ...]
 class Archive:
     """Read-only, memory-mapped view of a torch.save ZIP file (stored members only)."""
 
-    def __init__(self, path: _Path) -> None: ...
+    def __init__(self, path: _Path, offset: Optional[int] = None, length: Optional[int] = None) -> None:
+        """The archive of the whole file, or the one in bytes [offset, offset + length) (member offsets stay absolute)."""
+    @property
+    def base(self) -> int: ...
     @property
     def path(self) -> str: ...
     @property
@@ -54,7 +57,8 @@ class Archive:
     def __enter__(self) -> "Archive": ...
     def __exit__(self, *args: object) -> None: ...
 
-def read_archive_heads(paths: Iterable[_Path], member: str, max_bytes: int, workers: int = 0
+def read_archive_heads(paths: Iterable[_Path], member: str, max_bytes: int, workers: int = 0,
+                       windows: Optional[Sequence[Tuple[int, int]]] = None
                        ) -> List[Optional[Tuple[int, str, Dict[str, Tuple[int, int, int]], Optional[bytes]]]]:
     """Per path: (size, prefix, {name: (data offset, size, crc32)}, <prefix>/<member> bytes or None if absent
     or over max_bytes), or None if the archive could not be opened or indexed. Read on `workers` threads

@@ -39,7 +39,7 @@ def pytest_configure(config):
 
 # Fixtures that train with DeepSpeed or run its converter: a test using one is `slow`, so
 # `pytest -m "not slow"` runs the rest in seconds.
-DEEPSPEED_FIXTURES = {"checkpoints", "deepspeed_universal", "pyckpt_universal", "ds_root", "ds_environ",
+DEEPSPEED_FIXTURES = {"dcp_sources", "dcp_references", "checkpoints", "deepspeed_universal", "pyckpt_universal", "ds_root", "ds_environ",
                       "dsh_checkpoints", "dsh_universal", "dsh_loaded", "generated"}
 # Tests that launch DeepSpeed or a benchmark themselves.
 SLOW_TESTS = {"test_failing_rank_fails_the_launch_fast", "test_structure_matches_real_deepspeed_saves",
@@ -194,3 +194,25 @@ def pyckpt_universal(checkpoints, tmp_path_factory) -> dict:
             out[name] = dest
         return out
     return built_once(tmp_path_factory, "pyckpt_universal", build)
+
+
+# Real torch.distributed.checkpoint folders saved by torch 2.13 (FSDP2, FSDP x TP, torch's sharded safetensors)
+# and by torchtitan 0.3.0 on CPU (tests/helpers/dcp_sources.py launches the workers), each made once per run.
+@pytest.fixture(scope="session")
+def dcp_sources(tmp_path_factory) -> dict:
+    """name -> DcpSource for every case of dcp_sources.CASES and "torchtitan" (about a minute of torchrun
+    launches, once per run; tests read these folders and never change them)."""
+    import dcp_sources as sources
+
+    return sources.shared_build(tmp_path_factory, "dcp_sources", sources.build_all)
+
+
+@pytest.fixture(scope="session")
+def dcp_references(dcp_sources, tmp_path_factory) -> dict:
+    """name -> the Hugging Face folder users make today of each torch-saved case (dcp_sources.reference_hf)."""
+    import dcp_sources as sources
+
+    def build(root):
+        return {name: sources.reference_hf(s.dcp, root / name) for name, s in dcp_sources.items()
+                if name in sources.CASES}
+    return sources.shared_build(tmp_path_factory, "dcp_references", build)

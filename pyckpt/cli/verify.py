@@ -9,7 +9,7 @@ import json
 import sys
 
 from . import common as cli_common
-from .common import UsageError, add_common_flags
+from .common import add_common_flags
 
 DESCRIPTION = """\
 Check that a Universal Checkpoint folder is complete and well-formed, before deleting the ZeRO
@@ -33,6 +33,13 @@ Checked:
     planned file must exist with the planned tensors' dtypes, shapes and byte counts and no other
     file; tensor bytes are compared by CRC-32 with the input's (--no-content to skip this).
 
+OUTPUT may also be a torch.distributed.checkpoint folder, given alone: the metadata parses by the
+allowlist reader and follows DCP's rules (data files inside the folder, records inside their files
+and apart, chunks tiling their tensors), every record's archive opens in its byte range with each
+member matching its CRC-32, every chunk's tensor is of its entry's dtype and the chunk's sizes, and
+every value's pickle parses; for torch's safetensors-backed layout, the headers and that every
+tensor's bytes lie inside its file.
+
 OUTPUT may also be a torch.distributed.checkpoint folder made by `pyckpt export --format dcp`,
 checked --against the checkpoint it was exported from: the export is planned again with the options
 it recorded (.pyckpt-export.json); the .metadata must be the planned one byte for byte (every entry,
@@ -46,7 +53,8 @@ exit status: 0 all checks passed, 1 problems found (one line each: the file, wha
 2 usage error, or OUTPUT/INPUT cannot be read as a checkpoint at all.
 """
 FORMATTER = argparse.RawDescriptionHelpFormatter
-IMPORTS = ("pyckpt.universal.verify",)  # numpy and the native module: loaded as part of start-up
+# numpy and the native module: loaded as part of start-up
+IMPORTS = ("pyckpt.universal.verify", "pyckpt.dcp.check")
 # An OUTPUT or INPUT that cannot be read at all is told apart from one with problems (exit 1).
 ERROR_EXIT = 2
 
@@ -63,12 +71,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from ..dcp.read import is_dcp_folder as is_dcp_input
     from ..dcp.verify import is_dcp_folder, verify_dcp
     from ..universal.verify import verify_universal
+    if not args.against and is_dcp_input(args.output):  # any DCP folder, checked on its own
+        from ..dcp.check import check_dcp
+        return _print(args, check_dcp(args.output))
     if is_dcp_folder(args.output):
-        if not args.against:
-            raise UsageError(f"{args.output} is a torch.distributed.checkpoint folder: pyckpt verifies one it exported "
-                             "against its input (--against INPUT)")
         report = verify_dcp(args.output, against=args.against, content=args.content)
         return _print(args, report)
     # The byte counter draws only on a terminal; elsewhere making one would only cost a walk of the

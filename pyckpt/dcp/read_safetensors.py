@@ -75,7 +75,7 @@ def is_sharded_safetensors_folder(folder: str) -> bool:
             if _sharding(path, header) is not None:
                 return True
         except (CheckpointFormatError, OSError):
-            return False
+            continue  # a damaged shard among DCP shards: the reader names it
     return False
 
 
