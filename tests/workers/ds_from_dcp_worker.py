@@ -4,12 +4,13 @@ torchrun at a world size other than the FSDP2 job's).
 Every rank builds the model from the config beside the DCP checkpoint, torch AdamW with the FSDP2 job's
 two param groups in the same order (tests/workers/dcp_save_worker.py: weight decay on the matrices, none
 on the norms), and DeepSpeed with ``"checkpoint": {"load_universal": true}`` at ZeRO stage STAGE and
-DTYPE, then ``load_checkpoint(UNIVERSAL_PARENT)``. Rank 0 writes OUT.pt: what was loaded (every
+DTYPE, then ``load_checkpoint(UNIVERSAL_PARENT)``, by DeepSpeed's own loader or, with ``--loader pyckpt``,
+through ``pyckpt.deepspeed.enable()``. Rank 0 writes OUT.pt: what was loaded (every
 parameter's fp32 master and Adam moments gathered with DeepSpeed's safe_get_full_* helpers, each group's
 hyper-parameters, the step) and the losses of three more steps on the FSDP2 job's batch.
 
     torchrun --nproc_per_node W tests/workers/ds_from_dcp_worker.py UNIVERSAL_PARENT REFERENCE.pt CONFIG_DIR OUT.pt
-        --stage S [--dtype fp32|bf16]
+        --stage S [--dtype fp32|bf16] [--loader deepspeed|pyckpt]
 """
 
 import argparse
@@ -36,7 +37,11 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--loader", choices=("deepspeed", "pyckpt"), default="deepspeed")
     args = ap.parse_args()
+    if args.loader == "pyckpt":
+        import pyckpt.deepspeed
+        pyckpt.deepspeed.enable()  # the universal load through pyckpt's backend
 
     torch.manual_seed(123)  # other initial weights than the FSDP2 job's: everything must come from the load
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config_dir), dtype=torch.float32)
