@@ -1,7 +1,8 @@
 """pyckpt inside a DeepSpeed job: the names DeepSpeed users import.
 
 ``enable()`` / ``disable()`` / ``enabled()`` route DeepSpeed's universal checkpoint loads through
-pyckpt (:mod:`.load`), ``load_checkpoint(engine, dir)`` resumes from plain ZeRO shards at any world
+pyckpt (:mod:`.load`) and, with ``enable(save="atomic" | "async")``, DeepSpeed's own ``save_checkpoint``
+as frameworks call it (:mod:`.enabling`), ``load_checkpoint(engine, dir)`` resumes from plain ZeRO shards at any world
 size (:mod:`.load.direct`), and ``save_checkpoint(engine, dir)`` saves so that a failure costs
 nothing already saved (:mod:`.save`); ``MemoryCheckpoints`` and ``resume_point`` put the memory tier
 under the Hugging Face Trainer (:mod:`.memory_trainer`).
@@ -13,7 +14,8 @@ ends and users.
 """
 
 from ..errors import CollectiveCallError, RankLoadError, SaveError
-from .load import disable, enable, enabled, load_checkpoint
+from .load import enabled, load_checkpoint
+from .enabling import disable, enable
 from .save import AsyncSave, save_checkpoint, wait_for_saves
 from .memory_trainer import resume_point
 from .tiers.policy import MemoryTier

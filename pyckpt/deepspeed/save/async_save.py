@@ -61,7 +61,8 @@ def save_async(engine, request: SaveRequest, staged: Staged, t_call: float) -> A
         engine.checkpoint_engine = inner
     staging = os.path.join(save_dir, staged.staging_tag)
     if rank == 0 and not failures:
-        write_companions(engine, staging, tag, group.size, request.tokenizer, request.model_config, failures)
+        write_companions(engine, staging, tag, group.size, request.tokenizer, request.model_config, failures,
+                         request.training_state)
     # the output lock and the staging folder now belong to the background work (rank 0)
     held = staged.stack.pop_all()
     agreement = StoreAgreement(_default_store(), staged.staging_tag, rank, group.size, request.agree_timeout)

@@ -59,7 +59,8 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
                     export: Optional[str] = None, exclude_frozen_parameters: bool = False,
                     arrival_timeout: float = 300.0, fsync: bool = False, async_save: bool = False,
                     keep_last: Optional[int] = None, agree_timeout: float = 1800.0,
-                    snapshot_limit: Optional[int] = None, memory=None, persist: bool = False):
+                    snapshot_limit: Optional[int] = None, memory=None, persist: bool = False,
+                    save_latest: bool = True, training_state: bool = True):
     """Save ``engine``'s training checkpoint as ``save_dir/<tag>``; call it on **every** rank.
 
     What DeepSpeed writes is DeepSpeed's own ``save_checkpoint`` output (the same files, bit for
@@ -114,12 +115,17 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     Checkpoint, a Hugging Face export); anything else stops the save on every rank before anything is
     written. Every argument that shapes the save must be the same on every rank: ranks that differ
     (``async_save`` on some only, say) are refused together in the preflight, naming the argument.
+
+    ``save_latest=False`` leaves ``latest`` as it was (DeepSpeed's option of the same name);
+    ``training_state=False`` leaves pyckpt's ``training_state.json`` out, so the folder holds DeepSpeed's
+    files alone (what ``enable(save=...)`` writes for a caller of DeepSpeed's own method).
     """
     request = SaveRequest(save_dir, tag, tokenizer=tokenizer, model_config=model_config, client_state=client_state,
                           on_error=on_error, universal=universal, export=export,
                           exclude_frozen_parameters=exclude_frozen_parameters, arrival_timeout=arrival_timeout,
                           fsync=fsync, async_save=async_save, keep_last=keep_last, agree_timeout=agree_timeout,
-                          snapshot_limit=snapshot_limit).checked()
+                          snapshot_limit=snapshot_limit, save_latest=save_latest,
+                          training_state=training_state).checked()
     if memory is not None:
         from .memory_save import save_to_memory
 

@@ -104,14 +104,16 @@ def write_training_state(engine, tag: str, world_size: int, folder: str) -> None
     _write_json(os.path.join(folder, TRAINING_STATE), training_state(engine, tag, world_size))
 
 
-def write_companions(engine, folder: str, tag: str, world_size: int, tokenizer, model_config, failures) -> None:
+def write_companions(engine, folder: str, tag: str, world_size: int, tokenizer, model_config, failures,
+                     training_state: bool = True) -> None:
     """Rank 0: the tokenizer, the model config and ``training_state.json`` into ``folder`` (the staging
     folder); the first that fails is recorded in ``failures`` (a :class:`~.guarded_io.WriteFailures`)
     and the rest are not written."""
     steps = [("writing the tokenizer into", lambda: tokenizer is not None and write_tokenizer(tokenizer, folder)),
              ("writing the model config into",
               lambda: model_config is not None and write_model_config(model_config, folder)),
-             ("writing training_state.json into", lambda: write_training_state(engine, tag, world_size, folder))]
+             ("writing training_state.json into",
+              lambda: training_state and write_training_state(engine, tag, world_size, folder))]
     for action, step in steps:
         try:
             step()

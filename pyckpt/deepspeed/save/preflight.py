@@ -86,7 +86,8 @@ def _prepare(request: SaveRequest, stack: contextlib.ExitStack, owner: Optional[
         for name in clean_orphans(save_dir):
             log.info("pyckpt: removed %s, left in %s by a save that did not finish", name, save_dir)
         publisher = stack.enter_context(Publisher(os.path.join(save_dir, tag), overwrite=True, fsync=request.fsync,
-                                                  pointer="latest", owner=owner))
+                                                  pointer="latest" if request.save_latest else None,
+                                                  owner=owner))
         if request.share is not None:
             return publisher, request.share.replace_problem(publisher.output)
         return publisher, _replace_problem(save_dir, tag, request.universal, request.export)

@@ -38,6 +38,10 @@ class SaveRequest:
     agree_timeout: float = 1800.0
     snapshot_limit: Optional[int] = None
     share: Any = None
+    # DeepSpeed's own save_checkpoint(save_latest=False) leaves `latest` alone; a save made for DeepSpeed's
+    # caller (enable(save=...)) writes only DeepSpeed's files, without pyckpt's training_state.json
+    save_latest: bool = True
+    training_state: bool = True
 
     def checked(self) -> "SaveRequest":
         """The request, once every argument is one a save can take; ValueError naming the first that is not."""
@@ -69,7 +73,8 @@ class SaveRequest:
         same (the preflight compares them)."""
         return {"async_save": bool(self.async_save), "keep_last": self.keep_last, "universal": bool(self.universal),
                 "export": self.export, "snapshot_limit": self.snapshot_limit, "on_error": self.on_error,
-                "exclude_frozen_parameters": bool(self.exclude_frozen_parameters)}
+                "exclude_frozen_parameters": bool(self.exclude_frozen_parameters),
+                "save_latest": bool(self.save_latest), "training_state": bool(self.training_state)}
 
 
 def check_tag(tag: str) -> str:

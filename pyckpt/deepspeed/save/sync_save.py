@@ -34,7 +34,7 @@ def save_now(engine, request: SaveRequest, staged: Staged) -> Tuple[bool, Option
             failures.record("DeepSpeed's save_checkpoint raised", None, exc)
     if rank == 0 and not failures:
         write_companions(engine, staged.publisher.staging, tag, group.size, request.tokenizer, request.model_config,
-                         failures)
+                         failures, request.training_state)
     outcomes = group.all_gather(failures.first())
 
     result = None

@@ -1,0 +1,159 @@
+"""A framework's checkpoint folder (the Trainer's ``checkpoint-N``, accelerate's ``checkpoint_<i>``) staged
+under a hidden name and renamed into place in one step once complete, for ``enable(save=...)``.
+
+The framework writes its folder in several steps around DeepSpeed's save; under pyckpt those steps run into
+``<parent>/.<name><suffix>/<name>``, which the frameworks' own listings (``get_last_checkpoint``, their
+rotations, accelerate's ``load_state``) do not see. :class:`PendingFolder` renames it to ``<parent>/<name>``
+on the main process when every process's files are there and, with an asynchronous save, when DeepSpeed's
+background write is published (a thread waits for it, so training goes on), then runs the framework's
+rotation. The next save, the end of training and the interpreter's exit join that wait; a killed run's
+staging folders are removed by the next save into the same parent (:func:`clean_staging`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import shutil
+import threading
+from typing import Callable, Optional
+
+from ..native import _core
+from .save import engine_hook
+
+log = logging.getLogger("pyckpt")
+
+_PENDING: "set[PendingFolder]" = set()
+_LOCK = threading.Lock()
+
+
+class PendingFolder:
+    """One staged checkpoint folder waiting for DeepSpeed's files: the main process renames it into place,
+    then runs ``after`` (the framework's rotation). ``owner`` is the Trainer or Accelerator that saved it."""
+
+    def __init__(self, owner, staged: str, staging_run: str, final: str, handle, after: Optional[Callable] = None):
+        self.owner = owner
+        self.staged, self.staging_run, self.final = staged, staging_run, final
+        self.handle, self.after = handle, after
+        self.error: Optional[BaseException] = None
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self.handle is None:
+            self.finish()
+            return
+        self.thread = threading.Thread(target=self._after_write, name="pyckpt-publish-folder", daemon=True)
+        with _LOCK:
+            _PENDING.add(self)
+        self.thread.start()
+
+    def _after_write(self) -> None:
+        try:
+            while not self.handle.done():
+                self.handle._thread.join()
+            self.finish()
+        except BaseException as exc:  # raised by join()
+            self.error = exc
+
+    def finish(self) -> None:
+        """The staged folder into place, then ``after``, once DeepSpeed's files are published."""
+        if self.handle is not None and not self.handle.ok:
+            shutil.rmtree(self.staging_run, ignore_errors=True)
+            log.warning("pyckpt: %s was not published (DeepSpeed's files failed: %s); the previous checkpoint "
+                        "stays the newest", self.final, self.handle.message)
+            return
+        into_place(self.staged, self.final)
+        shutil.rmtree(self.staging_run, ignore_errors=True)
+        if self.after is not None:
+            self.after()
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+        with _LOCK:
+            _PENDING.discard(self)
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def into_place(staged: str, final: str) -> None:
+    """``staged`` renamed to ``final`` in one step: a save of a step saved before swaps with the old folder,
+    which is removed after (``final`` exists throughout)."""
+    try:
+        _core.rename_noreplace(staged, final)
+    except FileExistsError:
+        _core.rename_exchange(staged, final)
+        shutil.rmtree(staged, ignore_errors=True)
+    fd = os.open(os.path.dirname(final), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def join_pending(owner=None) -> None:
+    """Every staged checkpoint folder of this process (or of ``owner``) published, or its failure raised."""
+    with _LOCK:
+        pending = [p for p in _PENDING if owner is None or p.owner is owner]
+    for p in pending:
+        p.join()
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    try:
+        join_pending()
+    except Exception as exc:  # nobody is left to catch it
+        log.error("pyckpt: a Trainer checkpoint could not be published at exit: %s", exc)
+
+
+def clean_staging(parent: str, suffix: str, keep: str) -> None:
+    """Staging folders (``.<name><suffix>``) a killed run left beside the checkpoints, not the ones this
+    process still waits on."""
+    with _LOCK:
+        busy = {p.staging_run for p in _PENDING} | {keep}
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return
+    for name in names:
+        path = os.path.join(parent, name)
+        if name.startswith(".") and name.endswith(suffix) and path not in busy and not os.path.islink(path) \
+                and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("pyckpt: removed %s, left by a save that did not finish", path)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """Calls ``patch(module)`` when the module ``name`` is imported after ``enable()`` (transformers and
+    accelerate load theirs lazily), while a save mode is set."""
+
+    def __init__(self, name: str, patch: Callable):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, patch = spec.loader, self.patch
+        run = loader.exec_module
+
+        def exec_module(mod):
+            run(mod)
+            if engine_hook.mode() is not None:
+                patch(mod)
+        loader.exec_module = exec_module
+        return spec

@@ -1,0 +1,125 @@
+"""The Hugging Face Trainer's ``checkpoint-N/`` complete or absent under ``enable(save=...)``.
+
+The Trainer (transformers 5.22, ``Trainer._save_checkpoint``) writes one checkpoint as several steps
+into ``<output_dir>/checkpoint-N/``: DeepSpeed's save, then the scheduler, the RNG state of every rank
+and ``trainer_state.json``, then it rotates older checkpoints. A kill between those steps leaves a
+``checkpoint-N/`` that ``get_last_checkpoint`` (``resume_from_checkpoint=True``) takes although half of
+it is missing. Here the Trainer's own steps run unchanged, but into a hidden staging folder
+(``.checkpoint-N.pyckpt-trainer/checkpoint-N``, which neither ``get_last_checkpoint`` nor the rotation
+sees); when every rank's files are there, process 0 renames it to ``checkpoint-N`` in one step and
+only then rotates. With ``save="async"`` DeepSpeed's files are still being written when the Trainer's
+step returns: the rename waits for their publication (a thread on process 0), so training goes on, and
+the rotation never sees a checkpoint still being written. The next save, the end of ``train()`` and
+the interpreter's exit join that wait. Staging folders of a killed run are removed by the next save
+(:mod:`.framework_folders`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from typing import Callable, Dict
+
+from .framework_folders import PatchOnImport, PendingFolder, barrier, clean_staging, join_pending
+from .save import engine_hook
+
+STAGING_SUFFIX = ".pyckpt-trainer"
+_PATCHED: Dict[type, tuple] = {}
+
+
+def _wrap(original: Callable, module) -> Callable:
+    def _save_checkpoint(self, model, trial):
+        mode = engine_hook.mode()
+        if mode is None or not getattr(self, "is_deepspeed_enabled", False):
+            return original(self, model, trial)
+        join_pending(self)  # the previous checkpoint in place before this one starts
+        run_dir = self._get_output_dir(trial=trial)
+        folder = f"{module.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final = os.path.join(run_dir, folder)
+        staging_run = os.path.join(run_dir, "." + folder + STAGING_SUFFIX)
+        staged = os.path.join(staging_run, folder)
+        lead = self.args.should_save
+        if lead:
+            os.makedirs(run_dir, exist_ok=True)
+            clean_staging(run_dir, STAGING_SUFFIX, keep=staging_run)
+            shutil.rmtree(staging_run, ignore_errors=True)
+            os.makedirs(staging_run)
+        barrier()
+        rotate = module.rotate_checkpoints
+        module.rotate_checkpoints = lambda **kwargs: None  # after the rename, below
+        self._get_output_dir = lambda trial=None: staging_run
+        try:
+            original(self, model, trial)
+        finally:
+            del self._get_output_dir
+            module.rotate_checkpoints = rotate
+        _fix_best(self, staged, final, run_dir, module, lead)
+        barrier()  # every rank's files (its RNG state) are in the staged folder
+        engine = getattr(self, "model_wrapped", None)
+        handle = getattr(engine, "_pyckpt_async_save", None) if mode == "async" else None
+        if lead:
+            args = self.args
+
+            def rotate():
+                module.rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
+                                          best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            PendingFolder(self, staged, staging_run, final, handle, rotate).start()
+        if mode == "atomic":
+            barrier()  # no rank goes on before the checkpoint is in place
+    _save_checkpoint.__pyckpt_hooked__ = True
+    return _save_checkpoint
+
+
+def _fix_best(trainer, staged: str, final: str, run_dir: str, module, lead: bool) -> None:
+    """The best checkpoint as the Trainer would have named it in ``run_dir`` (it looked in the staging folder)."""
+    state = trainer.state
+    best = state.best_global_step
+    before = state.best_model_checkpoint
+    if state.best_model_checkpoint == staged:
+        state.best_model_checkpoint = final
+    elif best and state.best_model_checkpoint is None:
+        older = os.path.join(run_dir, f"{module.PREFIX_CHECKPOINT_DIR}-{best}")
+        if os.path.exists(older):
+            state.best_model_checkpoint = older
+    if lead and state.best_model_checkpoint != before:
+        state.save_to_json(os.path.join(staged, module.TRAINER_STATE_NAME))
+
+
+def _patch(module) -> None:
+    cls = module.Trainer
+    if cls in _PATCHED:
+        return
+    original = cls.__dict__["_save_checkpoint"]
+    _PATCHED[cls] = (original, module)
+    cls._save_checkpoint = _wrap(original, module)
+    train = cls.__dict__["train"]
+
+    def train_then_join(self, *args, **kwargs):
+        try:
+            return train(self, *args, **kwargs)
+        finally:
+            join_pending(self)
+    train_then_join.__wrapped__ = train
+    _PATCHED[cls] = (original, module, train)
+    cls.train = train_then_join
+
+
+_FINDER = PatchOnImport("transformers.trainer", _patch)
+
+
+def install() -> None:
+    module = sys.modules.get("transformers.trainer")
+    if module is not None:
+        _patch(module)
+    elif _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def uninstall() -> None:
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    for cls, (original, module, train) in list(_PATCHED.items()):
+        cls._save_checkpoint = original
+        cls.train = train
+        del _PATCHED[cls]

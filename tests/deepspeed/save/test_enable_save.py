@@ -1,0 +1,180 @@
+"""``pyckpt.deepspeed.enable(save=...)`` under the Hugging Face Trainer with real DeepSpeed on CPU
+(tests/workers/trainer_save_worker.py): the same ``checkpoint-N/`` files as a stock run, byte for byte, the same
+losses after a resume, training going on during an asynchronous write, and a kill at each point of a save
+leaving the previous checkpoint as the one ``resume_from_checkpoint=True`` takes, nothing half-written visible,
+the leftovers cleaned by the next run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).resolve().parents[2] / "workers" / "trainer_save_worker.py"
+
+
+def launch(tmp: Path, out: Path, tokenizer: Path, *args, ranks: int = 2, expect_ok: bool = True,
+           worker: Path = WORKER) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(tmp / "ext"),
+               PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+           str(worker), str(out), str(tokenizer), *map(str, args)]
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600,
+                          start_new_session=True)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    else:
+        assert proc.returncode != 0, "the run was to be killed"
+    return proc.stdout + proc.stderr
+
+
+def files(run: Path) -> dict:
+    """Every file of ``run`` but the worker's own timings: relative path -> bytes; the Trainer's pickled
+    TrainingArguments as their fields, less the two that name the run's own folder."""
+    out = {}
+    for p in sorted(run.rglob("*")):
+        if not p.is_file() or p.name.startswith("result"):
+            continue
+        if p.name == "training_args.bin":
+            import torch
+
+            fields = torch.load(p, weights_only=False).to_dict()  # the test's own file: trusted
+            out[str(p.relative_to(run))] = {k: v for k, v in fields.items() if k not in ("output_dir", "logging_dir")}
+        else:
+            out[str(p.relative_to(run))] = p.read_bytes()
+    return out
+
+
+def visible(run: Path) -> list:
+    return sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint-"))
+
+
+def hidden(run: Path) -> list:
+    return sorted(p.name for p in run.iterdir() if p.name.startswith("."))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same Trainer job three ways, each into a folder named alike (the Trainer records its output folder
+    in training_args.bin): stock DeepSpeed, enable(save="atomic"), enable(save="async"), ZeRO-2; and ZeRO-3
+    stock and async."""
+    root = tmp_path_factory.mktemp("trainer-save")
+    tokenizer = root / "tokenizer"
+    made = {}
+    for stage, modes in ((2, ("none", "atomic", "async")), (3, ("none", "async"))):
+        for mode in modes:
+            out = root / f"s{stage}-{mode}" / "run"
+            launch(root, out, tokenizer, "--stage", stage, "--mode", mode)
+            made[(stage, mode)] = out
+    return root, tokenizer, made
+
+
+@pytest.mark.parametrize("stage,mode", [(2, "atomic"), (2, "async"), (3, "async")])
+def test_the_checkpoints_are_stock_deepspeeds_byte_for_byte(runs, stage, mode):
+    _, _, made = runs
+    stock, mine = files(made[(stage, "none")]), files(made[(stage, mode)])
+    assert visible(made[(stage, mode)]) == ["checkpoint-4", "checkpoint-6"]  # save_total_limit=2 rotated 2 away
+    assert sorted(stock) == sorted(mine)
+    assert [k for k in stock if stock[k] != mine[k]] == []
+    assert any("global_step6" in k for k in mine) and "checkpoint-6/trainer_state.json" in mine
+    assert hidden(made[(stage, mode)]) == []
+    result = json.loads((made[(stage, mode)] / "result.json").read_text())
+    assert result["losses"] == json.loads((made[(stage, "none")] / "result.json").read_text())["losses"]
+
+
+def test_resume_from_an_async_run_equals_resume_from_a_stock_one(runs, tmp_path):
+    root, tokenizer, made = runs
+    losses = {}
+    for mode in ("none", "async"):
+        out = tmp_path / mode / "run"
+        shutil.copytree(made[(2, mode)], out)
+        launch(root, out, tokenizer, "--stage", 2, "--mode", mode, "--resume")
+        losses[mode] = json.loads((out / "result_resume.json").read_text())["losses"]
+    # the log history holds the resumed checkpoint's steps too; 7 and 8 ran after the resume
+    assert losses["async"] == losses["none"] and {"7", "8"} <= set(losses["none"])
+
+
+def test_async_steps_go_on_during_the_write(runs, tmp_path):
+    root, tokenizer, _ = runs
+    out = tmp_path / "run"
+    launch(root, out, tokenizer, "--stage", 2, "--mode", "async", "--slow-write", 3)
+    result = json.loads((out / "result.json").read_text())
+    (step2, _, returned), (step4, called4, returned4) = result["saves"][:2]
+    assert (step2, step4) == (2, 4)
+    # every file of the step-2 save is written 3 s after the call returned at the earliest; steps 3 and 4 ran
+    # before that, and the step-4 save waited for it
+    assert result["starts"]["3"] - returned < 1.0 and result["starts"]["4"] < returned + 3.0
+    assert returned4 - called4 > 1.0
+    assert visible(out) == ["checkpoint-4", "checkpoint-6"] and hidden(out) == []
+
+
+@pytest.mark.parametrize("mode,point", [("async", "snapshot"), ("async", "write"), ("async", "trainer-files"),
+                                        ("async", "rotation"), ("atomic", "trainer-files")])
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint(runs, tmp_path, mode, point):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    root, tokenizer, made = runs
+    out = tmp_path / "run"
+    launch(root, out, tokenizer, "--stage", 2, "--mode", mode, "--kill", point, "--kill-step", 4, expect_ok=False)
+    stock = files(made[(2, "none")])
+    want = sorted(k for k in stock if k.startswith("checkpoint-4/"))
+    if point == "rotation":
+        # killed after checkpoint-4 was in place, before the rotation: both complete, 4 the newest
+        assert visible(out) == ["checkpoint-2", "checkpoint-4"]
+        last = "checkpoint-4"
+    else:
+        assert visible(out) == ["checkpoint-2"]
+        last = "checkpoint-2"
+    assert get_last_checkpoint(str(out)) == str(out / last)
+    got = sorted(k for k in files(out) if k.startswith(last + "/"))
+    assert got == [k.replace("checkpoint-4", last).replace("global_step4", "global_step" + last[-1]) for k in want]
+    # the next run resumes from it and cleans what the killed one left
+    launch(root, out, tokenizer, "--stage", 2, "--mode", mode, "--resume")
+    resumed = json.loads((out / "result_resume.json").read_text())
+    assert min(int(s) for s in resumed["starts"]) == int(last.split("-")[1]) + 1  # the first step this run ran
+    assert hidden(out) == []
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-8")
+
+
+ACCELERATE = Path(__file__).resolve().parents[2] / "workers" / "accelerate_save_worker.py"
+
+
+def launch_accelerate(tmp: Path, project: Path, tokenizer: Path, *args, expect_ok: bool = True) -> None:
+    launch(tmp, project, tokenizer, *args, expect_ok=expect_ok, worker=ACCELERATE)
+
+
+def test_accelerate_save_state_is_stock_and_survives_a_kill(runs, tmp_path):
+    """accelerate's save_state with automatic naming: the same folders as stock accelerate byte for byte under
+    enable(save="async"), total_limit=2 keeping the two newest (stock runs without a limit: see the worker); a
+    rank killed while writing checkpoint_1 leaves checkpoint_0 the one load_state() takes, and the next run
+    resumes from it and cleans up."""
+    root, tokenizer, _ = runs
+    made = {}
+    for mode, limit in (("none", ()), ("async", ("--limit", 2))):
+        project = tmp_path / mode / "project"
+        launch_accelerate(root, project, tokenizer, "--mode", mode, *limit)
+        made[mode] = project
+    stock, mine = files(made["none"]), files(made["async"])
+    assert sorted(p.name for p in (made["async"] / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    stock = {k: v for k, v in stock.items() if not k.startswith("checkpoints/checkpoint_0/")}
+    assert sorted(stock) == sorted(mine) and [k for k in stock if stock[k] != mine[k]] == []
+    assert hidden(made["async"]) == []
+    assert json.loads((made["async"] / "result.json").read_text())["losses"] == \
+        json.loads((made["none"] / "result.json").read_text())["losses"]
+
+    project = tmp_path / "killed" / "project"
+    launch_accelerate(root, project, tokenizer, "--mode", "async", "--limit", 2, "--kill-at", 1, expect_ok=False)
+    assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_0"]
+    want = sorted(k.replace("checkpoint_1", "checkpoint_0") for k in mine if k.startswith("checkpoints/checkpoint_1/"))
+    assert sorted(k for k in files(project) if k.startswith("checkpoints/checkpoint_0/")) == want
+    launch_accelerate(root, project, tokenizer, "--mode", "async", "--limit", 2, "--resume")
+    resumed = json.loads((project / "result_resume.json").read_text())
+    assert resumed["start"] == 2
+    assert hidden(project) == [] and hidden(project / "checkpoints") == []

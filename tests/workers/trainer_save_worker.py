@@ -1,0 +1,160 @@
+"""A Hugging Face Trainer job under real DeepSpeed on CPU saving every two steps, with or without
+``pyckpt.deepspeed.enable(save=MODE)`` (tests/deepspeed/save/test_enable_save.py compares the runs).
+
+    torchrun --nproc_per_node W trainer_save_worker.py OUT TOKENIZER --stage S --mode none|atomic|async
+        [--steps N] [--resume] [--slow-write SECONDS] [--kill POINT --kill-step K]
+
+A LlamaForCausalLM with tied embeddings in bf16 (DeepSpeed's mixed precision), ``save_steps=2``,
+``save_total_limit=2``, a linear schedule. ``--resume`` continues OUT's run from
+``resume_from_checkpoint=True`` (what ``get_last_checkpoint`` finds) for two more steps. ``--slow-write``
+delays every file DeepSpeed writes in the background by that long (async mode), so that the steps after
+a save run while it is written. ``--kill POINT --kill-step K`` SIGKILLs one rank in the save of step K:
+``snapshot`` (rank 1, inside DeepSpeed's save, its first file), ``write`` (rank 1, as its background write
+starts), ``trainer-files`` (rank 1, writing its RNG state), ``rotation`` (rank 0, as the rotation starts).
+Rank 0 writes OUT/result.json: the losses by step, the global step, the
+time each save call took and, for each step, when it started (to show the steps going on during a write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [HERE, os.path.join(TESTS, "dsharness"), os.path.join(TESTS, "helpers"), TESTS]
+import hf_client_worker as hf  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("tokenizer")
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--mode", choices=("none", "atomic", "async"), default="none")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--slow-write", type=float, default=0.0)
+    ap.add_argument("--kill", choices=("snapshot", "write", "trainer-files", "rotation"))
+    ap.add_argument("--kill-step", type=int, default=4)
+    args = ap.parse_args()
+
+    import deepspeed
+    from dsharness.worker import skip_shm_comm_op
+
+    skip_shm_comm_op()
+    if args.mode != "none":
+        import pyckpt.deepspeed
+
+        pyckpt.deepspeed.enable(save=args.mode)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    if rank == 0 and not os.path.isdir(args.tokenizer):
+        hf.build_tokenizer(args.tokenizer)
+    dist.barrier()
+    from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+    if args.slow_write:
+        from pyckpt.deepspeed.save import async_save
+
+        write = async_save.write_files
+
+        def slow(*a, **k):  # the background write starts late: the steps after the save run meanwhile
+            time.sleep(args.slow_write)
+            return write(*a, **k)
+        async_save.write_files = slow
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    model = hf.make_model({"model": "llama", "tie": True}, len(tokenizer))
+    ds = hf.ds_config({"stage": args.stage, "dtype": "bf16"})
+    ds.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
+    targs = TrainingArguments(output_dir=args.out, deepspeed=ds, per_device_train_batch_size=2,
+                              max_steps=args.steps + (2 if args.resume else 0), save_strategy="steps", save_steps=2,
+                              save_total_limit=2, logging_steps=1, learning_rate=1e-2, report_to=[], use_cpu=True,
+                              seed=1234, bf16=True, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1)
+    ids = hf.batch(tokenizer)
+    data = [{"input_ids": row, "labels": row} for _ in range(8) for row in ids]
+    starts, saves = {}, []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            starts[state.global_step + 1] = time.time()
+
+    trainer = Trainer(model=model, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
+    if args.kill:
+        _arm(args.kill, args.kill_step, trainer, rank)
+    save = trainer._save_checkpoint
+
+    def timed(model, trial):
+        t0 = time.time()
+        save(model, trial)
+        saves.append((trainer.state.global_step, t0, time.time()))
+    trainer._save_checkpoint = timed
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    if rank == 0:
+        with open(os.path.join(args.out, "result.json" if not args.resume else "result_resume.json"), "w") as f:
+            json.dump({"losses": losses, "global_step": trainer.state.global_step, "saves": saves,
+                       "starts": starts}, f)
+    return 0
+
+
+def _die() -> None:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(point: str, step: int, trainer, rank: int) -> None:
+    """SIGKILL this rank at ``point`` of the save of ``step`` (see the module doc)."""
+    if point == "snapshot" and rank == 1:
+        # the files DeepSpeed's save hands its checkpoint engine: pyckpt's snapshot of them (async) or
+        # DeepSpeed's own write (stock, atomic)
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+        from pyckpt.deepspeed.save.snapshot import CaptureCheckpointEngine
+
+        for engine_cls in (TorchCheckpointEngine, CaptureCheckpointEngine):
+            def killing_save(self, state_dict, path, save=engine_cls.save):
+                if trainer.state.global_step == step:
+                    _die()
+                return save(self, state_dict, path)
+            engine_cls.save = killing_save
+    elif point == "write" and rank == 1:
+        from pyckpt.deepspeed.save import async_save
+
+        write = async_save.write_files
+
+        def killing_write(files, sources, root, *a, **k):
+            if f"checkpoint-{step}" in root:  # the staging folder of the save of `step`, not an earlier one
+                _die()
+            return write(files, sources, root, *a, **k)
+        async_save.write_files = killing_write
+    elif point == "trainer-files" and rank == 1:
+        rng = trainer._save_rng_state
+
+        def killing_rng(output_dir):
+            if trainer.state.global_step == step:
+                _die()
+            return rng(output_dir)
+        trainer._save_rng_state = killing_rng
+    elif point == "rotation" and rank == 0:
+        import transformers.trainer as module
+
+        rotate = module.rotate_checkpoints
+
+        def killing_rotate(**kwargs):
+            if os.path.isdir(os.path.join(kwargs["output_dir"], f"checkpoint-{step}")):  # after its rename
+                _die()
+            return rotate(**kwargs)
+        module.rotate_checkpoints = killing_rotate
+
+
+if __name__ == "__main__":
+    from pyckpt.execution.distributed import leave_and_exit
+
+    leave_and_exit(main(), exit_handlers=True)
