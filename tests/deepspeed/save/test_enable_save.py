@@ -135,6 +135,8 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(runs, tmp_path, mod
     assert get_last_checkpoint(str(out)) == str(out / last)
     got = sorted(k for k in files(out) if k.startswith(last + "/"))
     assert got == [k.replace("checkpoint-4", last).replace("global_step4", "global_step" + last[-1]) for k in want]
+    if point != "write":
+        return  # one resume after a kill shows the rest (a launch each costs the suite ~15 s)
     # the next run resumes from it and cleans what the killed one left
     launch(root, out, tokenizer, "--stage", 2, "--mode", mode, "--resume")
     resumed = json.loads((out / "result_resume.json").read_text())
