@@ -21,6 +21,7 @@ _LAZY = {
     "VerifyReport": "universal.verify",
     "read_expert_slice": "universal.expert_slice",
     "check_load_topology": "universal.expert_slice",
+    "export_hf": "dcp.to_hf",  # any input: a DCP folder there, a DeepSpeed checkpoint through huggingface.export
     "export_hf_from_dcp": "dcp.to_hf",
     "read_dcp": "dcp.read",
     "ExportReport": "huggingface.export",
@@ -38,20 +39,6 @@ __all__ = [
     "PointerNameError", "MemoryRootError", "ReplicationError",
 ]
 __version__ = "0.1.0"
-
-
-def export_hf(input, output, **options):
-    """Export a checkpoint as Hugging Face model files in the new folder ``output``: a DeepSpeed ZeRO or
-    Universal Checkpoint (:func:`pyckpt.huggingface.export.export_hf`, whose options apply), or a
-    torch.distributed.checkpoint folder of FSDP2 or torchtitan (:func:`pyckpt.dcp.to_hf.export_hf_from_dcp`:
-    ``model_key``, ``config``, ``from_torchtitan`` besides the common ones)."""
-    from .dcp.read import is_dcp_folder
-
-    if is_dcp_folder(input):
-        from .dcp.to_hf import export_hf_from_dcp
-        return export_hf_from_dcp(input, output, **options)
-    from .huggingface.export import export_hf as export_zero
-    return export_zero(input, output, **options)
 
 
 def __getattr__(name):

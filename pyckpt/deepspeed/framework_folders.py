@@ -52,18 +52,18 @@ class PendingFolder:
 
     def _after_write(self) -> None:
         try:
-            while not self.handle.done():
-                self.handle._thread.join()
+            self.handle.outcome()
             self.finish()
         except BaseException as exc:  # raised by join()
             self.error = exc
 
     def finish(self) -> None:
         """The staged folder into place, then ``after``, once DeepSpeed's files are published."""
-        if self.handle is not None and not self.handle.ok:
+        ok, message = self.handle.outcome() if self.handle is not None else (True, None)
+        if not ok:
             shutil.rmtree(self.staging_run, ignore_errors=True)
             log.warning("pyckpt: %s was not published (DeepSpeed's files failed: %s); the previous checkpoint "
-                        "stays the newest", self.final, self.handle.message)
+                        "stays the newest", self.final, message)
             return
         into_place(self.staged, self.final)
         shutil.rmtree(self.staging_run, ignore_errors=True)

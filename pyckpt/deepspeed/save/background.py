@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from ...errors import SaveError
 from ...execution.distributed import describe_failure
@@ -71,6 +71,14 @@ class AsyncSave:
     def done(self) -> bool:
         """Whether the background work has ended (the outcome is then known on this rank)."""
         return self._thread is None or not self._thread.is_alive()
+
+    def outcome(self) -> Tuple[Optional[bool], Optional[str]]:
+        """(published, why not) once the background work has ended, waiting for it; nothing is reported or run
+        (the caller's join does that): for a watcher on another thread, such as a framework folder waiting to
+        be renamed into place."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.ok, self.message
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Joins the background work and returns True if the checkpoint was published. A failure
