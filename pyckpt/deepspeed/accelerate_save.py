@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
 from typing import Callable, Dict
 
 from .save import engine_hook
@@ -114,16 +113,11 @@ _FINDER = PatchOnImport("accelerate.accelerator", _patch)
 
 
 def install() -> None:
-    module = sys.modules.get("accelerate.accelerator")
-    if module is not None:
-        _patch(module)
-    elif _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
+    _FINDER.install()
 
 
 def uninstall() -> None:
-    if _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
+    _FINDER.uninstall()
     for cls, original in list(_PATCHED.items()):
         cls.save_state = original
         del _PATCHED[cls]

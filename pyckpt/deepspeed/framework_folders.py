@@ -18,6 +18,7 @@ import importlib.machinery
 import logging
 import os
 import shutil
+import sys
 import threading
 from typing import Callable, Optional
 
@@ -157,3 +158,15 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
                 patch(mod)
         loader.exec_module = exec_module
         return spec
+
+    def install(self) -> None:
+        """Patch the module now if it is loaded, else when it is imported."""
+        module = sys.modules.get(self.name)
+        if module is not None:
+            self.patch(module)
+        elif self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def uninstall(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from typing import Callable, Dict
 
 from .framework_folders import PatchOnImport, PendingFolder, barrier, clean_staging, join_pending
@@ -109,16 +108,11 @@ _FINDER = PatchOnImport("transformers.trainer", _patch)
 
 
 def install() -> None:
-    module = sys.modules.get("transformers.trainer")
-    if module is not None:
-        _patch(module)
-    elif _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
+    _FINDER.install()
 
 
 def uninstall() -> None:
-    if _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
+    _FINDER.uninstall()
     for cls, (original, module, train) in list(_PATCHED.items()):
         cls._save_checkpoint = original
         cls.train = train
