@@ -18,4 +18,7 @@ if [ "${PYCKPT_EXTRAS:-test}" = test ]; then
     # torchtitan's wheel asks for a nightly torch: installed without dependencies, at the pins of
     # constraints.txt (what its Llama3 model, state-dict adapter and optimizer utilities import)
     python -m pip install --quiet --no-deps torchtitan spmd_types tyro docstring_parser
+    # Lightning's DeepSpeedStrategy.save_checkpoint (tests/deepspeed/save/test_enable_save.py): its own code,
+    # without the dependencies its Trainer needs (the strategy refuses CPU, so only that function runs)
+    python -m pip install --quiet --no-deps lightning lightning-utilities torchmetrics
 fi

@@ -180,3 +180,27 @@ def test_accelerate_save_state_is_stock_and_survives_a_kill(runs, tmp_path):
     resumed = json.loads((project / "result_resume.json").read_text())
     assert resumed["start"] == 2
     assert hidden(project) == [] and hidden(project / "checkpoints") == []
+
+
+LIGHTNING = Path(__file__).resolve().parents[2] / "workers" / "lightning_save_worker.py"
+
+
+def test_lightning_deepspeed_strategy_save_checkpoint(runs, tmp_path):
+    """Lightning's DeepSpeedStrategy.save_checkpoint, its own function on a real engine (its strategy refuses
+    CPU: see the worker): the same folders as stock under enable(save="async"); a rank killed in the second
+    save's background write leaves the first complete and no half-written tag folder in the second."""
+    root, tokenizer, _ = runs
+    made = {}
+    for mode in ("none", "async"):
+        made[mode] = tmp_path / mode / "out"
+        launch(root, made[mode], tokenizer, "--mode", mode, worker=LIGHTNING)
+    stock, mine = files(made["none"]), files(made["async"])
+    assert "epoch=0-step=4.ckpt/checkpoint/mp_rank_00_model_states.pt" in mine
+    assert sorted(stock) == sorted(mine) and [k for k in stock if stock[k] != mine[k]] == []
+    killed = tmp_path / "killed" / "out"
+    launch(root, killed, tokenizer, "--mode", "async", "--kill-second", worker=LIGHTNING, expect_ok=False)
+    got = files(killed)
+    assert sorted(k for k in got if k.startswith("epoch=0-step=2.ckpt/")) == \
+        sorted(k for k in mine if k.startswith("epoch=0-step=2.ckpt/"))
+    second = killed / "epoch=0-step=4.ckpt"
+    assert not (second / "checkpoint").exists() and not (second / "latest").exists()
