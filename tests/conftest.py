@@ -49,7 +49,8 @@ SLOW_TESTS = {"test_failing_rank_fails_the_launch_fast", "test_structure_matches
 # Files whose fixtures train or load with DeepSpeed on their own, longest first: run first, they keep
 # every pytest-xdist worker busy while one of them builds the shared checkpoints (built_once), and a
 # long file started last would leave the other workers idle at the end.
-FIRST = ("test_load_backend.py", "test_reshard_clients.py", "test_hf_client.py", "test_dsharness.py",
+FIRST = ("test_load_backend.py", "test_enable_save.py", "test_reshard_clients.py", "test_hf_client.py",
+         "test_dcp_import.py", "test_dcp_to_universal.py", "test_dsharness.py",
          "test_save_glue.py", "test_async_save.py", "test_benchmarks_quick.py", "test_demo.py",
          "test_make_checkpoint.py", "test_docs.py")
 
