@@ -12,7 +12,6 @@ import os
 import pickle
 import shutil
 import struct
-import time
 import zipfile
 from pathlib import Path
 
@@ -179,26 +178,21 @@ def test_metadata_of_another_kind(ck, tmp_path):
     refused(ck, tmp_path, _meta(ck), CheckpointFormatError)
 
 
-def _parse_seconds(ck, n: int) -> float:
+def test_storage_data_keys_hash_apart(ck):
+    """storage_data is a dict keyed by MetadataIndex records: had they hashed alike (as every other allowlisted
+    record does, by class), building it would compare every key with every other, minutes at 100,000 chunks
+    (or a crafted file's worth). Counted, not timed: the parsed keys' hashes are (nearly) all distinct, and a
+    key compares equal only to itself."""
     md = read_metadata(ck)
     info = md.storage_data[_chunk_index(md, "model.w", 0)]
+    n = 100_000
     for i in range(n):
         md.storage_data[MetadataIndex("many", torch.Size([i]), i)] = info
-    raw = pickle.dumps(md)
-    start = time.perf_counter()
-    parsed = loads(raw, where="big")
-    seconds = time.perf_counter() - start
-    assert len(parsed._state["storage_data"]) == len(md.storage_data)
-    return seconds
-
-
-def test_storage_data_of_100000_keys_parses_in_linear_time(ck):
-    # Records that all hashed alike would make the dict n * n / 2 probes: minutes at 100,000 keys, and
-    # 25 times the time of 20,000. Hashed by their fields, five times (bounds loose for a loaded machine).
-    small = _parse_seconds(ck, 20_000)
-    large = _parse_seconds(ck, 100_000)
-    assert large < 10.0, large
-    assert large < 12 * small + 0.5, (small, large)
+    parsed = loads(pickle.dumps(md), where="big")
+    keys = list(parsed._state["storage_data"])
+    assert len(keys) == len(md.storage_data)
+    assert len({hash(k) for k in keys}) > 0.999 * len(keys)
+    assert keys[0] == keys[0] and keys[0] != keys[1]
 
 
 # ------------------------------------------------------------------------------------ records and data files
