@@ -186,9 +186,32 @@ def read_dcp(folder) -> DcpCheckpoint:
     for obj in ck.objects.values():
         if obj.record is None:
             raise CheckpointFormatError(f"{where}: value {_shown(obj.key)} has no storage record")
+    _check_shared_records(ck)
     _check_records_apart(folder, [c.record for t in ck.tensors.values() for c in t.chunks]
                          + [o.record for o in ck.objects.values()])
     return ck
+
+
+def _check_shared_records(ck: DcpCheckpoint) -> None:
+    """A record that two entries name must be one tensor saved once for both (a tied parameter): the same
+    chunk of each (offsets and sizes), never two chunks of one tensor nor a value's record."""
+    users: Dict[Tuple[int, int, int], list] = {}
+    for t in ck.tensors.values():
+        for c in t.chunks:
+            users.setdefault((id(c.record.file), c.record.offset, c.record.length), []).append((t.key, c))
+    for o in ck.objects.values():
+        users.setdefault((id(o.record.file), o.record.offset, o.record.length), []).append((o.key, None))
+    for (_, offset, length), found in users.items():
+        if len(found) < 2:
+            continue
+        keys = [k for k, _ in found]
+        first = found[0][1]
+        same = all(c is not None and (c.offsets, c.sizes) == (first.offsets, first.sizes) for _, c in found)
+        if not same or len(set(keys)) != len(keys):
+            path = (first.record if first is not None else ck.objects[keys[0]].record).file.path
+            raise CheckpointFormatError(f"{path}: the record at bytes [{offset}, {offset + length}) is named by "
+                                        f"{', '.join(_shown(k) for k in keys[:4])} for different chunks or values; "
+                                        "a record holds one chunk, shared only by the same chunk of tied tensors")
 
 
 def _read_sharded_safetensors(folder: str) -> DcpCheckpoint:
@@ -352,14 +375,18 @@ def _data_file(folder: str, where: str, key: str, name) -> DataFile:
 
 
 def _check_records_apart(folder: str, records: Sequence[Record]) -> None:
-    """No two records share a byte: two chunks read from the same bytes would be one chunk's data passed
-    off as another's."""
+    """No two records share a byte, unless they are one record: two chunks read from overlapping bytes would
+    be one chunk's data passed off as another's. The same record under two entries is a tied tensor saved
+    once (pyckpt's DCP export points a tied parameter's second name at the first one's chunks, and torch's
+    reader loads it so); each entry's chunk is checked against that archive's one tensor all the same."""
     by_file: Dict[int, List[Record]] = {}
     for r in records:
         by_file.setdefault(id(r.file), []).append(r)
     for group in by_file.values():
-        group.sort(key=lambda r: r.offset)
-        for a, b in zip(group, group[1:]):
+        group.sort(key=lambda r: (r.offset, r.length))
+        distinct = [r for i, r in enumerate(group)
+                    if i == 0 or (r.offset, r.length) != (group[i - 1].offset, group[i - 1].length)]
+        for a, b in zip(distinct, distinct[1:]):
             if a.offset + a.length > b.offset:
                 raise CheckpointFormatError(f"{a.file.path}: records at bytes [{a.offset}, {a.offset + a.length}) and "
                                             f"[{b.offset}, {b.offset + b.length}) overlap")

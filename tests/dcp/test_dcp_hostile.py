@@ -218,6 +218,38 @@ def test_record_cut_short_holds_no_archive(ck, tmp_path):
     refused(ck, tmp_path, _data_file(ck))
 
 
+def _tie(md, alias: str, holder: str, dtype=None) -> None:
+    """``alias`` a second entry whose chunks are ``holder``'s records (a tied tensor saved once, as pyckpt's DCP
+    export writes one); ``dtype`` claims another dtype for it."""
+    import copy
+
+    entry = copy.deepcopy(md.state_dict_metadata[holder])
+    if dtype is not None:
+        entry.properties = TensorProperties(dtype=dtype)
+    md.state_dict_metadata[alias] = entry
+    md.planner_data[alias] = ("model", alias.split(".", 1)[1])
+    for i, chunk in enumerate(entry.chunks):
+        md.storage_data[MetadataIndex(alias, chunk.offsets, i)] = md.storage_data[_chunk_index(md, holder, i)]
+
+
+def test_one_record_under_two_entries_is_a_tied_tensor(ck):
+    from test_dcp_read import gathered
+
+    md = read_metadata(ck)
+    _tie(md, "model.w_tied", "model.w")
+    write_metadata(ck, md)
+    got = read_dcp(ck)
+    assert gathered(got, "model.w_tied") == gathered(got, "model.w")
+
+
+def test_one_record_under_two_entries_of_other_dtypes(ck, tmp_path):
+    md = read_metadata(ck)
+    _tie(md, "model.w_tied", "model.w", dtype=torch.float16)
+    write_metadata(ck, md)
+    error = refused(ck, tmp_path, _data_file(ck), CheckpointFormatError)
+    assert "model.w_tied" in str(error)
+
+
 def test_records_overlapping(ck, tmp_path):
     md = read_metadata(ck)
     first, second = (md.storage_data[_chunk_index(md, "model.w", i)] for i in (0, 1))
