@@ -39,6 +39,27 @@ def build_tokenizer(folder: str):
     return build(folder, SENTENCES)
 
 
+def start_save_job(save_mode: str, tokenizer_dir: str):
+    """One rank of a save test's job (tests/deepspeed/save/test_enable_save.py): DeepSpeed's CPU shared-memory op
+    skipped, ``pyckpt.deepspeed.enable(save=save_mode)`` unless it is "none" (before anything saves), gloo up,
+    the test tokenizer built once by rank 0. Returns (rank, world size, tokenizer)."""
+    import deepspeed
+    from dsharness.worker import skip_shm_comm_op
+    from transformers import AutoTokenizer
+
+    skip_shm_comm_op()
+    if save_mode != "none":
+        import pyckpt.deepspeed
+
+        pyckpt.deepspeed.enable(save=save_mode)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and not os.path.isdir(tokenizer_dir):
+        build_tokenizer(tokenizer_dir)
+    dist.barrier()
+    return rank, world, AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
 def batch(tokenizer) -> torch.Tensor:
     return tokenizer(SENTENCES, padding="max_length", max_length=10, truncation=True, return_tensors="pt")["input_ids"]
 

@@ -22,7 +22,6 @@ import sys
 import types
 
 import torch
-import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
@@ -39,22 +38,10 @@ def main() -> int:
     args = ap.parse_args()
 
     import deepspeed
-    from dsharness.worker import skip_shm_comm_op
 
-    skip_shm_comm_op()
-    if args.mode != "none":
-        import pyckpt.deepspeed
-
-        pyckpt.deepspeed.enable(save=args.mode)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0 and not os.path.isdir(args.tokenizer):
-        hf.build_tokenizer(args.tokenizer)
-    dist.barrier()
+    rank, world, tokenizer = hf.start_save_job(args.mode, args.tokenizer)
     from lightning.pytorch.strategies import DeepSpeedStrategy
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     torch.manual_seed(1234)
     model = hf.make_model({"model": "llama", "tie": True}, len(tokenizer))
     config = hf.ds_config({"stage": 2, "dtype": "bf16"}) | {"train_batch_size": 2 * world}

@@ -23,7 +23,6 @@ import os
 import sys
 import time
 
-import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
@@ -44,20 +43,8 @@ def main() -> int:
     ap.add_argument("--kill-step", type=int, default=4)
     args = ap.parse_args()
 
-    import deepspeed
-    from dsharness.worker import skip_shm_comm_op
-
-    skip_shm_comm_op()
-    if args.mode != "none":
-        import pyckpt.deepspeed
-
-        pyckpt.deepspeed.enable(save=args.mode)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
-    if rank == 0 and not os.path.isdir(args.tokenizer):
-        hf.build_tokenizer(args.tokenizer)
-    dist.barrier()
-    from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+    rank, _, tokenizer = hf.start_save_job(args.mode, args.tokenizer)
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     if args.slow_write:
         from pyckpt.deepspeed.save import async_save
@@ -69,7 +56,6 @@ def main() -> int:
             return write(*a, **k)
         async_save.write_files = slow
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     model = hf.make_model({"model": "llama", "tie": True}, len(tokenizer))
     ds = hf.ds_config({"stage": args.stage, "dtype": "bf16"})
     ds.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
