@@ -205,7 +205,7 @@ def dcp_sources(tmp_path_factory) -> dict:
     launches, once per run; tests read these folders and never change them)."""
     import dcp_sources as sources
 
-    return sources.shared_build(tmp_path_factory, "dcp_sources", sources.build_all)
+    return built_once(tmp_path_factory, "dcp_sources", sources.build_all)
 
 
 @pytest.fixture(scope="session")
@@ -216,4 +216,4 @@ def dcp_references(dcp_sources, tmp_path_factory) -> dict:
     def build(root):
         return {name: sources.reference_hf(s.dcp, root / name) for name, s in dcp_sources.items()
                 if name in sources.CASES}
-    return sources.shared_build(tmp_path_factory, "dcp_references", build)
+    return built_once(tmp_path_factory, "dcp_references", build)

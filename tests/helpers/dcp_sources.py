@@ -16,10 +16,8 @@ outlives its time is killed with its whole process group.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -96,26 +94,6 @@ def build_all(root: Path) -> dict:
     made = {name: dcp_checkpoint(root, name) for name in CASES}
     made["torchtitan"] = torchtitan_checkpoint(root)
     return made
-
-
-def shared_build(tmp_path_factory, name: str, build):
-    """``build(folder)``'s result once per test run: under pytest-xdist the first process builds into the
-    run's shared temporary folder under a file lock, the others read its result (as conftest.built_once)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return build(tmp_path_factory.mktemp(name))
-    import pickle
-
-    shared = tmp_path_factory.getbasetemp().parent / f"shared-{name}"
-    with open(f"{shared}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = shared.with_name(shared.name + ".pickle")
-        if done.exists():
-            return pickle.loads(done.read_bytes())  # this run's own fixture data
-        shutil.rmtree(shared, ignore_errors=True)
-        shared.mkdir()
-        made = build(shared)
-        done.write_bytes(pickle.dumps(made))
-        return made
 
 
 def config_dir(dcp_dir: Path) -> Path:
