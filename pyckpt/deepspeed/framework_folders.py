@@ -33,17 +33,21 @@ _LOCK = threading.Lock()
 
 class PendingFolder:
     """One staged checkpoint folder waiting for DeepSpeed's files: the main process renames it into place,
-    then runs ``after`` (the framework's rotation). ``owner`` is the Trainer or Accelerator that saved it."""
+    then runs ``after`` (the framework's rotation). ``owner`` is the Trainer or Accelerator that saved it.
+    ``write``, where given, is the framework's own part of the folder left to write (the Trainer's model
+    files from a snapshot): it runs in the same background thread, and the folder is published only if it
+    succeeds (its error is raised by :meth:`join`)."""
 
-    def __init__(self, owner, staged: str, staging_run: str, final: str, handle, after: Optional[Callable] = None):
+    def __init__(self, owner, staged: str, staging_run: str, final: str, handle, after: Optional[Callable] = None,
+                 write: Optional[Callable] = None):
         self.owner = owner
         self.staged, self.staging_run, self.final = staged, staging_run, final
-        self.handle, self.after = handle, after
+        self.handle, self.after, self.write = handle, after, write
         self.error: Optional[BaseException] = None
         self.thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
-        if self.handle is None:
+        if self.handle is None and self.write is None:
             self.finish()
             return
         self.thread = threading.Thread(target=self._after_write, name="pyckpt-publish-folder", daemon=True)
@@ -53,7 +57,17 @@ class PendingFolder:
 
     def _after_write(self) -> None:
         try:
-            self.handle.outcome()
+            failed = None
+            if self.write is not None:
+                try:
+                    self.write()
+                except BaseException as exc:
+                    failed = exc
+            if self.handle is not None:
+                self.handle.outcome()  # DeepSpeed's files done with the staging folder before it may go
+            if failed is not None:
+                shutil.rmtree(self.staging_run, ignore_errors=True)
+                raise failed
             self.finish()
         except BaseException as exc:  # raised by join()
             self.error = exc

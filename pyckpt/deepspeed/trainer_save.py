@@ -9,8 +9,10 @@ it is missing. Here the Trainer's own steps run unchanged, but into a hidden sta
 sees); when every rank's files are there, process 0 renames it to ``checkpoint-N`` in one step and
 only then rotates. With ``save="async"`` DeepSpeed's files are still being written when the Trainer's
 step returns: the rename waits for their publication (a thread on process 0), so training goes on, and
-the rotation never sees a checkpoint still being written. The next save, the end of ``train()`` and
-the interpreter's exit join that wait. Staging folders of a killed run are removed by the next save
+the rotation never sees a checkpoint still being written. The model files the Trainer writes from its own
+``save_model`` (``model.safetensors``, config, tokenizer, ``training_args.bin``) are written by that thread
+too, from a copy of the state dict taken in the call (:class:`DeferredModelWrite`), so the step's stall is
+the copy, not the write. The next save, the end of ``train()`` and the interpreter's exit join that wait. Staging folders of a killed run are removed by the next save
 (:mod:`.framework_folders`).
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from .framework_folders import PatchOnImport, PendingFolder, barrier, clean_staging, join_pending
 from .save import engine_hook
@@ -47,11 +49,12 @@ def _wrap(original: Callable, module) -> Callable:
         barrier()
         rotate = module.rotate_checkpoints
         module.rotate_checkpoints = lambda **kwargs: None  # after the rename, below
-        self._get_output_dir = lambda trial=None: staging_run
+        deferred = DeferredModelWrite(self) if mode == "async" and lead else None
+        shadowed = _shadow(self, _get_output_dir=lambda trial=None: staging_run, _save=deferred)
         try:
             original(self, model, trial)
         finally:
-            del self._get_output_dir
+            _restore(self, shadowed)
             module.rotate_checkpoints = rotate
         _fix_best(self, staged, final, run_dir, module, lead)
         barrier()  # every rank's files (its RNG state) are in the staged folder
@@ -63,11 +66,89 @@ def _wrap(original: Callable, module) -> Callable:
             def rotate():
                 module.rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
                                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
-            PendingFolder(self, staged, staging_run, final, handle, rotate).start()
+            write = deferred.write if deferred is not None and deferred.pending else None
+            PendingFolder(self, staged, staging_run, final, handle, rotate, write).start()
         if mode == "atomic":
             barrier()  # no rank goes on before the checkpoint is in place
     _save_checkpoint.__pyckpt_hooked__ = True
     return _save_checkpoint
+
+
+_MISSING = object()
+
+
+def _shadow(obj, **values) -> dict:
+    """Instance attributes set for one call (None: left alone); what they hid, for :func:`_restore` (a user's
+    own instance attribute, e.g. a patched ``trainer._save``, comes back)."""
+    hidden = {}
+    for name, value in values.items():
+        if value is not None:
+            hidden[name] = obj.__dict__.get(name, _MISSING)
+            setattr(obj, name, value)
+    return hidden
+
+
+def _restore(obj, hidden: dict) -> None:
+    for name, value in hidden.items():
+        if value is _MISSING:
+            obj.__dict__.pop(name, None)
+        else:
+            setattr(obj, name, value)
+
+
+class DeferredModelWrite:
+    """Stands in for ``trainer._save`` (the model files of a checkpoint) during one asynchronous save on the
+    main process: the call copies the state dict and returns; :meth:`write` later calls the Trainer's own
+    ``_save`` with the copy, so the files are the ones it would have written then.
+
+    The copy keeps the tensors' sharing as it was: one new storage per storage of the original, every tensor
+    a view of it at the same offset, size and stride. ``save_pretrained`` finds tied weights by shared storage
+    (transformers' ``remove_tied_weights_from_state_dict``), so a tensor-by-tensor clone would write the tied
+    ``lm_head.weight`` a second time. The storages are kept for the next save, which copies into them (the
+    previous write is joined before a save starts), so a steady run allocates nothing more.
+    """
+
+    def __init__(self, trainer):
+        self.original = trainer._save  # the Trainer's (or a subclass's) bound method
+        self.storages = trainer.__dict__.setdefault("_pyckpt_model_storages", {})
+        self.pending: Optional[tuple] = None
+
+    def __call__(self, output_dir: Optional[str] = None, state_dict=None):
+        if not state_dict or self.pending is not None:
+            # no state dict to copy (the Trainer then saves the model's own, or, with ZeRO-3 not gathering
+            # 16-bit weights, an empty one that it removes right after): written now, as it would be
+            return self.original(output_dir, state_dict=state_dict)
+        self.pending = (output_dir, self.copy(state_dict))
+
+    def copy(self, state_dict: dict) -> dict:
+        import torch
+
+        spare = {size: list(kept) for size, kept in self.storages.items()}
+        self.storages.clear()
+        copies: dict = {}  # the original storage's (device, address) -> its copy
+        out = {}
+        for name, value in state_dict.items():
+            if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+                out[name] = value
+                continue
+            storage = value.untyped_storage()
+            key = (str(value.device), storage.data_ptr())
+            copy = copies.get(key)
+            if copy is None:
+                size = storage.nbytes()
+                reuse = spare.get(size)
+                copy = reuse.pop() if reuse else torch.UntypedStorage(size)
+                copy.copy_(storage)
+                copies[key] = copy
+                self.storages.setdefault(size, []).append(copy)
+            out[name] = torch.empty(0, dtype=value.dtype).set_(copy, value.storage_offset(), value.size(),
+                                                               value.stride())
+        return out
+
+    def write(self) -> None:
+        output_dir, state_dict = self.pending
+        self.pending = None
+        self.original(output_dir, state_dict=state_dict)
 
 
 def _fix_best(trainer, staged: str, final: str, run_dir: str, module, lead: bool) -> None:

@@ -7,12 +7,14 @@
 A LlamaForCausalLM with tied embeddings in bf16 (DeepSpeed's mixed precision), ``save_steps=2``,
 ``save_total_limit=2``, a linear schedule. ``--resume`` continues OUT's run from
 ``resume_from_checkpoint=True`` (what ``get_last_checkpoint`` finds) for two more steps. ``--slow-write``
-delays every file DeepSpeed writes in the background by that long (async mode), so that the steps after
-a save run while it is written. ``--kill POINT --kill-step K`` SIGKILLs one rank in the save of step K:
+delays every file DeepSpeed writes in the background, and the Trainer's model files, by that long (async
+mode: both are written in the background), so that the steps after a save run while they are written. ``--kill POINT --kill-step K`` SIGKILLs one rank in the save of step K:
 ``snapshot`` (rank 1, inside DeepSpeed's save, its first file), ``write`` (rank 1, as its background write
-starts), ``trainer-files`` (rank 1, writing its RNG state), ``rotation`` (rank 0, as the rotation starts).
+starts), ``trainer-files`` (rank 1, writing its RNG state), ``model-files`` (rank 0, as it writes the
+Trainer's model files: in the background under async), ``rotation`` (rank 0, as the rotation starts).
 Rank 0 writes OUT/result.json: the losses by step, the global step, the
-time each save call took and, for each step, when it started (to show the steps going on during a write).
+time each save call took, for each step when it started and, with ``--slow-write``, when each checkpoint's
+model files were written (to show the steps going on during a write).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--slow-write", type=float, default=0.0)
-    ap.add_argument("--kill", choices=("snapshot", "write", "trainer-files", "rotation"))
+    ap.add_argument("--kill", choices=("snapshot", "write", "trainer-files", "model-files", "rotation"))
     ap.add_argument("--kill-step", type=int, default=4)
     args = ap.parse_args()
 
@@ -65,13 +67,21 @@ def main() -> int:
                               seed=1234, bf16=True, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1)
     ids = hf.batch(tokenizer)
     data = [{"input_ids": row, "labels": row} for _ in range(8) for row in ids]
-    starts, saves = {}, []
+    starts, saves, model_written = {}, [], {}
 
     class Clock(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
             starts[state.global_step + 1] = time.time()
 
     trainer = Trainer(model=model, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
+    if args.slow_write:
+        model_files = trainer._save
+
+        def slow_model_files(output_dir, *a, **k):
+            time.sleep(args.slow_write)
+            model_files(output_dir, *a, **k)
+            model_written[os.path.basename(output_dir)] = time.time()
+        trainer._save = slow_model_files
     if args.kill:
         _arm(args.kill, args.kill_step, trainer, rank)
     save = trainer._save_checkpoint
@@ -86,7 +96,7 @@ def main() -> int:
     if rank == 0:
         with open(os.path.join(args.out, "result.json" if not args.resume else "result_resume.json"), "w") as f:
             json.dump({"losses": losses, "global_step": trainer.state.global_step, "saves": saves,
-                       "starts": starts}, f)
+                       "starts": starts, "model_written": model_written}, f)
     return 0
 
 
@@ -128,6 +138,14 @@ def _arm(point: str, step: int, trainer, rank: int) -> None:
                 _die()
             return rng(output_dir)
         trainer._save_rng_state = killing_rng
+    elif point == "model-files" and rank == 0:
+        model_files = trainer._save
+
+        def killing_model_files(*a, **k):
+            if trainer.state.global_step == step:
+                _die()
+            return model_files(*a, **k)
+        trainer._save = killing_model_files
     elif point == "rotation" and rank == 0:
         import transformers.trainer as module
 

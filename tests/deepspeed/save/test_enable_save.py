@@ -112,11 +112,15 @@ def test_async_steps_go_on_during_the_write(runs, tmp_path):
     # before that, and the step-4 save waited for it
     assert result["starts"]["3"] - returned < 1.0 and result["starts"]["4"] < returned + 3.0
     assert returned4 - called4 > 1.0
+    # the Trainer's model files too: written from the snapshot while step 3 ran
+    assert result["starts"]["3"] < result["model_written"]["checkpoint-2"]
     assert visible(out) == ["checkpoint-4", "checkpoint-6"] and hidden(out) == []
+    assert (out / "checkpoint-6" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("mode,point", [("async", "snapshot"), ("async", "write"), ("async", "trainer-files"),
-                                        ("async", "rotation"), ("atomic", "trainer-files")])
+                                        ("async", "model-files"), ("async", "rotation"),
+                                        ("atomic", "trainer-files")])
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(runs, tmp_path, mode, point):
     from transformers.trainer_utils import get_last_checkpoint
 
