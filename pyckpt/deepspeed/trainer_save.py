@@ -18,12 +18,14 @@ the copy, not the write. The next save, the end of ``train()`` and the interpret
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import Callable, Dict, Optional
 
 from .framework_folders import PatchOnImport, PendingFolder, barrier, clean_staging, join_pending
 from .save import engine_hook
+from .save.shared_copies import SharedCopies, recording
 
 STAGING_SUFFIX = ".pyckpt-trainer"
 _PATCHED: Dict[type, tuple] = {}
@@ -49,25 +51,33 @@ def _wrap(original: Callable, module) -> Callable:
         barrier()
         rotate = module.rotate_checkpoints
         module.rotate_checkpoints = lambda **kwargs: None  # after the rename, below
-        deferred = DeferredModelWrite(self) if mode == "async" and lead else None
+        shared = SharedCopies() if mode == "async" and lead else None
+        deferred = DeferredModelWrite(self, shared) if shared is not None else None
         shadowed = _shadow(self, _get_output_dir=lambda trial=None: staging_run, _save=deferred)
         try:
-            original(self, model, trial)
+            with recording(shared) if shared is not None else contextlib.nullcontext():
+                original(self, model, trial)
         finally:
             _restore(self, shadowed)
             module.rotate_checkpoints = rotate
-        _fix_best(self, staged, final, run_dir, module, lead)
-        barrier()  # every rank's files (its RNG state) are in the staged folder
-        engine = getattr(self, "model_wrapped", None)
-        handle = getattr(engine, "_pyckpt_async_save", None) if mode == "async" else None
-        if lead:
-            args = self.args
+        write = deferred.after_snapshot() if deferred is not None else None
+        try:
+            _fix_best(self, staged, final, run_dir, module, lead)
+            barrier()  # every rank's files (its RNG state) are in the staged folder
+            engine = getattr(self, "model_wrapped", None)
+            handle = getattr(engine, "_pyckpt_async_save", None) if mode == "async" else None
+            if lead:
+                args = self.args
 
-            def rotate():
-                module.rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
-                                          best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
-            write = deferred.write if deferred is not None and deferred.pending else None
-            PendingFolder(self, staged, staging_run, final, handle, rotate, write).start()
+                def rotate():
+                    module.rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
+                                              best_model_checkpoint=self.state.best_model_checkpoint,
+                                              use_mtime=True)
+                PendingFolder(self, staged, staging_run, final, handle, rotate, write).start()
+                write = None
+        finally:
+            if write is not None:
+                deferred.abandon()
         if mode == "atomic":
             barrier()  # no rank goes on before the checkpoint is in place
     _save_checkpoint.__pyckpt_hooked__ = True
@@ -101,24 +111,45 @@ class DeferredModelWrite:
     main process: the call copies the state dict and returns; :meth:`write` later calls the Trainer's own
     ``_save`` with the copy, so the files are the ones it would have written then.
 
-    The copy keeps the tensors' sharing as it was: one new storage per storage of the original, every tensor
-    a view of it at the same offset, size and stride. ``save_pretrained`` finds tied weights by shared storage
-    (transformers' ``remove_tied_weights_from_state_dict``), so a tensor-by-tensor clone would write the tied
-    ``lm_head.weight`` a second time. The storages are kept for the next save, which copies into them (the
-    previous write is joined before a save starts), so a steady run allocates nothing more.
+    A clone accelerate's ``get_state_dict`` made in this call (with ZeRO-1/2) is a private host tensor already
+    and is kept as it is: it is filled in the background from DeepSpeed's snapshot of the same weights
+    (:mod:`.save.shared_copies`), so the call copies the weights once. Any other tensor is copied, keeping
+    the tensors' sharing as it was: one new storage per storage of the original, every tensor a view of it at the same
+    offset, size and stride. ``save_pretrained`` finds tied weights by shared storage (transformers'
+    ``remove_tied_weights_from_state_dict``), so a tensor-by-tensor clone could write a tied weight a second
+    time. The storages are kept for the next save, which copies into them (the previous write is joined
+    before a save starts), so a steady run allocates nothing more.
     """
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, shared: SharedCopies):
         self.original = trainer._save  # the Trainer's (or a subclass's) bound method
+        self.shared = shared
         self.storages = trainer.__dict__.setdefault("_pyckpt_model_storages", {})
         self.pending: Optional[tuple] = None
+        self._fill: Optional[Callable[[], None]] = None
 
     def __call__(self, output_dir: Optional[str] = None, state_dict=None):
         if not state_dict or self.pending is not None:
             # no state dict to copy (the Trainer then saves the model's own, or, with ZeRO-3 not gathering
             # 16-bit weights, an empty one that it removes right after): written now, as it would be
+            self.shared.fill_now()
             return self.original(output_dir, state_dict=state_dict)
         self.pending = (output_dir, self.copy(state_dict))
+
+    def after_snapshot(self) -> Optional[Callable[[], None]]:
+        """Once DeepSpeed's save returned: what is left for the background (filling the clones from the
+        snapshot, then the Trainer's write), or None when nothing is."""
+        self._fill = self.shared.resolve()
+        if self.pending is None:
+            self.abandon()
+            return None
+        return self.write
+
+    def abandon(self) -> None:
+        """The clones filled (the snapshot's memory released to the next save) without writing."""
+        fill, self._fill = self._fill, None
+        if fill is not None:
+            fill()
 
     def copy(self, state_dict: dict) -> dict:
         import torch
@@ -128,7 +159,7 @@ class DeferredModelWrite:
         copies: dict = {}  # the original storage's (device, address) -> its copy
         out = {}
         for name, value in state_dict.items():
-            if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+            if not isinstance(value, torch.Tensor) or value.device.type == "meta" or self.shared.is_stand_in(value):
                 out[name] = value
                 continue
             storage = value.untyped_storage()
@@ -148,6 +179,7 @@ class DeferredModelWrite:
     def write(self) -> None:
         output_dir, state_dict = self.pending
         self.pending = None
+        self.abandon()  # the clones filled first
         self.original(output_dir, state_dict=state_dict)
 
 

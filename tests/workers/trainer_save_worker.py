@@ -14,7 +14,8 @@ starts), ``trainer-files`` (rank 1, writing its RNG state), ``model-files`` (ran
 Trainer's model files: in the background under async), ``rotation`` (rank 0, as the rotation starts).
 Rank 0 writes OUT/result.json: the losses by step, the global step, the
 time each save call took, for each step when it started and, with ``--slow-write``, when each checkpoint's
-model files were written (to show the steps going on during a write).
+model files were written (to show the steps going on during a write), and how many storages of each
+asynchronous save's model clones (the Trainer's, for model.safetensors) were filled from DeepSpeed's snapshot.
 """
 
 from __future__ import annotations
@@ -67,13 +68,23 @@ def main() -> int:
                               seed=1234, bf16=True, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1)
     ids = hf.batch(tokenizer)
     data = [{"input_ids": row, "labels": row} for _ in range(8) for row in ids]
-    starts, saves, model_written = {}, [], {}
+    starts, saves, model_written, filled_from_snapshot = {}, [], {}, []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
             starts[state.global_step + 1] = time.time()
 
     trainer = Trainer(model=model, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
+    if args.mode == "async":
+        from pyckpt.deepspeed.save.shared_copies import SharedCopies
+
+        resolve = SharedCopies.resolve
+
+        def counted(self):
+            fill = resolve(self)
+            filled_from_snapshot.append(self.from_snapshot)
+            return fill
+        SharedCopies.resolve = counted
     if args.slow_write:
         model_files = trainer._save
 
@@ -96,7 +107,9 @@ def main() -> int:
     if rank == 0:
         with open(os.path.join(args.out, "result.json" if not args.resume else "result_resume.json"), "w") as f:
             json.dump({"losses": losses, "global_step": trainer.state.global_step, "saves": saves,
-                       "starts": starts, "model_written": model_written}, f)
+                       "starts": starts, "model_written": model_written,
+                       "filled_from_snapshot": filled_from_snapshot,
+                       "state_dict_entries": len(trainer.model.state_dict())}, f)
     return 0
 
 

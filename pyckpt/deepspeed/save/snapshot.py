@@ -22,6 +22,7 @@ import sys
 from typing import List, Optional
 
 from ...formats.torch_save_file import MemoryRange, TorchSaveFile
+from .shared_copies import active as active_copies
 
 # Storages are copied into chunks of this size (one bigger chunk for a bigger storage). The chunks
 # stay allocated for the next save, which then copies into the same memory: a steady run holds one
@@ -79,6 +80,7 @@ class SnapshotArena:
         self.chunk_bytes = max(ALIGN, chunk_bytes)
         self.chunks: list = []
         self.extents: list = []
+        self._loans: list = []  # events of readers of the previous save's copies (shared_copies)
         self._chunk = 0
         self._pos = 0
         self.used = 0
@@ -89,6 +91,9 @@ class SnapshotArena:
         return sum(c.numel() for c in self.chunks)
 
     def begin(self) -> None:
+        for loan in self._loans:  # the copies are about to be overwritten: their readers first
+            loan.wait()
+        self._loans = []
         self._chunk, self._pos, self.used = 0, 0, 0
         self.extents = [0] * len(self.chunks)  # bytes of each chunk this save filled (its copies, aligned)
 
@@ -136,6 +141,14 @@ class SnapshotArena:
 
     def _alloc(self, torch, size: int):
         return torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def lend(self):
+        """An event the next :meth:`begin` waits for: someone else reads this save's copies until it is set."""
+        import threading
+
+        loan = threading.Event()
+        self._loans.append(loan)
+        return loan
 
     def sources(self) -> list:
         """The chunks as buffers for the native writer (index = MemoryRange.source)."""
@@ -270,7 +283,8 @@ def snapshot_file(state_dict, path: str, arena: SnapshotArena, copies: Optional[
                   clones: Optional[DeferredClones] = None) -> TorchSaveFile:
     """The file ``torch.save(state_dict, path)`` would write, its storages copied into ``arena``
     (host storages now; device storages on a side stream, tracked in ``copies``); a deferred
-    clone's storage (``clones``) is filled from its original tensor."""
+    clone's storage (``clones``) is filled from its original tensor. Where a :mod:`.shared_copies` records,
+    it learns where each host storage was copied."""
     import io
 
     import torch
@@ -285,6 +299,7 @@ def snapshot_file(state_dict, path: str, arena: SnapshotArena, copies: Optional[
     file.add(".storage_alignment", str(ALIGN).encode())
     file.add("byteorder", sys.byteorder.encode())
     side = None
+    shared = active_copies()
     for key, storage in pickler.storages:
         nbytes = storage.nbytes()
         index, offset, view = arena.take(nbytes)
@@ -308,6 +323,8 @@ def snapshot_file(state_dict, path: str, arena: SnapshotArena, copies: Optional[
                     copies.sources.append(source)
             else:
                 target.copy_(source)
+                if shared is not None and deferred is None:
+                    shared.snapshotted_storage(storage, arena, index, offset)
         file.add(f"data/{key}", MemoryRange(index, offset, nbytes))
     if side is not None:
         event = torch.cuda.Event()

@@ -197,6 +197,64 @@ def test_a_deferred_clone_snapshot_equals_deepspeeds_clone_then_torch_save(tmp_p
     assert (tmp_path / "ours" / "deepspeed.pt").read_bytes() == (tmp_path / "deepspeed.pt").read_bytes()
 
 
+@pytest.mark.parametrize("name", list(_clone_cases()))
+def test_the_trainers_clones_are_filled_from_the_snapshot_of_the_same_weights(tmp_path, name):
+    """The Trainer's model clone (accelerate calls DeepSpeed's clone_tensors_for_torch_save) made while a save
+    records is unfilled until DeepSpeed's save has snapshotted the weights, then filled from that snapshot: the
+    same tensors as DeepSpeed's clones, each in a storage of its own; the arena waits for that fill before
+    the next save reuses it."""
+    import threading
+
+    import deepspeed.checkpoint.utils as ds_utils
+
+    from pyckpt.deepspeed.save.shared_copies import SharedCopies, recording
+
+    state = _clone_cases()[name]
+    expected = ds_utils.clone_tensors_for_torch_save(state)
+    torch.save(expected, tmp_path / "deepspeed.pt")
+    original = ds_utils.clone_tensors_for_torch_save
+    copies = SharedCopies()
+    arena = SnapshotArena(chunk_bytes=1 << 20)
+    arena.begin()
+    with recording(copies):
+        trainers = ds_utils.clone_tensors_for_torch_save(state)  # as accelerate's get_state_dict calls it
+        snapshot_file(state, str(tmp_path / "model_states.pt"), arena)  # DeepSpeed's model states: the storages
+    assert ds_utils.clone_tensors_for_torch_save is original
+    tensors = [t for t in _tensors(trainers) if t.numel()]
+    assert all(copies.is_stand_in(t) for t in tensors) and not copies.is_stand_in(torch.ones(2))
+    fill = copies.resolve()
+    assert (fill is not None) == bool(tensors)
+    if fill is not None:
+        # training may change the weights now: the fill reads the snapshot, not them
+        for t in _tensors(state):
+            t.data.add_(1)
+        begun = threading.Event()
+        waiter = threading.Thread(target=lambda: (arena.begin(), begun.set()))
+        waiter.start()
+        assert not begun.wait(0.2)  # the next save waits for the fill
+        fill()
+        waiter.join(5)
+        assert begun.is_set()
+    (tmp_path / "ours").mkdir()
+    torch.save(trainers, tmp_path / "ours" / "deepspeed.pt")
+    assert (tmp_path / "ours" / "deepspeed.pt").read_bytes() == (tmp_path / "deepspeed.pt").read_bytes()
+    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    assert len(set(storages)) == len(storages)  # private storages, as DeepSpeed's clones
+
+
+def _tensors(value) -> list:
+    stack, out = [value], []
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            out.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return out
+
+
 def test_clones_are_deferred_only_inside_the_block():
     import deepspeed.runtime.engine as ds_engine
 
