@@ -1,0 +1,102 @@
+"""A framework's checkpoint folder staged and renamed into place (pyckpt/deepspeed/framework_folders.py), without a
+training job: what the next save cleans and what it leaves, the rename over an existing folder, and a pending
+folder published only when DeepSpeed's files and the framework's own background write both succeeded. The
+Trainer, accelerate and Lightning runs are in test_enable_save.py."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from pyckpt.deepspeed.framework_folders import PendingFolder, clean_staging, into_place, join_pending
+
+SUFFIX = ".pyckpt-trainer"
+
+
+def _folder(path, files=("a",)):
+    os.makedirs(path, exist_ok=True)
+    for name in files:
+        with open(os.path.join(path, name), "w") as f:
+            f.write(name)
+    return path
+
+
+def test_the_next_save_removes_only_what_a_killed_save_left(tmp_path):
+    run = str(tmp_path)
+    left = _folder(os.path.join(run, ".checkpoint-4" + SUFFIX, "checkpoint-4"))
+    mine = _folder(os.path.join(run, ".checkpoint-6" + SUFFIX))  # this save's own
+    users = [_folder(os.path.join(run, name)) for name in ("checkpoint-2", ".cache", "notes" + SUFFIX)]
+    with open(os.path.join(run, ".checkpoint-9" + SUFFIX), "w") as f:  # a file of that name: not a staging folder
+        f.write("user's")
+    outside = _folder(str(tmp_path.parent / (tmp_path.name + "-outside")))
+    os.symlink(outside, os.path.join(run, ".checkpoint-8" + SUFFIX))  # a link: never followed nor removed
+    clean_staging(run, SUFFIX, keep=mine)
+    assert not os.path.exists(os.path.dirname(left))
+    assert os.path.isdir(mine) and all(os.path.isdir(u) for u in users)
+    assert os.path.isfile(os.path.join(run, ".checkpoint-9" + SUFFIX))
+    assert os.path.islink(os.path.join(run, ".checkpoint-8" + SUFFIX)) and os.listdir(outside) == ["a"]
+
+
+def test_a_folder_goes_into_place_in_one_step_over_an_older_one(tmp_path):
+    staged = _folder(str(tmp_path / "stage" / "checkpoint-4"), ("new",))
+    final = str(tmp_path / "checkpoint-4")
+    into_place(staged, final)
+    assert os.listdir(final) == ["new"] and not os.path.exists(staged)
+    again = _folder(str(tmp_path / "stage" / "checkpoint-4"), ("newer",))
+    into_place(again, final)  # a step saved twice: exchanged, the old one removed after
+    assert os.listdir(final) == ["newer"] and not os.path.exists(again)
+
+
+class _Handle:
+    def __init__(self, ok=True, message=None):
+        self.ok, self.message = ok, message
+        self.done = threading.Event()
+
+    def outcome(self):
+        self.done.wait(10)
+        return self.ok, self.message
+
+
+def _pending(tmp_path, handle, write=None):
+    staging_run = str(tmp_path / (".checkpoint-4" + SUFFIX))
+    staged = _folder(os.path.join(staging_run, "checkpoint-4"))
+    final = str(tmp_path / "checkpoint-4")
+    seen = []
+    owner = object()
+    folder = PendingFolder(owner, staged, staging_run, final, handle, lambda: seen.append(os.path.isdir(final)),
+                           write)
+    return folder, owner, staging_run, final, seen
+
+
+def test_a_pending_folder_is_published_after_both_writes_then_rotated(tmp_path):
+    handle = _Handle()
+    order = []
+    folder, owner, staging_run, final, seen = _pending(tmp_path, handle, lambda: order.append("model files"))
+    folder.start()
+    assert not os.path.exists(final)  # DeepSpeed's files still being written
+    handle.done.set()
+    join_pending(owner)
+    assert order == ["model files"] and os.listdir(final) == ["a"] and not os.path.exists(staging_run)
+    assert seen == [True]  # the rotation ran after the rename
+
+
+@pytest.mark.parametrize("failing", ["model files", "deepspeed"])
+def test_a_pending_folder_with_a_failed_write_is_never_published(tmp_path, failing, caplog):
+    handle = _Handle(ok=failing != "deepspeed", message="disk full" if failing == "deepspeed" else None)
+
+    def write():
+        if failing == "model files":
+            raise OSError("no space left for model.safetensors")
+    folder, owner, staging_run, final, seen = _pending(tmp_path, handle, write)
+    folder.start()
+    handle.done.set()
+    if failing == "model files":
+        with pytest.raises(OSError, match="model.safetensors"):
+            join_pending(owner)
+    else:
+        join_pending(owner)
+        assert "was not published" in caplog.text and "disk full" in caplog.text
+    assert not os.path.exists(final) and not os.path.exists(staging_run) and seen == []
+    join_pending(owner)  # reported once
