@@ -1,7 +1,7 @@
 """``pyckpt.deepspeed.enable()``: the load backend (:mod:`.load`) and, with ``save=``, DeepSpeed's own
 ``save_checkpoint`` made atomic or asynchronous for the frameworks that call it (:mod:`.save.engine_hook`),
-the Hugging Face Trainer's ``checkpoint-N/`` (:mod:`.trainer_save`) and accelerate's ``save_state`` folder
-(:mod:`.accelerate_save`) included.
+the Hugging Face Trainer's ``checkpoint-N/`` (:mod:`.trainer_save`), accelerate's ``save_state`` folder
+(:mod:`.accelerate_save`) and Lightning's removal of older checkpoints (:mod:`.lightning_save`) included.
 
 ``save`` is off by default: ``enable()`` has meant "resume anywhere" since its first release, and a save
 routed through pyckpt stages, locks and agrees across ranks, which a job should ask for by name.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from . import accelerate_save, load, trainer_save
+from . import accelerate_save, lightning_save, load, trainer_save
 from .save import engine_hook
 
 log = logging.getLogger("pyckpt")
@@ -61,6 +61,7 @@ def enable(trust_pickles: bool = False, *, reshard: bool = True, memory=None, sa
         engine_hook.install()
         trainer_save.install()
         accelerate_save.install()
+        lightning_save.install()
         engine_hook.set_mode(mode)
         log.info("pyckpt: DeepSpeed's save_checkpoint is %s", "atomic and asynchronous" if mode == "async"
                  else "atomic")
@@ -70,6 +71,7 @@ def enable(trust_pickles: bool = False, *, reshard: bool = True, memory=None, sa
 def _uninstall_save() -> None:
     trainer_save.uninstall()
     accelerate_save.uninstall()
+    lightning_save.uninstall()
     engine_hook.uninstall()
 
 

@@ -12,7 +12,9 @@ step returns: the rename waits for their publication (a thread on process 0), so
 the rotation never sees a checkpoint still being written. The model files the Trainer writes from its own
 ``save_model`` (``model.safetensors``, config, tokenizer, ``training_args.bin``) are written by that thread
 too, from a copy of the state dict taken in the call (:class:`DeferredModelWrite`), so the step's stall is
-the copy, not the write. The next save, the end of ``train()`` and the interpreter's exit join that wait. Staging folders of a killed run are removed by the next save
+the copy, not the write. The next save, loading the best model at the end (``load_best_model_at_end``:
+the best may be the last checkpoint, still being written), the end of ``train()`` and the interpreter's
+exit join that wait. Staging folders of a killed run are removed by the next save
 (:mod:`.framework_folders`).
 """
 
@@ -114,15 +116,16 @@ class DeferredModelWrite:
     A clone accelerate's ``get_state_dict`` made in this call (with ZeRO-1/2) is a private host tensor already
     and is kept as it is: it is filled in the background from DeepSpeed's snapshot of the same weights
     (:mod:`.save.shared_copies`), so the call copies the weights once. Any other tensor is copied, keeping
-    the tensors' sharing as it was: one new storage per storage of the original, every tensor a view of it at the same
-    offset, size and stride. ``save_pretrained`` finds tied weights by shared storage (transformers'
-    ``remove_tied_weights_from_state_dict``), so a tensor-by-tensor clone could write a tied weight a second
-    time. The storages are kept for the next save, which copies into them (the previous write is joined
-    before a save starts), so a steady run allocates nothing more.
+    the tensors' sharing as it was: one new storage per storage of the original, every tensor a view of it
+    at the same offset, size and stride. ``save_pretrained`` finds tied weights by shared storage
+    (transformers' ``remove_tied_weights_from_state_dict``), so a tensor-by-tensor clone could write a tied
+    weight a second time. The storages are kept for the next save, which copies into them (the previous
+    write is joined before a save starts), so a steady run allocates nothing more.
     """
 
     def __init__(self, trainer, shared: SharedCopies):
         self.original = trainer._save  # the Trainer's (or a subclass's) bound method
+        self.default_dir = trainer.args.output_dir
         self.shared = shared
         self.storages = trainer.__dict__.setdefault("_pyckpt_model_storages", {})
         self.pending: Optional[tuple] = None
@@ -134,6 +137,9 @@ class DeferredModelWrite:
             # 16-bit weights, an empty one that it removes right after): written now, as it would be
             self.shared.fill_now()
             return self.original(output_dir, state_dict=state_dict)
+        # the folder exists from here on, as the Trainer's own write makes it first: the Trainer then checks
+        # for it (the best checkpoint's folder, when it is this one)
+        os.makedirs(output_dir if output_dir is not None else self.default_dir, exist_ok=True)
         self.pending = (output_dir, self.copy(state_dict))
 
     def after_snapshot(self) -> Optional[Callable[[], None]]:
@@ -203,7 +209,6 @@ def _patch(module) -> None:
     if cls in _PATCHED:
         return
     original = cls.__dict__["_save_checkpoint"]
-    _PATCHED[cls] = (original, module)
     cls._save_checkpoint = _wrap(original, module)
     train = cls.__dict__["train"]
 
@@ -213,8 +218,17 @@ def _patch(module) -> None:
         finally:
             join_pending(self)
     train_then_join.__wrapped__ = train
-    _PATCHED[cls] = (original, module, train)
+    load_best = cls.__dict__.get("_load_best_model")
+    _PATCHED[cls] = (original, module, train, load_best)
     cls.train = train_then_join
+    if load_best is not None:
+        def join_then_load_best(self, *args, **kwargs):
+            join_pending(self)  # the best checkpoint may be the last one, still being written (by process 0)
+            if engine_hook.mode() is not None and getattr(self, "is_deepspeed_enabled", False):
+                barrier()  # every process loads it once it is in place
+            return load_best(self, *args, **kwargs)
+        join_then_load_best.__wrapped__ = load_best
+        cls._load_best_model = join_then_load_best
 
 
 _FINDER = PatchOnImport("transformers.trainer", _patch)
@@ -226,7 +240,9 @@ def install() -> None:
 
 def uninstall() -> None:
     _FINDER.uninstall()
-    for cls, (original, module, train) in list(_PATCHED.items()):
+    for cls, (original, module, train, load_best) in list(_PATCHED.items()):
         cls._save_checkpoint = original
         cls.train = train
+        if load_best is not None:
+            cls._load_best_model = load_best
         del _PATCHED[cls]

@@ -10,8 +10,11 @@ DeepSpeed engine (ZeRO-2, bf16, a tiny Llama) and Lightning's checkpoint diction
 after four, into ``OUT/epoch=0-step=2.ckpt`` and ``OUT/epoch=0-step=4.ckpt``.
 
     torchrun --nproc_per_node W lightning_save_worker.py OUT TOKENIZER --mode none|atomic|async [--kill-second]
+        [--remove-first]
 
 ``--kill-second``: rank 1 SIGKILLs itself as its background write of the second save starts (async).
+``--remove-first``: after the second save, Lightning's ``remove_checkpoint`` of the first, as
+``ModelCheckpoint(save_top_k=1)`` calls it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main() -> int:
     ap.add_argument("tokenizer")
     ap.add_argument("--mode", choices=("none", "atomic", "async"), default="none")
     ap.add_argument("--kill-second", action="store_true")
+    ap.add_argument("--remove-first", action="store_true")
     args = ap.parse_args()
 
     import deepspeed
@@ -47,10 +51,13 @@ def main() -> int:
     config = hf.ds_config({"stage": 2, "dtype": "bf16"}) | {"train_batch_size": 2 * world}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     # what DeepSpeedStrategy.save_checkpoint reads of its strategy (lightning/pytorch/strategies/deepspeed.py)
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
     strategy = types.SimpleNamespace(broadcast=lambda obj: obj, zero_stage_3=False, _multi_device=world > 1,
                                      is_global_zero=rank == 0, deepspeed_engine=engine,
-                                     exclude_frozen_parameters=False)
+                                     exclude_frozen_parameters=False, checkpoint_io=TorchCheckpointIO())
     ids = torch.stack([hf.batch(tokenizer)[rank % 2]] * 2)
+    asked = os.path.join(os.path.dirname(os.path.abspath(args.out)), "removal-asked")  # beside OUT, not in it
     if args.kill_second and rank == 1:
         from pyckpt.deepspeed.save import async_save
 
@@ -59,6 +66,12 @@ def main() -> int:
         def killing(files, sources, root, *a, **k):
             if "step=4" in root:
                 import signal
+                import time
+
+                # with --remove-first, rank 0 asks for the removal of the first checkpoint before this rank dies
+                deadline = time.monotonic() + 60
+                while args.remove_first and not os.path.exists(asked) and time.monotonic() < deadline:
+                    time.sleep(0.05)
 
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(files, sources, root, *a, **k)
@@ -72,6 +85,10 @@ def main() -> int:
                           "state_dict": {}, "optimizer_states": [], "loops": {"fit_loop": {"step": step}},
                           "callbacks": {}, "lr_schedulers": []}
             DeepSpeedStrategy.save_checkpoint(strategy, checkpoint, os.path.join(args.out, f"epoch=0-step={step}.ckpt"))
+            if step == 4 and args.remove_first:  # what ModelCheckpoint(save_top_k=1) does next
+                DeepSpeedStrategy.remove_checkpoint(strategy, os.path.join(args.out, "epoch=0-step=2.ckpt"))
+                print(f"rank {rank}: removal of step 2 asked", flush=True)
+                open(asked, "w").close()
     import pyckpt.deepspeed
 
     pyckpt.deepspeed.wait_for_saves()

@@ -2,13 +2,14 @@
 ``pyckpt.deepspeed.enable(save=MODE)`` (tests/deepspeed/save/test_enable_save.py compares the runs).
 
     torchrun --nproc_per_node W trainer_save_worker.py OUT TOKENIZER --stage S --mode none|atomic|async
-        [--steps N] [--resume] [--slow-write SECONDS] [--kill POINT --kill-step K]
+        [--steps N] [--resume] [--slow-write SECONDS] [--kill POINT --kill-step K] [--best first|last]
 
 A LlamaForCausalLM with tied embeddings in bf16 (DeepSpeed's mixed precision), ``save_steps=2``,
 ``save_total_limit=2``, a linear schedule. ``--resume`` continues OUT's run from
 ``resume_from_checkpoint=True`` (what ``get_last_checkpoint`` finds) for two more steps. ``--slow-write``
 delays every file DeepSpeed writes in the background, and the Trainer's model files, by that long (async
-mode: both are written in the background), so that the steps after a save run while they are written. ``--kill POINT --kill-step K`` SIGKILLs one rank in the save of step K:
+mode: both are written in the background), so that the steps after a save run while they are written. ``--best`` evaluates at every save and loads the best checkpoint at the end (_best_args).
+``--kill POINT --kill-step K`` SIGKILLs one rank in the save of step K:
 ``snapshot`` (rank 1, inside DeepSpeed's save, its first file), ``write`` (rank 1, as its background write
 starts), ``trainer-files`` (rank 1, writing its RNG state), ``model-files`` (rank 0, as it writes the
 Trainer's model files: in the background under async), ``rotation`` (rank 0, as the rotation starts).
@@ -44,6 +45,7 @@ def main() -> int:
     ap.add_argument("--slow-write", type=float, default=0.0)
     ap.add_argument("--kill", choices=("snapshot", "write", "trainer-files", "model-files", "rotation"))
     ap.add_argument("--kill-step", type=int, default=4)
+    ap.add_argument("--best", choices=("first", "last"))
     args = ap.parse_args()
 
     rank, _, tokenizer = hf.start_save_job(args.mode, args.tokenizer)
@@ -65,7 +67,8 @@ def main() -> int:
     targs = TrainingArguments(output_dir=args.out, deepspeed=ds, per_device_train_batch_size=2,
                               max_steps=args.steps + (2 if args.resume else 0), save_strategy="steps", save_steps=2,
                               save_total_limit=2, logging_steps=1, learning_rate=1e-2, report_to=[], use_cpu=True,
-                              seed=1234, bf16=True, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1)
+                              seed=1234, bf16=True, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1,
+                              **_best_args(args.best))
     ids = hf.batch(tokenizer)
     data = [{"input_ids": row, "labels": row} for _ in range(8) for row in ids]
     starts, saves, model_written, filled_from_snapshot = {}, [], {}, []
@@ -74,7 +77,8 @@ def main() -> int:
         def on_step_begin(self, a, state, control, **kw):
             starts[state.global_step + 1] = time.time()
 
-    trainer = Trainer(model=model, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
+    trainer = Trainer(model=model, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()],
+                      eval_dataset=data[:2] if args.best else None)
     if args.mode == "async":
         from pyckpt.deepspeed.save.shared_copies import SharedCopies
 
@@ -109,8 +113,30 @@ def main() -> int:
             json.dump({"losses": losses, "global_step": trainer.state.global_step, "saves": saves,
                        "starts": starts, "model_written": model_written,
                        "filled_from_snapshot": filled_from_snapshot,
-                       "state_dict_entries": len(trainer.model.state_dict())}, f)
+                       "state_dict_entries": len(trainer.model.state_dict()),
+                       "best_model_checkpoint": trainer.state.best_model_checkpoint,
+                       "weights": _digest(trainer.model)}, f)
     return 0
+
+
+def _best_args(best) -> dict:
+    """``--best first|last``: evaluate at every save and load the best checkpoint at the end; the loss falls,
+    so the best is the first checkpoint (kept by the rotation beside the newest) or the last (loaded at the
+    end of train(), possibly while it is being written)."""
+    if best is None:
+        return {}
+    return {"eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True,
+            "metric_for_best_model": "loss", "greater_is_better": best == "first"}
+
+
+def _digest(model) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _die() -> None:

@@ -122,6 +122,28 @@ def test_async_steps_go_on_during_the_write(runs, tmp_path):
     assert (out / "checkpoint-6" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("best", ["first", "last"])
+def test_the_best_checkpoint_is_kept_and_loaded_as_stock_keeps_and_loads_it(runs, tmp_path, best):
+    """load_best_model_at_end: the rotation keeps the best checkpoint beside the newest, and the best one is
+    loaded at the end of train() even when it is the last, whose background write (slowed here) is still
+    running then."""
+    root, tokenizer, _ = runs
+    got = {}
+    for mode in ("none", "async"):
+        out = tmp_path / mode / "run"
+        launch(root, out, tokenizer, "--stage", 2, "--mode", mode, "--best", best,
+               *(("--slow-write", 2) if mode == "async" else ()))
+        got[mode] = (visible(out), hidden(out), json.loads((out / "result.json").read_text()))
+    (stock_visible, _, stock), (mine_visible, mine_hidden, mine) = got["none"], got["async"]
+    assert stock_visible == mine_visible == (["checkpoint-2", "checkpoint-6"] if best == "first"
+                                             else ["checkpoint-4", "checkpoint-6"])
+    assert mine_hidden == []
+    want = "checkpoint-2" if best == "first" else "checkpoint-6"
+    assert os.path.basename(stock["best_model_checkpoint"]) == os.path.basename(mine["best_model_checkpoint"]) == want
+    assert mine["best_model_checkpoint"] == str(tmp_path / "async" / "run" / want)
+    assert mine["weights"] == stock["weights"] and mine["losses"] == stock["losses"]
+
+
 @pytest.mark.parametrize("mode,point", [("async", "snapshot"), ("async", "write"), ("async", "trainer-files"),
                                         ("async", "model-files"), ("async", "rotation"),
                                         ("atomic", "trainer-files")])
@@ -205,10 +227,19 @@ def test_lightning_deepspeed_strategy_save_checkpoint(runs, tmp_path):
     stock, mine = files(made["none"]), files(made["async"])
     assert "epoch=0-step=4.ckpt/checkpoint/mp_rank_00_model_states.pt" in mine
     assert sorted(stock) == sorted(mine) and [k for k in stock if stock[k] != mine[k]] == []
-    killed = tmp_path / "killed" / "out"
-    launch(root, killed, tokenizer, "--mode", "async", "--kill-second", worker=LIGHTNING, expect_ok=False)
-    got = files(killed)
-    assert sorted(k for k in got if k.startswith("epoch=0-step=2.ckpt/")) == \
-        sorted(k for k in mine if k.startswith("epoch=0-step=2.ckpt/"))
-    second = killed / "epoch=0-step=4.ckpt"
-    assert not (second / "checkpoint").exists() and not (second / "latest").exists()
+    # the removal of the older checkpoint (ModelCheckpoint's save_top_k=1) once the newer one is published
+    removed = tmp_path / "removed" / "out"
+    launch(root, removed, tokenizer, "--mode", "async", "--remove-first", worker=LIGHTNING)
+    assert sorted(os.listdir(removed)) == ["epoch=0-step=4.ckpt"]
+    assert {k: v for k, v in files(removed).items()} == {k: v for k, v in mine.items() if "step=4" in k}
+    for remove in ((), ("--remove-first",)):
+        killed = tmp_path / f"killed{len(remove)}" / "out"
+        said = launch(root, killed, tokenizer, "--mode", "async", "--kill-second", *remove, worker=LIGHTNING,
+                      expect_ok=False)
+        assert ("rank 0: removal of step 2 asked" in said) == bool(remove)
+        got = files(killed)
+        # the first checkpoint whole (and not removed: the second was never published)
+        assert sorted(k for k in got if k.startswith("epoch=0-step=2.ckpt/")) == \
+            sorted(k for k in mine if k.startswith("epoch=0-step=2.ckpt/"))
+        second = killed / "epoch=0-step=4.ckpt"
+        assert not (second / "checkpoint").exists() and not (second / "latest").exists()

@@ -1,0 +1,75 @@
+"""Lightning's checkpoint removal waits for the newer checkpoint under ``enable(save="async")``.
+
+Lightning's ``ModelCheckpoint`` (lightning 2.6) saves the new checkpoint through the strategy, then removes
+the one it no longer keeps (``save_top_k``, ``save_last``) through ``strategy.remove_checkpoint``. With
+``DeepSpeedStrategy`` the save is ``engine.save_checkpoint(filepath, tag="checkpoint")``; under
+``save="async"`` that call returns once the state is snapshotted, so the removal would run while the new
+checkpoint is still being written, and a crash then would leave neither. Here a removal asked for while
+the engine's asynchronous save is in flight runs only once that save is published, at its join (the next
+save, ``wait_for_saves()``, ``engine.destroy()``, exit); if the save fails, the older checkpoint stays.
+Lightning's strategy refuses to run without CUDA; tests/workers/lightning_save_worker.py runs its
+``save_checkpoint`` and ``remove_checkpoint`` on a real engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict
+
+from .framework_folders import PatchOnImport
+from .save import engine_hook
+
+log = logging.getLogger("pyckpt")
+
+MODULE = "lightning.pytorch.strategies.deepspeed"
+_PATCHED: Dict[type, object] = {}
+_MISSING = object()
+
+
+def _wrap(cls):
+    original = cls.remove_checkpoint  # Strategy's (or a subclass's), resolved now
+
+    def remove_checkpoint(self, filepath) -> None:
+        engine = getattr(self, "deepspeed_engine", None) if engine_hook.mode() == "async" else None
+        handle = getattr(engine, "_pyckpt_async_save", None)
+        if handle is None or (handle.done() and handle.ok):
+            return original(self, filepath)
+        if handle.done():
+            log.warning("pyckpt: kept %s: the newer checkpoint was not published (%s)", filepath, handle.message)
+            return None
+
+        def remove_after_publication() -> bool:
+            try:
+                original(self, filepath)
+            except Exception as exc:  # the newer checkpoint is published all the same
+                log.warning("pyckpt: could not remove %s after the newer checkpoint was published: %s",
+                            filepath, exc)
+            return True
+        handle._after.append(remove_after_publication)
+    remove_checkpoint.__wrapped__ = original
+    return remove_checkpoint
+
+
+def _patch(module) -> None:
+    cls = module.DeepSpeedStrategy
+    if cls in _PATCHED:
+        return
+    _PATCHED[cls] = cls.__dict__.get("remove_checkpoint", _MISSING)
+    cls.remove_checkpoint = _wrap(cls)
+
+
+_FINDER = PatchOnImport(MODULE, _patch)
+
+
+def install() -> None:
+    _FINDER.install()
+
+
+def uninstall() -> None:
+    _FINDER.uninstall()
+    for cls, own in list(_PATCHED.items()):
+        if own is _MISSING:
+            del cls.remove_checkpoint
+        else:
+            cls.remove_checkpoint = own
+        del _PATCHED[cls]
