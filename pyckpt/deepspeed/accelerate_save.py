@@ -18,13 +18,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import Callable, Dict
+from typing import Callable
 
 from .save import engine_hook
-from .framework_folders import PatchOnImport, PendingFolder, barrier, clean_staging, join_pending
+from .framework_folders import MethodOnImport, PendingFolder, barrier, clean_staging, join_pending
 
 STAGING_SUFFIX = ".pyckpt-accelerate"
-_PATCHED: Dict[type, Callable] = {}
 
 
 def _number(name: str) -> int:
@@ -101,23 +100,12 @@ def _wrap(original: Callable) -> Callable:
     return save_state
 
 
-def _patch(module) -> None:
-    cls = module.Accelerator
-    if cls in _PATCHED:
-        return
-    _PATCHED[cls] = cls.__dict__["save_state"]
-    cls.save_state = _wrap(_PATCHED[cls])
-
-
-_FINDER = PatchOnImport("accelerate.accelerator", _patch)
+_SAVE_STATE = MethodOnImport("accelerate.accelerator", "Accelerator", "save_state", _wrap)
 
 
 def install() -> None:
-    _FINDER.install()
+    _SAVE_STATE.install()
 
 
 def uninstall() -> None:
-    _FINDER.uninstall()
-    for cls, original in list(_PATCHED.items()):
-        cls.save_state = original
-        del _PATCHED[cls]
+    _SAVE_STATE.uninstall()

@@ -184,3 +184,35 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
     def uninstall(self) -> None:
         if self in sys.meta_path:
             sys.meta_path.remove(self)
+
+
+_MISSING = object()
+
+
+class MethodOnImport:
+    """``<module>.<class_name>.<name>`` replaced by ``wrap(original)`` when the module is loaded (now, or on its
+    import after ``enable()``), put back as it was by :meth:`uninstall`."""
+
+    def __init__(self, module: str, class_name: str, name: str, wrap: Callable[[Callable], Callable]):
+        self.class_name, self.name, self.wrap = class_name, name, wrap
+        self.saved: dict = {}  # class -> its own attribute before, or _MISSING where it inherited one
+        self.finder = PatchOnImport(module, self._patch)
+
+    def _patch(self, module) -> None:
+        cls = getattr(module, self.class_name)
+        if cls in self.saved:
+            return
+        self.saved[cls] = cls.__dict__.get(self.name, _MISSING)
+        setattr(cls, self.name, self.wrap(getattr(cls, self.name)))
+
+    def install(self) -> None:
+        self.finder.install()
+
+    def uninstall(self) -> None:
+        self.finder.uninstall()
+        for cls, own in list(self.saved.items()):
+            if own is _MISSING:
+                delattr(cls, self.name)
+            else:
+                setattr(cls, self.name, own)
+            del self.saved[cls]

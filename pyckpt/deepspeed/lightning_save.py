@@ -14,21 +14,17 @@ Lightning's strategy refuses to run without CUDA; tests/workers/lightning_save_w
 from __future__ import annotations
 
 import logging
-from typing import Dict
+from typing import Callable
 
-from .framework_folders import PatchOnImport
+from .framework_folders import MethodOnImport
 from .save import engine_hook
 
 log = logging.getLogger("pyckpt")
 
 MODULE = "lightning.pytorch.strategies.deepspeed"
-_PATCHED: Dict[type, object] = {}
-_MISSING = object()
 
 
-def _wrap(cls):
-    original = cls.remove_checkpoint  # Strategy's (or a subclass's), resolved now
-
+def _wrap(original: Callable) -> Callable:
     def remove_checkpoint(self, filepath) -> None:
         engine = getattr(self, "deepspeed_engine", None) if engine_hook.mode() == "async" else None
         handle = getattr(engine, "_pyckpt_async_save", None)
@@ -50,26 +46,12 @@ def _wrap(cls):
     return remove_checkpoint
 
 
-def _patch(module) -> None:
-    cls = module.DeepSpeedStrategy
-    if cls in _PATCHED:
-        return
-    _PATCHED[cls] = cls.__dict__.get("remove_checkpoint", _MISSING)
-    cls.remove_checkpoint = _wrap(cls)
-
-
-_FINDER = PatchOnImport(MODULE, _patch)
+_REMOVE = MethodOnImport(MODULE, "DeepSpeedStrategy", "remove_checkpoint", _wrap)
 
 
 def install() -> None:
-    _FINDER.install()
+    _REMOVE.install()
 
 
 def uninstall() -> None:
-    _FINDER.uninstall()
-    for cls, own in list(_PATCHED.items()):
-        if own is _MISSING:
-            del cls.remove_checkpoint
-        else:
-            cls.remove_checkpoint = own
-        del _PATCHED[cls]
+    _REMOVE.uninstall()
