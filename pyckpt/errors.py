@@ -44,14 +44,53 @@ def printable_line(text: str) -> str:
     return _UNUSUAL.sub(lambda m: _escape(m.group(), False), text) if _UNUSUAL.search(text) else text
 
 
+# What a message quotes of an input (a name, a value): a checkpoint's string may be a megabyte long.
+QUOTE_MAX = 200
+# A whole message line, whatever its parts quote: past this, its middle is cut.
+LINE_MAX = 4000
+
+
+def clipped(text: str, limit: int = QUOTE_MAX) -> str:
+    """``text`` as a message may quote it: at most ``limit`` characters, then its whole length
+    (``...(1,000,189 characters)``)."""
+    text = text if isinstance(text, str) else str(text)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text):,} characters)"
+
+
+def quoted(value, limit: int = QUOTE_MAX) -> str:
+    """``repr(value)`` as a message may quote it (:func:`clipped`): the one way a message shows what an
+    input holds. A long string is cut before its repr is made; a value whose repr fails (an integer of
+    thousands of digits, a structure nested past the recursion limit) is named by its type."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{repr(value[:limit])[:limit]}...({len(value):,} characters)"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 600:
+        return f"an integer of {value.bit_length():,} bits"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 -- ValueError (int digits), RecursionError, a record's own failure
+        return f"a {type(value).__name__} that cannot be shown"
+    return clipped(text, limit)
+
+
+def bounded_line(text: str, limit: int = LINE_MAX) -> str:
+    """A message line of at most about ``limit`` characters: a longer one keeps its start (the file
+    it names) and its end (the rule), its middle replaced by how much was cut. The backstop for what a
+    message quotes without :func:`quoted`."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]}...({len(text) - head - tail:,} of {len(text):,} characters cut)...{text[-tail:]}"
+
+
 class PyckptError(Exception):
-    """Base class of pyckpt's own errors. A message (one text argument) is made :func:`printable_line`:
-    a name from a checkpoint inside it cannot forge a line of output or drive the terminal. The
-    OSError form (errno, text, filename) is left alone: it shows the filename as repr does."""
+    """Base class of pyckpt's own errors. A message (one text argument) is made :func:`printable_line`
+    and :func:`bounded_line`: a name from a checkpoint inside it cannot forge a line of output, drive
+    the terminal or fill it. The OSError form (errno, text, filename) is left alone: it shows the
+    filename as repr does."""
 
     def __init__(self, *args):
         if len(args) == 1 and isinstance(args[0], str):
-            args = (printable_line(args[0]), )
+            args = (bounded_line(printable_line(args[0])), )
         super().__init__(*args)
 
 
@@ -172,9 +211,9 @@ def metadata_errors(folder):
         raise
     except (KeyError, IndexError, TypeError, AttributeError, ZeroDivisionError, OverflowError, ValueError,
             RecursionError) as exc:
-        detail = f"missing key {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else str(exc)
+        detail = f"missing key {quoted(exc.args[0])}" if isinstance(exc, KeyError) and exc.args else str(exc)
         raise CheckpointFormatError(f"{os.fspath(folder)}: malformed checkpoint metadata ({type(exc).__name__}: "
-                                    f"{' '.join(detail.split())[:300]})") from exc
+                                    f"{clipped(' '.join(detail.split()), 300)})") from exc
 
 
 # -- numbers a caller passes -------------------------------------------------------------------
@@ -195,11 +234,10 @@ def check_number(name: str, value, *, integer: bool = False, low=None, high=None
 
 
 def _shown(value) -> str:
-    # repr of a 5,000-digit int raises (Python's digit limit), and a long one is no help in a message
+    # a long integer is no help in a message (and repr of a 5,000-digit one raises)
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(value).bit_length() > 200:
         return f"an integer of {abs(value).bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return quoted(value, 80)
 
 
 def number_rule(integer: bool = False, low=None, high=None, low_open: bool = False) -> str:
