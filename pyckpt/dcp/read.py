@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError, printable_line
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, quoted
 from ..formats.confined import check_links_inside, read_inside
 from ..formats.pickle_read import MAX_INDEX, GlobalName, Opaque, TensorRef, TorchSize, loads, loads_with_storages
 from ..formats.torch_zip import max_pickle_bytes, open_regular
@@ -34,6 +34,7 @@ from ..native import _core, native_errors
 from ..planning.plan import Piece
 from ..tensors import ITEMSIZE, NewTensor, numel
 from .read_safetensors import is_sharded_safetensors_folder, sharded_chunks
+from .tiling import LayoutTooIrregular, tiling_fault
 
 METADATA_NAME = ".metadata"
 _MD = "torch.distributed.checkpoint.metadata"
@@ -248,7 +249,7 @@ def _kind(obj) -> str:
 
 
 def _shown(key) -> str:
-    return repr(printable_line(str(key))[:200])
+    return quoted(str(key))
 
 
 def _dims(where: str, value, what: str) -> Tuple[int, ...]:
@@ -256,7 +257,7 @@ def _dims(where: str, value, what: str) -> Tuple[int, ...]:
         raise CheckpointFormatError(f"{where}: {what} is not a list of at most 64 sizes")
     for d in value:
         if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < MAX_INDEX:
-            raise CheckpointFormatError(f"{where}: {what} holds {d!r}, not a size")
+            raise CheckpointFormatError(f"{where}: {what} holds {quoted(d)}, not a size")
     return tuple(value)
 
 
@@ -278,7 +279,7 @@ def _tensor_entry(where: str, key: str, path, md: Opaque) -> DcpTensor:
     elif _is(props, "TensorProperties") and isinstance(props._state, dict):
         dtype = props._state.get("dtype")
     if not isinstance(dtype, GlobalName) or dtype.module != "torch" or dtype.name not in ITEMSIZE:
-        raise CheckpointFormatError(f"{where}: {_shown(key)} has dtype {dtype!r}, not one pyckpt reads "
+        raise CheckpointFormatError(f"{where}: {_shown(key)} has dtype {quoted(dtype)}, not one pyckpt reads "
                                     f"({', '.join(ITEMSIZE)})")
     shape = _dims(where, fields.get("size"), f"the size of {_shown(key)}")
     if numel(shape) >= MAX_INDEX:
@@ -304,25 +305,28 @@ def _tensor_entry(where: str, key: str, path, md: Opaque) -> DcpTensor:
 
 
 def check_tiling(where: str, t: DcpTensor) -> None:
-    """The chunks of ``t`` cover it exactly once: their volumes add up to its elements and no two overlap
-    (a sweep along the first dimension; chunks of real layouts form a grid, so few are open at once)."""
+    """The chunks of ``t`` (each inside it) cover it exactly once: their volumes add up to its elements,
+    and no element is in two of them or in none (:mod:`.tiling`: O(n log n) in the chunks of a grid cut
+    in any dimensions)."""
     total = sum(numel(c.sizes) for c in t.chunks)
     if total != t.numel():
         raise CheckpointFormatError(f"{where}: the chunks of {_shown(t.key)} hold {total} elements, its size "
                                     f"{list(t.shape)} has {t.numel()}: they do not tile it")
-    if not t.shape:
+    try:
+        fault = tiling_fault(t.shape, [(c.offsets, c.sizes) for c in t.chunks])
+    except LayoutTooIrregular:
+        raise UnsupportedCheckpointError(f"{where}: the {len(t.chunks)} chunks of {_shown(t.key)} (size "
+                                         f"{list(t.shape)}) form a layout too irregular for pyckpt to check that "
+                                         "they tile it") from None
+    if fault is None:
         return
-    live = [c for c in t.chunks if numel(c.sizes)]
-    live.sort(key=lambda c: c.offsets[0])
-    open_: List[Chunk] = []
-    for c in live:
-        start = c.offsets[0]
-        open_ = [o for o in open_ if o.offsets[0] + o.sizes[0] > start]
-        for o in open_:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(c.offsets, c.sizes, o.offsets, o.sizes)):
-                raise CheckpointFormatError(f"{where}: chunks at {list(o.offsets)} and {list(c.offsets)} of "
-                                            f"{_shown(t.key)} overlap")
-        open_.append(c)
+    element, holders = fault
+    if len(holders) > 1:
+        first, second = (t.chunks[i] for i in holders[:2])
+        raise CheckpointFormatError(f"{where}: chunks at {list(first.offsets)} and {list(second.offsets)} of "
+                                    f"{_shown(t.key)} overlap (both hold element {list(element)})")
+    raise CheckpointFormatError(f"{where}: element {list(element)} of {_shown(t.key)} is in none of its chunks: "
+                                "they do not tile it")
 
 
 def _index(where: str, index) -> Tuple[str, Optional[Tuple[int, ...]]]:
@@ -341,12 +345,12 @@ def _record(folder: str, where: str, key: str, info, files: Dict[str, DataFile])
     fields = info._state
     if fields.get("transform_descriptors"):
         raise UnsupportedCheckpointError(f"{where}: {_shown(key)} was stored through DCP storage transforms "
-                                         f"{fields['transform_descriptors']!r} (compression or extensions), which "
-                                         "pyckpt does not decode")
+                                         f"{quoted(fields['transform_descriptors'])} (compression or extensions), "
+                                         "which pyckpt does not decode")
     name, offset, length = fields.get("relative_path"), fields.get("offset"), fields.get("length")
     for value, what in ((offset, "offset"), (length, "length")):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_INDEX:
-            raise CheckpointFormatError(f"{where}: the storage record of {_shown(key)} has {what} {value!r}")
+            raise CheckpointFormatError(f"{where}: the storage record of {_shown(key)} has {what} {quoted(value)}")
     data = files.get(name) if isinstance(name, str) else None
     if data is None:
         data = files[name] = _data_file(folder, where, key, name)
