@@ -15,6 +15,10 @@ import re
 from typing import Optional, Tuple
 
 STAGING, OLD, POINTER_TMP, LOCK = "pyckpt-tmp", "pyckpt-old", "pyckpt-ptr", "pyckpt-lock"
+# The longest checkpoint tag, in bytes of UTF-8: a tag must leave room for the hidden names beside it
+# (``.<tag>.pyckpt-tmp-<host, up to 64>-<pid>-<8 hex>`` adds up to about 100 bytes) within one file name
+# of 255 bytes. One limit for every tag: the save refuses what a replica's receiver would refuse.
+TAG_MAX = 128
 # The kinds a run leaves with its owner id after them; the lock file carries none.
 OWNED = (STAGING, OLD, POINTER_TMP)
 

@@ -58,11 +58,18 @@ Why this shape:
   up to that point (the whole hello, the whole manifest). A refusal during the data is sent at once
   and the connection closed; the sender, whose next send then fails, reads the reason that arrived
   before the reset.
-* **Bounded.** At most ``max_connections`` transfers at once (a further one is told the receiver is
-  busy), one at a time per node (a second one for the same node is refused: two could interleave
-  their ``latest``); every receive waits at most ``timeout`` seconds, and the whole hello must arrive
-  within ``timeout`` of the greeting, so a dead or hostile peer costs one slot for that long; what a
-  peer sends before it is known (the hello) is at most 64 KiB; the results kept are the last 1,000.
+* **Bounded, and the token first.** A connection proves the token before it takes anything a sender
+  of the job needs: until its hello is checked it waits in a stage of its own (``max_waiting``
+  connections; a newer one takes the place of the one that has waited longest), and its whole hello
+  must arrive within ``hello_timeout`` (a few seconds) of the greeting. Only then does it take one of
+  ``max_connections`` transfer slots (a further one is told the receiver is busy), one at a time per
+  node (a second one for the same node is refused: two could interleave their ``latest``); from then
+  on every receive waits at most ``timeout`` seconds. Idle or hostile connections, however many and
+  however often they reconnect, so never hold a transfer's slot nor turn a sender away: a sender of
+  the job answers the greeting at once and is in before its place is wanted (``max_waiting`` newer
+  connections would have to arrive within that moment), and none of them holds its place longer than
+  ``hello_timeout``. What a peer sends before it is known (the hello) is at most 64 KiB; the results
+  kept are the last 1,000.
 
 Nodes are numbered as torchrun numbers them; where replicas go (a ring, by default) is the caller's
 policy, not this protocol's.
@@ -83,6 +90,7 @@ from typing import Optional
 
 from ...errors import ReplicationError, printable
 from ...execution.pointer import POINTERS, pointer_name_problem
+from ...execution.staging_names import TAG_MAX
 
 MAGIC_RECEIVER = b"PYCKRPL1"
 MAGIC_SENDER = b"PYCKRPS1"
@@ -100,7 +108,6 @@ OK, REFUSED = 0, 1
 MAX_NODE = 1 << 20
 MAX_FILES = 100_000
 NAME_MAX = 255
-TAG_MAX = 128  # the staging and lock names beside a tag add up to about 100 bytes to it
 MAX_TOKEN = 1 << 16
 MIN_TOKEN = 16  # bytes: the job's token is meant to be os.urandom(32); a short one is guessable
 MAX_RESULTS = 1000

@@ -22,9 +22,6 @@ from .replica_protocol import (_DIR_FLAGS, CRC, CRC_CHUNK, END, FIELDS, LABEL_RE
                                MAGIC_SENDER, MAX_FILES, MAX_NODE, NONCE, OK, VERDICT, Sent, _check_token, _Closed,
                                _mac, _no_delay, _recv_exact, manifest_bytes)
 
-# A sender's own tree is a tag folder; a deeper one is not a checkpoint and costs a descriptor per level.
-_MAX_DEPTH = 16
-
 
 @dataclass(frozen=True)
 class _File:
@@ -66,8 +63,9 @@ def _file_crc(f: _File, buf: bytearray) -> int:
 
 
 def _collect(tag_folder: str) -> List[_File]:
-    """Every regular file under ``tag_folder``, sorted by name; links are not followed, and a link or
-    anything but a regular file or folder is a ReplicationError naming it."""
+    """Every file of ``tag_folder``, sorted by name. Only regular files count, and only the folder's
+    own: a receiver takes plain file names, so a sub-folder is refused here, before anything is sent,
+    as is a link (not followed) or anything else, each a ReplicationError naming it."""
     root = os.path.abspath(os.fspath(tag_folder))
     try:
         fd = os.open(root, _DIR_FLAGS)
@@ -78,33 +76,23 @@ def _collect(tag_folder: str) -> List[_File]:
         raise ReplicationError(f"{root}: the folder to replicate cannot be opened ({exc.strerror or exc})") from None
     files: List[_File] = []
     try:
-        _walk(fd, root, "", files, 0)
+        with os.scandir(fd) as entries:
+            listed = sorted(entries, key=lambda e: e.name)
+        for entry in listed:
+            child = os.path.join(root, entry.name)
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                raise ReplicationError(f"{child}: is a sub-folder; a replica holds only the tag folder's own files "
+                                       f"(a receiver takes plain file names, no folders)")
+            if not stat.S_ISREG(st.st_mode):
+                raise ReplicationError(f"{child}: is {kind_of(st.st_mode)}; a replica holds only regular files, "
+                                       f"and links are not followed")
+            if len(files) >= MAX_FILES:
+                raise ReplicationError(f"{root}: more than {MAX_FILES} files; a receiver takes at most that many")
+            files.append(_File(entry.name, child, st.st_size, _identity(st)))
     finally:
         os.close(fd)
-    return sorted(files, key=lambda f: f.name)
-
-
-def _walk(fd: int, path: str, prefix: str, files: List[_File], depth: int) -> None:
-    if depth > _MAX_DEPTH:
-        raise ReplicationError(f"{path}: folders nested deeper than {_MAX_DEPTH}; not a checkpoint's tag folder")
-    with os.scandir(fd) as entries:
-        listed = sorted(entries, key=lambda e: e.name)
-    for entry in listed:
-        child = os.path.join(path, entry.name)
-        st = entry.stat(follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
-            try:
-                _walk(sub, child, prefix + entry.name + "/", files, depth + 1)
-            finally:
-                os.close(sub)
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            raise ReplicationError(f"{child}: is {kind_of(st.st_mode)}; a replica holds only regular files and "
-                                   f"folders, and links are not followed")
-        if len(files) >= MAX_FILES:
-            raise ReplicationError(f"{path}: more than {MAX_FILES} files; a receiver takes at most that many")
-        files.append(_File(prefix + entry.name, child, st.st_size, _identity(st)))
+    return files
 
 
 class _Session:
@@ -225,8 +213,8 @@ class _Session:
 
 def send_folder(tag_folder: str, node: int, tag: str, address: Tuple[str, int], token: bytes,
                 timeout: float = 600.0) -> Sent:
-    """Sends every regular file of ``tag_folder`` (not following links; a link or anything but regular
-    files and folders is refused with a ReplicationError naming it) to the :class:`ReplicaReceiver` at
+    """Sends every file of ``tag_folder`` (regular files only: a sub-folder, a link or anything else is
+    refused with a ReplicationError naming it, before anything is sent) to the :class:`ReplicaReceiver` at
     ``address``, as node ``node``'s checkpoint ``tag``; returns once the receiver has verified every
     file's size and CRC-32 and published the replica. ``timeout``: seconds for connecting and for each
     send or receive. Raises :class:`~pyckpt.errors.ReplicationError` when the receiver refuses (its

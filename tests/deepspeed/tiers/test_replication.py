@@ -288,13 +288,44 @@ def test_a_name_twice_in_the_manifest_is_refused(job, token):
     assert tree(job) == {}
 
 
-def test_a_sub_folder_of_the_tag_folder_is_refused_by_the_receiver(job, token, tmp_path):
+def test_a_sub_folder_of_the_tag_folder_is_refused_by_the_sender_as_the_receiver_refuses_it(job, token, tmp_path):
+    """One rule on both ends: a receiver takes plain file names only, so the sender refuses a sub-folder
+    before it connects (not every time at the receiver, after the hello)."""
     folder = make_folder(tmp_path / "t", {"f": b"1"})
     make_folder(folder / "sub", {"g": b"2"})
     with receiving(job, token) as r:
-        with pytest.raises(ReplicationError, match=r"file name 'sub/g' contains a slash"):
+        with pytest.raises(ReplicationError, match=r"/t/sub: is a sub-folder; a replica holds only the tag folder's "
+                                                   r"own files") as info:
             send_folder(str(folder), 1, "global_step1", r.address, token)
-    assert tree(job) == {}
+        assert r.results() == []  # nothing reached the receiver
+        with pytest.raises(ReplicationError, match=r"file name 'sub/g' contains a slash"):  # what it refuses
+            session(r, token, [("f", b"1"), ("sub/g", b"2")])
+    assert "\n" not in str(info.value) and tree(job) == {}
+
+
+def test_one_tag_limit_at_the_save_and_at_the_receiver(tmp_path):
+    """A tag the receiver refuses for its length is refused by the save itself, before anything runs, in
+    one line; one byte shorter, both take it (bytes of UTF-8 on both ends)."""
+    import types
+
+    from pyckpt.deepspeed.save import save_checkpoint
+    from pyckpt.deepspeed.save.request import check_tag
+    from pyckpt.execution.staging_names import TAG_MAX
+
+    assert TAG_MAX == 128
+    for tag in ("s" * 128, "é" * 64, "s" * 129, "é" * 65, "s" * 127 + "é"):
+        receiver_refuses = "bytes long (at most 128)" in rep.tag_problem(tag.encode())
+        assert receiver_refuses == (len(tag.encode()) > 128)
+        if receiver_refuses:
+            with pytest.raises(ValueError, match=rf"is {len(tag.encode())} bytes long; a tag is at most 128 bytes"):
+                check_tag(tag)
+        else:
+            assert check_tag(tag) == tag
+    engine = types.SimpleNamespace(checkpoint_engine=object(), use_node_local_storage=lambda: False, global_steps=1)
+    with pytest.raises(ValueError) as info:
+        save_checkpoint(engine, tmp_path / "save", tag="s" * 129)
+    assert "129 bytes long" in str(info.value) and "nothing was written" in str(info.value)
+    assert "\n" not in str(info.value) and not os.path.exists(tmp_path / "save")
 
 
 def test_node_numbers_are_bounded(job, token, source):
@@ -474,11 +505,11 @@ def test_a_file_that_changes_while_it_is_sent_fails_the_transfer(job, token, tmp
 # -- dead, slow and many peers ------------------------------------------------------------------
 
 def test_a_silent_sender_times_out_and_the_next_sender_is_served(job, token, source):
-    with receiving(job, token, timeout=0.5, max_connections=1) as r:
+    with receiving(job, token, hello_timeout=0.5, max_connections=1, max_waiting=1) as r:
         with socket.create_connection(r.address) as idle:
             idle.recv(1024)  # the greeting; then nothing
             [result] = failures(r)
-            assert "no data from the sender for 0.5 s" in result.error
+            assert "no complete hello within 0.5 s of the greeting" in result.error
             idle.settimeout(10)
             assert idle.recv(1024) == b""  # the receiver dropped it
         send_folder(str(source), 1, "global_step1", r.address, token)
@@ -503,7 +534,7 @@ def test_a_sender_that_stalls_during_the_data_times_out(job, token, source):
 
 def test_a_hello_trickled_byte_by_byte_is_dropped(job, token):
     """The per-receive timeout alone would let a peer sending a byte now and then hold a slot forever."""
-    with receiving(job, token, timeout=0.5) as r:
+    with receiving(job, token, hello_timeout=0.5) as r:
         with socket.create_connection(r.address) as slow:
             slow.recv(1024)
             stop = threading.Event()
@@ -520,21 +551,58 @@ def test_a_hello_trickled_byte_by_byte_is_dropped(job, token):
             finally:
                 stop.set()
                 t.join()
-    assert "(or the hello took longer)" in result.error
+    assert "no complete hello within 0.5 s of the greeting" in result.error
 
 
-def test_connections_beyond_the_bound_are_told_the_receiver_is_busy(job, token, source):
+def test_transfers_beyond_the_bound_are_told_the_receiver_is_busy(job, token, source):
+    """The bound counts senders that proved the token: two transfers under way, a third is refused."""
+    files = [("f", os.urandom(MiB))]
     with receiving(job, token, max_connections=2) as r:
-        idle = [socket.create_connection(r.address) for _ in range(2)]
-        for s in idle:
-            s.recv(1024)
+        held = [session(r, token, files, node=n) for n in (2, 3)]
         with pytest.raises(ReplicationError, match="refused.*the receiver is busy: 2 transfers in progress"):
             send_folder(str(source), 1, "global_step1", r.address, token)
-        for s in idle:
-            s.close()
+        for s in held:
+            s.sock.close()
         failures(r, 3)
         send_folder(str(source), 1, "global_step1", r.address, token)
     assert tree(job / "replica-of-node1" / "global_step1") == tree(source)
+
+
+@pytest.mark.parametrize("flood", [3, 4 * 3], ids=["fewer-than-the-waiting-places", "three-times-them"])
+def test_a_flood_of_idle_connections_does_not_keep_a_replica_out(job, token, source, flood):
+    """Connections that never send a hello (here: more than the transfer slots, and three times the
+    places for waiting ones) neither hold a transfer's slot nor turn the job's sender away: its replica
+    is published while every idle connection still sits within its hello deadline (which is long here,
+    so only the admission's structure lets the replica through, not the idle ones timing out). The
+    deadline then drops them, each with one line saying so."""
+    with receiving(job, token, max_connections=1, max_waiting=4, hello_timeout=600) as r:
+        idle = [socket.create_connection(r.address) for _ in range(flood)]
+        # every idle connection accepted (a greeting or, for those pushed out already, the close) first
+        for s in idle:
+            s.settimeout(30)
+            s.recv(1024)
+        send_folder(str(source), 1, "global_step1", r.address, token)
+        results = r.results()
+        assert [x.ok for x in results if x.node == 1] == [True]
+        # none of the idle ones was dropped by its deadline: the replica did not wait for it
+        assert not any("no complete hello" in x.error for x in results)
+        dropped = [x for x in results if "this one the longest" in x.error]
+        assert len(dropped) == max(0, flood + 1 - 4)  # the sender took the oldest idle one's place too
+        assert all(x.node is None and "dropped before its hello was complete" in x.error for x in dropped)
+        for s in idle:
+            s.close()
+    assert tree(job / "replica-of-node1" / "global_step1") == tree(source)
+
+
+def test_an_idle_connection_is_dropped_at_the_hello_deadline(job, token, source):
+    with receiving(job, token, max_connections=1, max_waiting=2, hello_timeout=0.3) as r:
+        with socket.create_connection(r.address) as idle:
+            idle.recv(1024)
+            [result] = failures(r)
+            idle.settimeout(10)
+            assert idle.recv(1024) == b""  # the receiver dropped it
+    assert "no complete hello within 0.3 s of the greeting; the connection was dropped" in result.error
+    assert result.node is None and "\n" not in result.error
 
 
 def test_one_transfer_at_a_time_per_node(job, token, source):
