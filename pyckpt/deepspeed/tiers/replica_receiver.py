@@ -48,7 +48,17 @@ class ReplicaReceiver:
     ``replica-of-node<N>`` is made in it, mode 0700, when a replica of node N first arrives. ``token``:
     the job's secret (16 bytes or more). ``host``/``port``: where to listen (port 0: any free one; see
     :attr:`address`). ``max_bytes``: the most one replica may hold, or None. ``timeout``: seconds any
-    receive may wait (and the whole hello may take). ``max_connections``: transfers at once.
+    receive of a known sender may wait. ``max_connections``: transfers at once, each of a sender that
+    proved it holds the token. ``hello_timeout``: seconds a connection has for its whole hello (the proof)
+    after the greeting. ``max_waiting``: connections at once that have not yet proven it; a new one
+    beyond it takes the place of the one that has waited longest.
+
+    Admission is in two stages so that connections which never prove the token cannot keep one that does
+    out: they wait in their own bounded stage, each for ``hello_timeout`` at most, and never take a
+    transfer's slot; and a connection arriving when that stage is full drops the oldest waiting one
+    instead of being turned away. A sender of the job answers the greeting at once, so a flood would have
+    to open ``max_waiting`` connections within that moment to push it out: idle or hostile connections,
+    however many and however often they reconnect, do not make a replica wait for them.
 
     The protocol, and what is checked, are in :mod:`.replica_protocol`'s docstring. Use it as a context manager, or
     call :meth:`start` and :meth:`close`. ``on_published(replica folder)`` runs after each replica
@@ -57,21 +67,27 @@ class ReplicaReceiver:
 
     def __init__(self, job_folder: str, token: bytes, host: str = "127.0.0.1", port: int = 0,
                  max_bytes: Optional[int] = None, *, timeout: float = 60.0, max_connections: int = 8,
+                 hello_timeout: float = 5.0, max_waiting: int = 64,
                  on_published: Optional[Callable[[str], None]] = None):
         self._token = _check_token(token)
         if max_bytes is not None:
             check_number("max_bytes", max_bytes, integer=True, low=0)
         check_number("timeout", timeout, low=0, low_open=True)
         check_number("max_connections", max_connections, integer=True, low=1, high=1024)
+        check_number("hello_timeout", hello_timeout, low=0, low_open=True)
+        check_number("max_waiting", max_waiting, integer=True, low=1, high=1024)
         self.max_bytes = max_bytes
         self.timeout = float(timeout)
         self.max_connections = max_connections
+        self.hello_timeout = float(hello_timeout)
+        self.max_waiting = max_waiting
         self.on_published = on_published
         self.job_folder = os.path.abspath(os.fspath(job_folder))
         self._job_fd = _open_job_folder(self.job_folder)
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            self._listener = socket.create_server((host, port), family=family, backlog=max(16, 2 * max_connections))
+            self._listener = socket.create_server((host, port), family=family,
+                                                  backlog=max(16, 2 * (max_connections + max_waiting)))
             self._listener.setblocking(False)
         except BaseException:
             os.close(self._job_fd)
@@ -79,7 +95,11 @@ class ReplicaReceiver:
         self._address = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()
         self._lock = threading.Lock()
-        self._active: Dict[threading.Thread, socket.socket] = {}
+        self._active: Dict[threading.Thread, socket.socket] = {}  # every connection being served
+        # the connections that have not proven the token yet, oldest first; the ones dropped for newer ones
+        self._waiting: "collections.OrderedDict[threading.Thread, socket.socket]" = collections.OrderedDict()
+        self._dropped: set = set()
+        self._transfers = 0  # connections that proved it: at most max_connections
         self._receiving: set = set()  # nodes with a transfer in progress
         self._results: Deque[Received] = collections.deque(maxlen=MAX_RESULTS)
         self._thread: Optional[threading.Thread] = None
@@ -166,22 +186,28 @@ class ReplicaReceiver:
     def _admit(self, conn: socket.socket, peer: str) -> None:
         conn.setblocking(True)
         _no_delay(conn)
+        dropped = None
         with self._lock:
-            busy = self._closing or len(self._active) >= self.max_connections
-            if not busy:
+            closing = self._closing
+            if not closing:
+                if len(self._waiting) >= self.max_waiting:  # the longest-waiting unknown peer makes room
+                    oldest, dropped = self._waiting.popitem(last=False)
+                    self._dropped.add(oldest)
                 thread = threading.Thread(target=self._serve, args=(conn, peer), name="pyckpt-replica-receive",
                                           daemon=True)
                 self._active[thread] = conn
-        if busy:
-            rule = (f"the receiver is busy: {self.max_connections} transfers in progress, the most it takes at once"
-                    if not self._closing else "the receiver is closing")
+                self._waiting[thread] = conn
+        if dropped is not None:
+            with contextlib.suppress(OSError):
+                dropped.shutdown(socket.SHUT_RDWR)  # wakes its receive; its worker records why and leaves
+        if closing:
             try:
                 conn.settimeout(1.0)  # the greeting is the first thing on the connection: it fits the buffer
-                conn.sendall(MAGIC_RECEIVER + _verdict(REFUSED, _reason(rule)))
+                conn.sendall(MAGIC_RECEIVER + _verdict(REFUSED, _reason("the receiver is closing")))
             except OSError:
                 pass
             conn.close()
-            self._record(Received(peer, None, None, 0, 0, False, f"{peer}: {rule}"))
+            self._record(Received(peer, None, None, 0, 0, False, f"{peer}: the receiver is closing"))
             return
         thread.start()
 
@@ -191,21 +217,28 @@ class ReplicaReceiver:
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         state = _Transfer(peer)
+        me = threading.current_thread()
         try:
-            conn.settimeout(self.timeout)
+            conn.settimeout(self.hello_timeout)
             self._transfer(conn, state)
         except _Refusal as exc:
             state.error = exc.reason
             _refuse(conn, exc)
         except socket.timeout:
-            state.error = (f"no data from the sender for {self.timeout:g} s (or the hello took longer); "
-                           f"the connection was dropped")
-        except (_Closed, ConnectionError) as exc:
-            state.error = ("the receiver was closed during the transfer" if self._closing else
-                           f"the sender closed the connection {state.stage}" + (f" {exc}" if str(exc) else ""))
-        except OSError as exc:
-            state.error = ("the receiver was closed during the transfer" if self._closing else
-                           f"the transfer failed {state.stage} ({exc.strerror or exc})")
+            state.error = (f"no data from the sender for {self.timeout:g} s; the connection was dropped"
+                           if state.known else
+                           f"no complete hello within {self.hello_timeout:g} s of the greeting; the connection "
+                           f"was dropped")
+        except (_Closed, ConnectionError, OSError) as exc:
+            if self._closing:
+                state.error = "the receiver was closed during the transfer"
+            elif me in self._dropped:
+                state.error = (f"dropped {state.stage}: {self.max_waiting} connections were waiting to prove the "
+                               f"job's token, this one the longest, when another came")
+            elif isinstance(exc, (_Closed, ConnectionError)):
+                state.error = f"the sender closed the connection {state.stage}" + (f" {exc}" if str(exc) else "")
+            else:
+                state.error = f"the transfer failed {state.stage} ({exc.strerror or exc})"
         except Exception as exc:  # noqa: BLE001 - one connection must never stop the receiver
             state.error = f"the transfer failed {state.stage} ({type(exc).__name__}: {exc})"
         finally:
@@ -213,28 +246,46 @@ class ReplicaReceiver:
                 conn.close()
             finally:
                 with self._lock:  # all at once: whoever sees the slot free sees the result too
-                    self._active.pop(threading.current_thread(), None)
+                    self._active.pop(me, None)
+                    self._waiting.pop(me, None)
+                    self._dropped.discard(me)
+                    if state.holds_transfer:
+                        self._transfers -= 1
                     if state.holds_node:
                         self._receiving.discard(state.node)
                     if not state.recorded:
                         self._results.append(state.result())
 
+    def _known(self, state: "_Transfer") -> None:
+        """The connection proved the token: from the waiting stage to a transfer's slot, if one is free."""
+        me = threading.current_thread()
+        with self._lock:
+            if self._waiting.pop(me, None) is None:  # dropped for a newer connection just now
+                raise _Closed("")
+            if self._transfers >= self.max_connections:
+                raise _Refusal(f"the receiver is busy: {self.max_connections} transfers in progress, the most it "
+                               f"takes at once")
+            self._transfers += 1
+            state.holds_transfer = True
+
     def _transfer(self, conn: socket.socket, state: "_Transfer") -> None:
         nonce_r = os.urandom(NONCE)
-        conn.sendall(MAGIC_RECEIVER + _verdict(OK, nonce_r))
-        # An unknown peer gets this long for its whole hello, not per byte: it cannot hold a slot by trickling.
-        deadline = time.monotonic() + self.timeout
+        # An unknown peer gets hello_timeout for the greeting and its whole hello, not per byte: it cannot
+        # hold its place by trickling, nor a transfer's slot at all.
+        deadline = time.monotonic() + self.hello_timeout
         state.stage = "before its hello was complete"
+        conn.sendall(MAGIC_RECEIVER + _verdict(OK, nonce_r))
         fixed = _recv_exact(conn, HELLO.size, deadline)
         magic, nonce_s, mac_s, node, count, total, manifest_len, tag_len = HELLO.unpack(fixed)
         if magic != MAGIC_SENDER:
             raise _Refusal("the hello does not start with pyckpt's replica magic: not a pyckpt replica sender")
         raw_tag = _recv_exact(conn, tag_len, deadline)
-        conn.settimeout(self.timeout)
         want = _mac(self._token, LABEL_SENDER, nonce_r, nonce_s, fixed[HELLO.size - FIELDS.size:], raw_tag)
         if not hmac.compare_digest(mac_s, want):
             raise _Refusal("the hello's HMAC does not match the job's token: the sender is not one of the job's ranks")
         state.authenticated(node, raw_tag)
+        self._known(state)
+        conn.settimeout(self.timeout)
         if node >= MAX_NODE:
             raise _Refusal(f"node number {node} is out of range (below {MAX_NODE})")
         problem = tag_problem(raw_tag)
@@ -338,9 +389,12 @@ class _Transfer:
         self.error = ""
         self.folder: Optional[str] = None
         self.holds_node = False
+        self.holds_transfer = False  # it proved the token and holds one of the max_connections slots
+        self.known = False  # it proved the token
         self.recorded = False  # its result is in the receiver's results already
 
     def authenticated(self, node: int, raw_tag: bytes) -> None:
+        self.known = True
         self.node = node
         self.tag = raw_tag.decode("utf-8", "backslashreplace")
 
