@@ -11,6 +11,7 @@ from collections import Counter, OrderedDict
 from typing import Any, Dict, Optional
 
 from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
+from ..planning.collector import pauses_collector
 from .read import METADATA_NAME, DcpCheckpoint, read_dcp
 from .to_hf import model_entries
 
@@ -23,6 +24,7 @@ _SHORT_ITEMS = 16
 ADAM_STATES = ("exp_avg", "exp_avg_sq", "step")
 
 
+@pauses_collector
 def describe_dcp(path) -> dict:
     """A dict of what the DCP folder ``path`` holds (see the module's docstring)."""
     folder = os.path.abspath(os.fspath(path))
@@ -55,10 +57,10 @@ def data_file_sizes(ck: DcpCheckpoint) -> "OrderedDict[str, int]":
     meta = os.path.join(ck.folder, METADATA_NAME)
     if ck.layout == "torch_save":
         sizes[METADATA_NAME] = os.stat(meta).st_size
-    records = [c.record for t in ck.tensors.values() for c in t.chunks] + [o.record for o in ck.objects.values()]
-    for r in records:
-        if r is not None:
-            sizes.setdefault(os.path.relpath(r.file.path, ck.folder), r.file.size)
+    files = {id(r.file): r.file for t in ck.tensors.values() for c in t.chunks for r in (c.record, ) if r is not None}
+    files.update((id(o.record.file), o.record.file) for o in ck.objects.values() if o.record is not None)
+    for f in files.values():  # a few files under many records: each named once
+        sizes.setdefault(os.path.relpath(f.path, ck.folder), f.size)
     return OrderedDict(sorted(sizes.items()))
 
 

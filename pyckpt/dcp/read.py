@@ -31,6 +31,7 @@ from ..formats.confined import check_links_inside, read_inside
 from ..formats.pickle_read import MAX_INDEX, GlobalName, Opaque, TensorRef, TorchSize, loads, loads_with_storages
 from ..formats.torch_zip import max_pickle_bytes, open_regular
 from ..native import _core, native_errors
+from ..planning.collector import pauses_collector
 from ..planning.plan import Piece
 from ..tensors import ITEMSIZE, NewTensor, numel
 from .read_safetensors import is_sharded_safetensors_folder, sharded_chunks
@@ -126,6 +127,7 @@ def is_dcp_folder(path) -> bool:
     return is_sharded_safetensors_folder(path)
 
 
+@pauses_collector
 def read_dcp(folder) -> DcpCheckpoint:
     """The entries of the DCP folder ``folder`` with their chunks and records (nothing of the tensors
     read). CheckpointFormatError / UnsafePickleError naming the file and the rule a defect breaks."""
@@ -196,15 +198,16 @@ def read_dcp(folder) -> DcpCheckpoint:
 def _check_shared_records(ck: DcpCheckpoint) -> None:
     """A record that two entries name must be one tensor saved once for both (a tied parameter): the same
     chunk of each (offsets and sizes), never two chunks of one tensor nor a value's record."""
-    users: Dict[Tuple[int, int, int], list] = {}
-    for t in ck.tensors.values():
-        for c in t.chunks:
-            users.setdefault((id(c.record.file), c.record.offset, c.record.length), []).append((t.key, c))
-    for o in ck.objects.values():
-        users.setdefault((id(o.record.file), o.record.offset, o.record.length), []).append((o.key, None))
-    for (_, offset, length), found in users.items():
-        if len(found) < 2:
-            continue
+    first_user: Dict[Tuple[int, int, int], tuple] = {}
+    shared: Dict[Tuple[int, int, int], list] = {}  # the few records named more than once
+    named = [((id(c.record.file), c.record.offset, c.record.length), (t.key, c))
+             for t in ck.tensors.values() for c in t.chunks]
+    named += [((id(o.record.file), o.record.offset, o.record.length), (o.key, None)) for o in ck.objects.values()]
+    for where, user in named:
+        held = first_user.setdefault(where, user)
+        if held is not user:
+            shared.setdefault(where, [held]).append(user)
+    for (_, offset, length), found in shared.items():
         keys = [k for k, _ in found]
         first = found[0][1]
         same = all(c is not None and (c.offsets, c.sizes) == (first.offsets, first.sizes) for _, c in found)
@@ -252,12 +255,14 @@ def _shown(key) -> str:
     return quoted(str(key))
 
 
-def _dims(where: str, value, what: str) -> Tuple[int, ...]:
+def _dims(where: str, value, what) -> Tuple[int, ...]:
+    """``value`` as sizes; ``what`` (a callable, called only for a message: a .metadata lists three of
+    these per chunk) names it."""
     if not isinstance(value, (TorchSize, tuple, list)) or len(value) > 64:
-        raise CheckpointFormatError(f"{where}: {what} is not a list of at most 64 sizes")
+        raise CheckpointFormatError(f"{where}: {what()} is not a list of at most 64 sizes")
     for d in value:
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < MAX_INDEX:
-            raise CheckpointFormatError(f"{where}: {what} holds {quoted(d)}, not a size")
+        if type(d) is not int or not 0 <= d < MAX_INDEX:
+            raise CheckpointFormatError(f"{where}: {what()} holds {quoted(d)}, not a size")
     return tuple(value)
 
 
@@ -281,7 +286,7 @@ def _tensor_entry(where: str, key: str, path, md: Opaque) -> DcpTensor:
     if not isinstance(dtype, GlobalName) or dtype.module != "torch" or dtype.name not in ITEMSIZE:
         raise CheckpointFormatError(f"{where}: {_shown(key)} has dtype {quoted(dtype)}, not one pyckpt reads "
                                     f"({', '.join(ITEMSIZE)})")
-    shape = _dims(where, fields.get("size"), f"the size of {_shown(key)}")
+    shape = _dims(where, fields.get("size"), lambda: f"the size of {_shown(key)}")
     if numel(shape) >= MAX_INDEX:
         raise CheckpointFormatError(f"{where}: {_shown(key)} claims {numel(shape)} elements")
     chunks = fields.get("chunks")
@@ -291,8 +296,8 @@ def _tensor_entry(where: str, key: str, path, md: Opaque) -> DcpTensor:
     for c in chunks:
         if not _is(c, "ChunkStorageMetadata") or not isinstance(c._state, dict):
             raise CheckpointFormatError(f"{where}: a chunk of {_shown(key)} is {_kind(c)}, not ChunkStorageMetadata")
-        offsets = _dims(where, c._state.get("offsets"), f"a chunk offset of {_shown(key)}")
-        sizes = _dims(where, c._state.get("sizes"), f"a chunk size of {_shown(key)}")
+        offsets = _dims(where, c._state.get("offsets"), lambda: f"a chunk offset of {_shown(key)}")
+        sizes = _dims(where, c._state.get("sizes"), lambda: f"a chunk size of {_shown(key)}")
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise CheckpointFormatError(f"{where}: chunk {list(offsets)}+{list(sizes)} of {_shown(key)} does not have "
                                         f"the {len(shape)} dimensions of its tensor")
@@ -336,7 +341,9 @@ def _index(where: str, index) -> Tuple[str, Optional[Tuple[int, ...]]]:
     fqn, offset = fields.get("fqn"), fields.get("offset")
     if not isinstance(fqn, str):
         raise CheckpointFormatError(f"{where}: a storage record's key names no entry")
-    return fqn, None if offset is None else _dims(where, offset, f"a storage record offset of {_shown(fqn)}")
+    if offset is None:
+        return fqn, None
+    return fqn, _dims(where, offset, lambda: f"a storage record offset of {_shown(fqn)}")
 
 
 def _record(folder: str, where: str, key: str, info, files: Dict[str, DataFile]) -> Record:

@@ -21,6 +21,7 @@ weight): the element covered twice, or not at all, that an error names.
 
 from __future__ import annotations
 
+import itertools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
@@ -75,18 +76,15 @@ def _first_corner(faces: Dict[Tuple[tuple, tuple], int], left: List[int]) -> Opt
     left[0] -= len(faces)
     if left[0] < 0:
         raise LayoutTooIrregular()
-    at: Dict[int, Dict[Tuple[tuple, tuple], int]] = {}
+    net: Dict[Tuple[int, tuple, tuple], int] = {}  # (coordinate, face in the other dimensions) -> weight
     for (lo, hi), w in faces.items():
-        face = (lo[1:], hi[1:])
-        for x, v in ((lo[0], w), (hi[0], -w)):
-            here = at.get(x)
-            if here is None:
-                here = at[x] = {}
-            here[face] = here.get(face, 0) + v
-    for x in sorted(at):
-        rest = {face: w for face, w in at[x].items() if w}
-        if rest:
-            found = _first_corner(rest, left)
-            if found is not None:
-                return (x, ) + found
+        tail = (lo[1:], hi[1:])
+        start, stop = (lo[0], ) + tail, (hi[0], ) + tail
+        net[start] = net.get(start, 0) + w
+        net[stop] = net.get(stop, 0) - w
+    uneven = sorted((key for key, w in net.items() if w), key=lambda key: key[0])
+    for x, keys in itertools.groupby(uneven, key=lambda key: key[0]):
+        found = _first_corner({key[1:]: net[key] for key in keys}, left)
+        if found is not None:
+            return (x, ) + found
     return None

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from ..errors import CheckpointFormatError, UnsafePickleError
+from ..errors import CheckpointFormatError, UnsafePickleError, quoted
 from ..tensors import ITEMSIZE, numel
 from ..native import scan_pickle
 
@@ -109,10 +109,17 @@ class Opaque:
     """An allowlisted object kept as data: which global built it, with what, and its state."""
 
     _global: Tuple[str, str] = ("", "")
+    # What an object holds until the pickle says otherwise is the class's, and its lists of APPENDS and
+    # SETITEMS are made when first asked for: a DCP .metadata builds hundreds of thousands of these
+    # records, and two empty lists each were most of their cost.
+    _state = None
+    _how = "newobj"
+    _items = property(lambda self: self.__dict__.setdefault("_item_list", []))
+    _setitems = property(lambda self: self.__dict__.setdefault("_setitem_list", []))
 
     def __new__(cls, *args):
         obj = object.__new__(cls)
-        obj.__dict__.update(_args=args, _state=None, _how="newobj", _items=[], _setitems=[])
+        obj.__dict__["_args"] = args
         return obj
 
     def __init__(self, *args):
@@ -124,13 +131,13 @@ class Opaque:
 
     # APPENDS/SETITEMS on a reduced object call these; record instead of acting.
     def append(self, item):
-        self.__dict__["_items"].append(item)
+        self._items.append(item)
 
     def extend(self, items):
-        self.__dict__["_items"].extend(items)
+        self._items.extend(items)
 
     def __setitem__(self, key, value):
-        self.__dict__["_setitems"].append((key, value))
+        self._setitems.append((key, value))
 
     def __getattr__(self, name):
         state = self.__dict__.get("_state")
@@ -326,8 +333,7 @@ class _Reader(pickle.Unpickler):
 
 def _short(value, limit: int = 60) -> str:
     """A repr fit for a one-line message whatever the input holds."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+    return quoted(value, limit)
 
 
 TORCH_TENSOR = GlobalName("torch", "Tensor")
