@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
-from ..errors import CheckpointFormatError, check_number
+from ..errors import CheckpointFormatError, check_number, quoted
 from ..execution.executor import series_locations
 from ..execution.writer_run import run_writer
 from ..execution.report import WrittenReport
@@ -121,14 +121,14 @@ def plan_dcp(input, *, tag: Optional[str] = None, dtype: str = "fp32", optimizer
     elif initial_lr is not None:
         raise ValueError("initial_lr is a value of the optimizer's param groups, which optimizer=False leaves out")
     if not model_key and optimizer and (optim_key in model or optim_key in cstate.aliases):
-        raise CheckpointFormatError(f"{ck.folder}: the model has an entry named {optim_key!r}, the optimizer state's "
-                                    "top-level key; choose another --optim-key")
+        raise CheckpointFormatError(f"{ck.folder}: the model has an entry named {quoted(optim_key)}, the optimizer "
+                                    "state's top-level key; choose another --optim-key")
     keys = [e.key for e in layout.tensors] + [o.key for o in layout.objects]
     if len(set(keys)) != len(keys):
         seen = set()
         clash = next(k for k in keys if k in seen or seen.add(k))
-        raise CheckpointFormatError(f"{ck.folder}: two entries flatten to the DCP key {clash!r} (a parameter named "
-                                    "like another entry's path); choose other --model-key/--optim-key")
+        raise CheckpointFormatError(f"{ck.folder}: two entries flatten to the DCP key {quoted(clash)} (a parameter "
+                                    "named like another entry's path); choose other --model-key/--optim-key")
     assign_files(layout, min_files)
     names = [data_file_name(i) for i in range(len(layout.files))]
     locations = []

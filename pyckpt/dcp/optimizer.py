@@ -14,7 +14,8 @@ import struct
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, quoted
+from ..formats.plain_data import PLAIN_RULE, kind, plain_problem
 from ..huggingface.autoep_names import hf_renames, to_hf_names
 from ..planning.state import MOMENTS, STEP
 from ..tensors import FLOATING, NewTensor, numel
@@ -38,22 +39,13 @@ def _as_float32_step(name: str, step) -> NewTensor:
     """torch Adam's step: a 0-d float32 tensor (a number DeepSpeed's own Adam keeps becomes one)."""
     if isinstance(step, NewTensor):
         if numel(step.shape) != 1 or step.dtype not in FLOATING:
-            raise CheckpointFormatError(f"the Adam step of {name!r} is a {step.dtype} tensor of shape "
+            raise CheckpointFormatError(f"the Adam step of {quoted(name)} is a {step.dtype} tensor of shape "
                                         f"{list(step.shape)}, not one number")
         step = cast(step, "float32")
         return NewTensor("float32", (), step.pieces, False, step.data)
     if isinstance(step, bool) or not isinstance(step, (int, float)):
-        raise CheckpointFormatError(f"the Adam step of {name!r} is a {type(step).__name__}, not a number")
+        raise CheckpointFormatError(f"the Adam step of {quoted(name)} is a {type(step).__name__}, not a number")
     return NewTensor("float32", (), [], False, struct.pack("<f", float(step)))
-
-
-def _plain(value, depth: int = 0) -> bool:
-    """Numbers, strings, bools, None, and tuples or lists of them (a hyper-parameter)."""
-    if value is None or isinstance(value, (bool, str)) or type(value) in (int, float):
-        return True
-    if type(value) in (tuple, list) and depth < 4 and len(value) <= 64:
-        return all(_plain(v, depth + 1) for v in value)
-    return False
 
 
 def _param_groups(ck, groups: List[dict], trainable: Dict[str, tuple]) -> List[dict]:
@@ -85,10 +77,10 @@ def _param_groups(ck, groups: List[dict], trainable: Dict[str, tuple]) -> List[d
         g = {k: v for k, v in group.items() if k != "params"}
         for k, v in g.items():
             # torch.load(weights_only=False) reads these back in dcp.load: only plain data may go in
-            if not isinstance(k, str) or not _plain(v):
-                raise CheckpointFormatError(f"{ck.folder}: param group {i} of the optimizer state holds {k!r} = a "
-                                            f"{type(v).__name__}; a DCP export writes only numbers, strings, bools, "
-                                            "None and tuples or lists of them")
+            problem = plain_problem(v) if isinstance(k, str) else f"a key that is a {kind(k)}"
+            if problem:
+                raise CheckpointFormatError(f"{ck.folder}: param group {i} of the optimizer state holds {quoted(k)} = "
+                                            f"{problem}; a DCP export writes only plain data ({PLAIN_RULE})")
         if "adam_w_mode" in g and "decoupled_weight_decay" not in g:
             g["decoupled_weight_decay"] = bool(g["adam_w_mode"])  # DeepSpeed's Adam in AdamW mode
         for k, v in TORCH_ADAM_DEFAULTS.items():
@@ -98,8 +90,8 @@ def _param_groups(ck, groups: List[dict], trainable: Dict[str, tuple]) -> List[d
         out.append(g)
     lost = [name for name in trainable if name not in seen]
     if lost:
-        raise CheckpointFormatError(f"{ck.folder}: the trainable parameter {lost[0]!r} is in none of the optimizer's "
-                                    "param groups")
+        raise CheckpointFormatError(f"{ck.folder}: the trainable parameter {quoted(lost[0])} is in none of the "
+                                    "optimizer's param groups")
     return out
 
 
@@ -115,18 +107,18 @@ def add_optimizer(ck, cstate, layout: Layout, prefix: tuple, chunk_bytes: int, n
         if held is None or any(s not in held for s in MOMENTS + (STEP,)):
             missing = [s for s in MOMENTS + (STEP,) if not held or s not in held]
             raise UnsupportedCheckpointError(f"{ck.folder}: no {'/'.join(missing)} state for the trainable parameter "
-                                             f"{name!r}: only Adam/AdamW optimizer state exports to DCP")
+                                             f"{quoted(name)}: only Adam/AdamW optimizer state exports to DCP")
         for s in MOMENTS:
             t = _param_value(held[s])
             if numel(t.shape) != numel(shape) or t.dtype != "float32":
-                raise UnsupportedCheckpointError(f"{ck.folder}: the {s} of {name!r} is {t.dtype} {list(t.shape)}, "
-                                                 f"not the parameter's float32 {list(shape)}")
+                raise UnsupportedCheckpointError(f"{ck.folder}: the {s} of {quoted(name)} is {t.dtype} "
+                                                 f"{list(t.shape)}, not the parameter's float32 {list(shape)}")
             moments[s][name] = NewTensor(t.dtype, shape, t.pieces, False, t.data)
         steps[name] = _as_float32_step(name, held[STEP])
     extra = sorted(set(states) - set(trainable))
     if extra:
-        raise CheckpointFormatError(f"{ck.folder}: optimizer state for {extra[0]!r}, which the model states do not "
-                                    "list as a trainable parameter")
+        raise CheckpointFormatError(f"{ck.folder}: optimizer state for {quoted(extra[0])}, which the model states do "
+                                    "not list as a trainable parameter")
     param_groups = _param_groups(ck, groups, trainable)
     if naming is not None:
         moments = {s: to_hf_names(m, *naming, ck.folder) for s, m in moments.items()}

@@ -62,6 +62,10 @@ class Record:
     offset: int
     length: int
 
+    def where(self) -> str:
+        """The record as an error names it."""
+        return f"{self.file.path} (record at bytes [{self.offset}, {self.offset + self.length}))"
+
 
 @dataclass(slots=True)
 class Chunk:
@@ -422,7 +426,7 @@ def _archive_heads(records: Sequence[Record]):
 
 
 def _where(r: Record) -> str:
-    return f"{r.file.path} (record at bytes [{r.offset}, {r.offset + r.length}))"
+    return r.where()
 
 
 def _locate_chunks(folder: str, chunks: List[Tuple[DcpTensor, Chunk]]) -> None:

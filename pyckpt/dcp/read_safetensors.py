@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, quoted
 from ..formats.confined import check_links_inside, open_inside
 from ..formats.json_file import parse_json_object
 from ..formats.pickle_read import MAX_INDEX
@@ -111,7 +111,7 @@ def sharded_chunks(folder: str) -> List[SavedChunk]:
             if key == RESERVED_NAME:
                 continue
             if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPE_OF_TAG:
-                raise CheckpointFormatError(f"{path}: {key!r} has no dtype pyckpt reads")
+                raise CheckpointFormatError(f"{path}: {quoted(key)} has no dtype pyckpt reads")
             dtype = _DTYPE_OF_TAG[entry["dtype"]]
             shape, offsets = entry.get("shape"), entry.get("data_offsets")
             where = sharding.get(key)
@@ -119,14 +119,14 @@ def sharded_chunks(folder: str) -> List[SavedChunk]:
             for value, what in ((shape, "shape"), (offsets, "data_offsets"), (saved, OFFSETS_KEY)):
                 if (not isinstance(value, list) or len(value) > 64
                         or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_INDEX for v in value)):
-                    raise CheckpointFormatError(f"{path}: {what} of {key!r} is not a list of sizes")
+                    raise CheckpointFormatError(f"{path}: {what} of {quoted(key)} is not a list of sizes")
             if len(offsets) != 2 or len(saved) != len(shape):
-                raise CheckpointFormatError(f"{path}: {key!r} has {len(saved)} saved offsets for a "
+                raise CheckpointFormatError(f"{path}: {quoted(key)} has {len(saved)} saved offsets for a "
                                             f"{len(shape)}-dimensional chunk, or malformed data_offsets")
             begin, end = offsets
             nbytes = numel(shape) * ITEMSIZE[dtype]
             if end < begin or end - begin != nbytes or data_start + end > size:
-                raise CheckpointFormatError(f"{path}: the bytes of {key!r} ([{begin}, {end}) after the header) do not "
-                                            f"hold its {dtype}{shape} or lie past the end of the file")
+                raise CheckpointFormatError(f"{path}: the bytes of {quoted(key)} ([{begin}, {end}) after the header) "
+                                            f"do not hold its {dtype}{shape} or lie past the end of the file")
             out.append(SavedChunk(path, size, key, dtype, tuple(saved), tuple(shape), data_start + begin, nbytes))
     return out

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors, quoted
 from ..execution.writer_run import run_writer
 from ..formats.json_file import read_json_object
 from ..huggingface.companions import CONFIG_MAX_BYTES, companion_folder
@@ -61,9 +61,10 @@ def model_entries(ck: DcpCheckpoint, model_key: str = AUTO) -> DcpModel:
             names[".".join(str(p) for p in t.path[1:])] = key
     if not names:
         tops = sorted({str(e.path[0]) for e in list(ck.tensors.values()) + list(ck.objects.values())})
-        where = "at the top level" if model_key == "" else f"under {model_key!r}"
+        where = "at the top level" if model_key == "" else f"under {quoted(model_key)}"
         raise CheckpointFormatError(f"{ck.folder}: no tensors {where}; the checkpoint's top-level keys are "
-                                    f"{', '.join(map(repr, tops[:20]))}{' ...' if len(tops) > 20 else ''} "
+                                    f"{', '.join(quoted(top, 60) for top in tops[:20])}"
+                                    f"{' ...' if len(tops) > 20 else ''} "
                                     "(choose one with --model-key)")
     return DcpModel(model_key, names)
 
@@ -111,7 +112,7 @@ def plan_dcp_hf(input, model_key: str = AUTO, dtype: str = "fp32", max_shard_siz
         companions, parsed, raw = config_folder(folder, config)
         tensors = ck.assemble(model.names.values())
         named = OrderedDict((name, tensors[key]) for name, key in model.names.items())
-        notes: List[str] = [f"  model: {len(named)} tensors " + (f"under {model.key!r}" if model.key else
+        notes: List[str] = [f"  model: {len(named)} tensors " + (f"under {quoted(model.key)}" if model.key else
                                                                   "at the top level")]
         if from_torchtitan:
             if parsed is None:

@@ -28,11 +28,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError, metadata_errors
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, clipped, metadata_errors, quoted
 from ..execution.executor import gather_tensor
 from ..execution.report import WrittenReport
 from ..execution.writer_run import run_writer
 from ..formats.pickle_read import TorchSize
+from ..formats.plain_data import PLAIN_RULE, plain_problem
 from ..planning.collector import pauses_collector
 from ..planning.state import FP32, MOMENTS, STEP, CheckpointState
 from ..tensors import FLOATING, NewTensor
@@ -54,8 +55,8 @@ def _optim_key(ck: DcpCheckpoint, optim_key: str) -> str:
     tops = {e.path[0] for e in list(ck.tensors.values()) + list(ck.objects.values()) if len(e.path) > 2}
     if optim_key != AUTO:
         if optim_key not in tops:
-            raise CheckpointFormatError(f"{ck.folder}: no optimizer state under {optim_key!r} (top-level keys: "
-                                        f"{', '.join(sorted(map(str, tops)))})")
+            raise CheckpointFormatError(f"{ck.folder}: no optimizer state under {quoted(optim_key)} (top-level keys: "
+                                        f"{clipped(', '.join(sorted(map(str, tops))))})")
         return optim_key
     for key in OPTIM_KEYS:
         if key in tops:
@@ -74,18 +75,18 @@ def _adam_state(ck: DcpCheckpoint, key: str) -> "OrderedDict[str, Dict[str, str]
         if len(obj.path) == 4 and obj.path[0] == key and obj.path[1] == "state":
             held.setdefault(str(obj.path[2]), {})[str(obj.path[3])] = dk
     if not held:
-        raise UnsupportedCheckpointError(f"{ck.folder}: the optimizer under {key!r} holds no per-parameter state "
+        raise UnsupportedCheckpointError(f"{ck.folder}: the optimizer under {quoted(key)} holds no per-parameter state "
                                          "(state.<name>.exp_avg ...): nothing for DeepSpeed's Adam to take over")
     for name, states in held.items():
         other = sorted(set(states) - set(ADAM_STATES))
         missing = [s for s in ADAM_STATES if s not in states]
         if other or missing:
-            what = f"also keeps {', '.join(other)}" if other else f"lacks {', '.join(missing)}"
-            raise UnsupportedCheckpointError(f"{ck.folder}: the optimizer state of {name!r} {what}: only torch "
+            what = f"also keeps {clipped(', '.join(other))}" if other else f"lacks {', '.join(missing)}"
+            raise UnsupportedCheckpointError(f"{ck.folder}: the optimizer state of {quoted(name)} {what}: only torch "
                                              "Adam/AdamW state (exp_avg, exp_avg_sq, step; no AMSGrad) maps onto "
                                              "DeepSpeed's Adam")
         if states[STEP] in ck.objects:
-            raise UnsupportedCheckpointError(f"{ck.folder}: the Adam step of {name!r} is a Python number, not a "
+            raise UnsupportedCheckpointError(f"{ck.folder}: the Adam step of {quoted(name)} is a Python number, not a "
                                              "tensor")
     return held
 
@@ -97,13 +98,21 @@ def _param_groups(ck: DcpCheckpoint, key: str, names: List[str]) -> List[dict]:
     values: Dict[Tuple, Dict[str, object]] = OrderedDict()
     for dk, obj in ck.objects.items():
         if len(obj.path) == 4 and obj.path[0] == key and obj.path[1] == "param_groups":
-            values.setdefault(obj.path[2], {})[str(obj.path[3])] = ck.value(dk)
+            value = ck.value(dk)
+            # zero/optimizer_state.pt is read back by torch.load(weights_only=False) in DeepSpeed's universal
+            # load: what goes in is the DCP export's plain data, refused otherwise as the export refuses it
+            problem = plain_problem(value)
+            if problem:
+                raise CheckpointFormatError(f"{obj.record.where()}: param group value {quoted(dk)} is {problem}; "
+                                            "DeepSpeed loads the param groups with torch.load(weights_only=False), "
+                                            f"so a conversion writes only plain data ({PLAIN_RULE})")
+            values.setdefault(obj.path[2], {})[str(obj.path[3])] = value
     for dk, t in ck.tensors.items():
         if len(t.path) == 4 and t.path[0] == key and t.path[1] == "param_groups":
-            raise UnsupportedCheckpointError(f"{ck.folder}: param group value {dk!r} is a tensor (a capturable or "
-                                             "scheduled learning rate), which DeepSpeed's param groups do not take")
+            raise UnsupportedCheckpointError(f"{ck.folder}: param group value {quoted(dk)} is a tensor (a capturable "
+                                             "or scheduled learning rate), which DeepSpeed's param groups do not take")
     if not values:
-        raise CheckpointFormatError(f"{ck.folder}: the optimizer under {key!r} has no param_groups")
+        raise CheckpointFormatError(f"{ck.folder}: the optimizer under {quoted(key)} has no param_groups")
     if all(isinstance(i, int) for i in values):
         groups = [dict(values[i]) for i in sorted(values)]
         for i, g in enumerate(groups):
@@ -115,7 +124,7 @@ def _param_groups(ck: DcpCheckpoint, key: str, names: List[str]) -> List[dict]:
     for name in names:
         hp = values.get(name)
         if hp is None:
-            raise CheckpointFormatError(f"{ck.folder}: no param group values for {name!r}")
+            raise CheckpointFormatError(f"{ck.folder}: no param group values for {quoted(name)}")
         sig = tuple(sorted((k, repr(v)) for k, v in hp.items()))
         if sig not in index:
             index[sig] = len(groups)
@@ -138,8 +147,8 @@ def dcp_universal_state(ck: DcpCheckpoint, model_key: str = AUTO, optim_key: str
     adam = _adam_state(ck, key)
     unknown = [n for n in adam if n not in model.names]
     if unknown:
-        raise CheckpointFormatError(f"{ck.folder}: optimizer state for {unknown[0]!r}, which the model entries do not "
-                                    "hold")
+        raise CheckpointFormatError(f"{ck.folder}: optimizer state for {quoted(unknown[0])}, which the model entries "
+                                    "do not hold")
     groups = _param_groups(ck, key, list(adam))
     grouped = [n for g in groups for n in g["params"]]
     if sorted(grouped) != sorted(adam) or len(set(grouped)) != len(grouped):
@@ -151,7 +160,7 @@ def dcp_universal_state(ck: DcpCheckpoint, model_key: str = AUTO, optim_key: str
     for name, dk in model.names.items():
         t = tensors[dk]
         if t.dtype not in FLOATING:
-            raise UnsupportedCheckpointError(f"{ck.folder}: {name!r} is {t.dtype}; a Universal Checkpoint keeps "
+            raise UnsupportedCheckpointError(f"{ck.folder}: {quoted(name)} is {t.dtype}; a Universal Checkpoint keeps "
                                              "floating parameters")
         fp32 = cast(t, "float32")
         if name not in adam:
@@ -163,12 +172,13 @@ def dcp_universal_state(ck: DcpCheckpoint, model_key: str = AUTO, optim_key: str
         for s in MOMENTS:
             m = tensors[adam[name][s]]
             if tuple(m.shape) != tuple(t.shape) or m.dtype not in FLOATING:
-                raise UnsupportedCheckpointError(f"{ck.folder}: the {s} of {name!r} is {m.dtype}{list(m.shape)}, not "
-                                                 f"a floating tensor of the parameter's shape {list(t.shape)}")
+                raise UnsupportedCheckpointError(f"{ck.folder}: the {s} of {quoted(name)} is {m.dtype}"
+                                                 f"{list(m.shape)}, not a floating tensor of the parameter's shape "
+                                                 f"{list(t.shape)}")
             state.put(name, s, {"cat_dim": 0, "param": cast(m, "float32")})
         step = tensors[adam[name][STEP]]
         if step.numel() != 1 or step.dtype not in FLOATING:
-            raise UnsupportedCheckpointError(f"{ck.folder}: the Adam step of {name!r} is {step.dtype}"
+            raise UnsupportedCheckpointError(f"{ck.folder}: the Adam step of {quoted(name)} is {step.dtype}"
                                              f"{list(step.shape)}, not one number")
         step = cast(step, "float32")
         state.put(name, STEP, NewTensor("float32", (), step.pieces))
@@ -219,8 +229,10 @@ def dcp_universal_state(ck: DcpCheckpoint, model_key: str = AUTO, optim_key: str
     # A ZeRO-3 engine reads the counters from its own file name; its module is not applied under a universal
     # load, so that copy leaves the tensors out.
     state.put_model_file(ZERO3_MODEL_STATES_NAME, OrderedDict(model_states, module=OrderedDict()))
-    state.notes.append(f"  from DCP: {len(model.names)} model tensors" + (f" under {model.key!r}" if model.key else "")
-                       + f", Adam state of {len(adam)} under {key!r}, {len(groups)} param groups, step {global_steps}")
+    state.notes.append(f"  from DCP: {len(model.names)} model tensors"
+                       + (f" under {quoted(model.key)}" if model.key else "")
+                       + f", Adam state of {len(adam)} under {quoted(key)}, {len(groups)} param groups, "
+                       f"step {global_steps}")
     return state, {"params": len(adam), "groups": len(groups), "files": len(files), "step": global_steps}
 
 

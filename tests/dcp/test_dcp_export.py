@@ -467,9 +467,9 @@ def _groups_of(obj):
 
 @pytest.mark.parametrize("value,error,problem", [
     (GlobalName("os", "system"), UnsafePickleError, "refusing to load global 'os.system'"),
-    (GlobalName("torch", "float32"), CheckpointFormatError, "holds 'lr' = a GlobalName"),
-    (NewTensor("float32", (1,), data=b"\0" * 4), CheckpointFormatError, "holds 'lr' = a TensorRef"),
-    ([[[[[1.0]]]]], CheckpointFormatError, "holds 'lr' = a list"),
+    (GlobalName("torch", "float32"), CheckpointFormatError, "holds 'lr' = a torch.float32"),
+    (NewTensor("float32", (1,), data=b"\0" * 4), CheckpointFormatError, "holds 'lr' = a tensor"),
+    ([[[[[1.0]]]]], CheckpointFormatError, "holds 'lr' = a list nested more than 4 levels deep"),
 ])
 def test_param_group_values_that_are_not_plain_data_are_refused(checkpoints, tmp_path, value, error, problem):
     """dcp.load unpickles each hyper-parameter with torch.load(weights_only=False): a group value that

@@ -621,3 +621,104 @@ def test_verify_reports_a_lying_safetensors_header(st, capsys):
     _edit_header(_first(st), lambda h: h["b"].update(data_offsets=[72, 80]))
     code, lines = _verify(capsys, st)
     assert code == 1 and lines[0].startswith(f"{_first(st)}: ") and "past the end" in lines[0]
+
+
+# ------------------------------------------------------------------------------------ pyckpt convert DCP OUT
+
+def _adam_folder(folder: Path, **group) -> Path:
+    """get_state_dict's layout of a torch Adam job, saved by dcp.save: two parameters with their state and one
+    param group holding ``group`` beside the usual values (each a DCP value entry of its own)."""
+    from test_dcp_read import save
+
+    w, b = sample(torch.float32, (4, 3), seed=3), torch.ones(3)
+    state = {n: {"step": torch.tensor(2.0), "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+             for n, t in (("w", w), ("b", b))}
+    values = {"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0, **group, "params": ["w", "b"]}
+    return save({"model": {"w": w, "b": b}, "optim": {"state": state, "param_groups": [values]}}, folder)
+
+
+def _convert(capsys, folder: Path, out: Path) -> tuple:
+    from pyckpt import cli
+
+    code = cli.main(["convert", str(folder), str(out)])
+    _, err = capsys.readouterr()
+    return code, err.strip().splitlines()
+
+
+def test_convert_writes_plain_param_groups_that_load_with_weights_only(tmp_path, capsys):
+    """The good case beside the refusals below: plain values reach DeepSpeed's optimizer_state.pt, which
+    torch.load(weights_only=True) then reads whole."""
+    folder = _adam_folder(tmp_path / "in", name="decay", tags=[1, "x", None, 2.5])
+    out = tmp_path / "u" / "step2_universal"
+    out.parent.mkdir()
+    code, lines = _convert(capsys, folder, out)
+    assert code == 0, lines
+    saved = torch.load(out / "zero" / "optimizer_state.pt", weights_only=True)
+    (group, ) = saved["param_groups"]
+    assert group["lr"] == 0.01 and tuple(group["betas"]) == (0.9, 0.99)
+    assert group["name"] == "decay" and group["tags"] == [1, "x", None, 2.5]
+
+
+NOT_PLAIN = {
+    "namespace": (lambda: __import__("argparse").Namespace(lr=0.1), "a argparse.Namespace"),
+    "path": (lambda: Path("/tmp/lr"), "a pathlib.PosixPath"),
+    "dtype": (lambda: torch.float32, "a torch.float32"),
+    "nested": (lambda: [0.1, (Path("/x"), )], "a pathlib.PosixPath"),
+    "deep": (lambda: [[[[[0.1]]]]], "a list nested more than 4 levels deep"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_PLAIN))
+def test_convert_refuses_a_param_group_value_that_is_not_plain_data(tmp_path, capsys, case):
+    """DeepSpeed's universal load reads zero/optimizer_state.pt with torch.load(weights_only=False), which
+    imports and calls what the pickle names: a param group value the allowlist reader parsed as a record or
+    a global (an argparse.Namespace, a path, a dtype), anywhere inside it, is refused as the DCP export
+    refuses it, in one line naming the data file, the key and the type; nothing is written."""
+    make, kind = NOT_PLAIN[case]
+    folder = _adam_folder(tmp_path / "in", lr=make())
+    before = _snapshot(folder)
+    out = tmp_path / "u" / "step2_universal"
+    out.parent.mkdir()
+    code, lines = _convert(capsys, folder, out)
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"pyckpt: error: {_data_file(folder)} (record at bytes ["), lines
+    assert f"param group value 'optim.param_groups.0.lr' is {kind};" in lines[0], lines
+    assert "weights_only=False" in lines[0]
+    assert os.listdir(out.parent) == [] and _snapshot(folder) == before
+
+
+# ------------------------------------------------------------------------------------ what an error line quotes
+
+def test_a_megabyte_transform_descriptor_gives_a_short_line(ck, tmp_path, capsys):
+    """A storage record's transform_descriptors is the checkpoint's to fill: a megabyte of it was quoted whole
+    (a 1,000,189-character error line). The line names the file and the rule and is cut, with the length."""
+    from pyckpt import cli
+
+    md = read_metadata(ck)
+    md.storage_data[_chunk_index(md, "model.w", 0)].transform_descriptors = ["z" * 1_000_000]
+    write_metadata(ck, md)
+    error = refused(ck, tmp_path, _meta(ck), UnsupportedCheckpointError)
+    assert len(str(error)) < 1000 and "DCP storage transforms" in str(error) and "characters)" in str(error)
+    for command in (["inspect", str(ck)], ["verify", str(ck)], ["convert", str(ck), str(tmp_path / "u" / "x")]):
+        cli.main(command)
+        out, err = capsys.readouterr()
+        line = next(l for l in (out + err).splitlines() if ".metadata" in l)
+        assert len(line) < 1000 and "pyckpt does not decode" in line, (command, len(line))
+
+
+@pytest.mark.parametrize("where", ["key", "dtype", "value"])
+def test_huge_metadata_content_is_quoted_short(ck, tmp_path, where):
+    """The other places a .metadata's content reaches a message: an entry's name (a megabyte long), a
+    dtype that is a megabyte string, a chunk size that is one."""
+    md = read_metadata(ck)
+    huge = "k" * 1_000_000
+    if where == "key":
+        md.state_dict_metadata[huge] = md.state_dict_metadata["model.w"]  # no storage record names it
+        md.planner_data[huge] = (huge, )
+    elif where == "dtype":
+        md.state_dict_metadata["model.w"].properties.dtype = huge
+    else:
+        md.state_dict_metadata["model.w"].chunks[0].sizes = [huge, 5]
+    write_metadata(ck, md)
+    error = refused(ck, tmp_path, _meta(ck), CheckpointFormatError)
+    assert len(str(error)) < 1000 and "1,000,0" in str(error), str(error)[:2000]
