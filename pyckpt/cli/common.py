@@ -153,10 +153,10 @@ def execute(command, parser, args) -> int:
 
 
 def _escaped_warnings(formatwarning):
-    """A warning's text may hold names from the checkpoint: shown escaped as an error would be."""
+    """A warning's text may hold names from the checkpoint: shown escaped and bounded as an error would be."""
     def escaped(message, category, filename, lineno, line=None):
-        from ..errors import printable_line
-        return formatwarning(printable_line(str(message)), category, filename, lineno, line)
+        from ..errors import bounded_line, printable_line
+        return formatwarning(bounded_line(printable_line(str(message))), category, filename, lineno, line)
     return escaped
 
 
@@ -225,16 +225,16 @@ def among_processes():
 
 
 def note(text: str) -> None:
-    from ..errors import printable_line
-    print(f"pyckpt: {printable_line(text)}", file=sys.stderr)
+    from ..errors import bounded_line, printable_line
+    print(f"pyckpt: {bounded_line(printable_line(text))}", file=sys.stderr)
 
 
 def one_line(exc: BaseException) -> str:
-    """The message on one line whatever it holds: a name with a newline must not split it, nor a
-    control character in it drive the terminal (pyckpt's own errors are escaped when made; this is
-    for everyone else's)."""
-    from ..errors import printable_line
+    """The message on one line whatever it holds: a name with a newline must not split it, a control
+    character in it drive the terminal, nor a megabyte of it fill the screen (pyckpt's own errors are
+    escaped and bounded when made; this is for everyone else's)."""
+    from ..errors import bounded_line, printable_line, quoted
     text = str(exc) or type(exc).__name__
     if isinstance(exc, KeyError) and exc.args:
-        text = f"missing key {exc.args[0]!r}"
-    return printable_line(" ".join(text.split("\n")) if "\n" in text else text)
+        text = f"missing key {quoted(exc.args[0])}"
+    return bounded_line(printable_line(" ".join(text.split("\n")) if "\n" in text else text))

@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from ..dcp.read import is_dcp_folder
-    from ..errors import printable, printable_line
+    from ..errors import bounded_line, clipped, printable, printable_line
     if is_dcp_folder(args.checkpoint):
         from ..dcp.describe import describe_dcp
         info = describe_dcp(args.checkpoint)
@@ -41,25 +41,27 @@ def run(args) -> int:
         print(json.dumps(info, indent=2, default=str))  # escapes every control character itself
         return 0
     # The values come from the checkpoint (ds_version, the tag `latest` names, file names): a string is
-    # shown escaped, so that none can forge a line of this output or drive the terminal.
+    # shown escaped, so that none can forge a line of this output or drive the terminal, and cut, so that
+    # none fills it.
     for key, value in info.items():
         if key == "file_sizes":
             print("files:")
             for name, size in value.items():
                 print(f"  {size:>14,d}  {printable(name)}")
         elif key == "resumable_at":
-            print(f"resumable at: {printable_line(value)}")
+            print(f"resumable at: {bounded_line(printable_line(value))}")
         elif key != "resumable":  # the same in words above
-            print(f"{key}: {printable(value) if isinstance(value, str) else printable_line(str(value))}")
+            shown = clipped(printable(value)) if isinstance(value, str) else bounded_line(printable_line(str(value)))
+            print(f"{key}: {shown}")
     return 0
 
 
 def _print_dcp(info: dict) -> None:
-    """A DCP folder's description, one fact a line; every key and value from the checkpoint escaped."""
-    from ..errors import printable_line
+    """A DCP folder's description, one fact a line; every key and value from the checkpoint escaped and cut."""
+    from ..errors import clipped, printable_line
 
     def shown(value) -> str:
-        return printable_line(value if isinstance(value, str) else str(value))
+        return clipped(printable_line(value if isinstance(value, str) else str(value)), 500)
 
     def counts(d: dict) -> str:
         return ", ".join(f"{shown(k)} {v}" for k, v in d.items()) or "none"

@@ -89,12 +89,12 @@ def run(args) -> int:
 
 
 def _print(args, report) -> int:
-    from ..errors import printable_line
+    from ..errors import bounded_line, printable_line
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))  # escapes every control character itself
     else:
         for p in report.problems:  # a path found in the folder may hold any character but / and NUL
-            print(printable_line(str(p)))
+            print(bounded_line(printable_line(str(p))))
         print(printable_line(report.summary()))
     return 0 if report.ok else 1
 

@@ -20,7 +20,7 @@ import re
 from itertools import accumulate, repeat
 from typing import Tuple, Type
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, quoted
 from .confined import read_inside
 
 # Hugging Face configs nest a few levels (a text_config inside a model's config, rope_scaling
@@ -85,7 +85,7 @@ def parse_json_object(data: bytes, shown: str, what: str = "JSON file",
         seen = set()
         for key, _ in pairs:
             if key in seen:
-                raise refuse(f"the key {key[:80]!r} appears twice in one object")
+                raise refuse(f"the key {quoted(key, 80)} appears twice in one object")
             seen.add(key)
         return dict(pairs)
 

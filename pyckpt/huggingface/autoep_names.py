@@ -18,7 +18,7 @@ import reprlib
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, quoted
 from ..tensors import ITEMSIZE, NewTensor
 from ..native import KIND_COPY, KIND_SOURCE_DTYPE
 from ..planning.plan import Piece
@@ -158,6 +158,6 @@ def autoep_naming(ck, state, config: Optional[dict], notes: list, required: bool
     if renamed:
         raise UnsupportedCheckpointError(f"{ck.folder}: {sorted(renamed)[0]} is both an AutoEP weight and shared "
                                          "with another parameter")
-    notes.append(f"  AutoEP layers under the Hugging Face names of model_type {config['model_type']!r} "
+    notes.append(f"  AutoEP layers under the Hugging Face names of model_type {quoted(config['model_type'])} "
                  f"({preset[0]}, {preset[1]}.gate_up_proj, {preset[1]}.down_proj)")
     return layers, preset

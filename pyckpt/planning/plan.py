@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, List, Tuple
 
-from ..errors import CheckpointFormatError, printable_line
+from ..errors import CheckpointFormatError, printable_line, quoted
 from ..tensors import ITEMSIZE, NewTensor, Piece  # noqa: F401  (Piece: planners import it from here)
 from ..formats.pickle_write import storages_of
 from .collector import pauses_collector
@@ -22,7 +22,8 @@ def check_relpath(relpath: str) -> str:
     parts = relpath.split("/")
     if (not relpath or relpath.startswith("/") or "\\" in relpath or "\x00" in relpath
             or any(p in ("", ".", "..") for p in parts)):
-        raise CheckpointFormatError(f"refusing to write {relpath!r}: output paths must stay inside the output folder")
+        raise CheckpointFormatError(f"refusing to write {quoted(relpath)}: output paths must stay inside the output "
+                                    "folder")
     return relpath
 
 
@@ -176,8 +177,8 @@ class Plan:
         if relpath in self._relpaths:
             # Two inputs (e.g. parameter names that differ only in ways a path does not show) would
             # silently land in one file; the second would replace the first.
-            raise CheckpointFormatError(f"two outputs map to the same file {relpath!r}: refusing to let one replace "
-                                        "the other")
+            raise CheckpointFormatError(f"two outputs map to the same file {quoted(relpath)}: refusing to let one "
+                                        "replace the other")
         self._relpaths.add(relpath)
         return relpath
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, quoted
 
 # What an Adam-trained ZeRO checkpoint keeps per parameter, in the order it is written: the fp32
 # master and Adam's two moments, each a flat tensor of the parameter's elements, then the step. The
@@ -59,8 +59,8 @@ class CheckpointState:
         held = self.params.setdefault(name, {})
         if state in held:
             # Two inputs for one parameter's state would leave only one of them in any output.
-            raise CheckpointFormatError(f"two values found for the {state} state of parameter {name!r}: refusing to "
-                                        "let one replace the other")
+            raise CheckpointFormatError(f"two values found for the {state} state of parameter {quoted(name)}: refusing "
+                                        "to let one replace the other")
         held[state] = value
         self.order.append(("param", name, state))
 

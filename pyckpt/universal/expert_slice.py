@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, quoted
 from ..tensors import numel
 from ..formats.pickle_read import TensorRef
 from ..zero.autoep.ep_sizes import divisors, valid_ep_sizes
@@ -34,7 +34,7 @@ def check_load_topology(layers: Sequence[dict], autoep_size: int, world_size: in
         layer = entry.get("module_path", entry.get("expert_key_prefix"))
         n = entry["num_experts"]
         if n % autoep_size != 0:
-            raise ValueError(f"layer {layer!r}: num_experts={n} is not divisible by autoep_size={autoep_size}. "
+            raise ValueError(f"layer {quoted(layer)}: num_experts={n} is not divisible by autoep_size={autoep_size}. "
                              f"Valid autoep_size values: {valid_ep_sizes(n, stage)}")
         for w in WEIGHTS:
             key = f"{entry['expert_key_prefix']}.{w}"
@@ -44,8 +44,9 @@ def check_load_topology(layers: Sequence[dict], autoep_size: int, world_size: in
             full = tuple(checkpoint_shapes[key]) if checkpoint_shapes and key in checkpoint_shapes else None
             expected_local = n // autoep_size
             if target[0] != expected_local or (full is not None and tuple(full[1:]) != target[1:]):
-                raise ValueError(f"layer {layer!r}: {key} has target shape {target}, but the checkpoint's {n} experts "
-                                 f"{'of shape ' + str(full[1:]) + ' ' if full else ''}at autoep_size={autoep_size} "
+                shaped = f"of shape {full[1:]} " if full else ""
+                raise ValueError(f"layer {quoted(layer)}: {key} has target shape {target}, but the checkpoint's {n} "
+                                 f"experts {shaped}at autoep_size={autoep_size} "
                                  f"give {(expected_local, ) + (tuple(full[1:]) if full else target[1:])}. "
                                  f"Valid autoep_size values: {valid_ep_sizes(n, stage)}")
 
@@ -75,7 +76,7 @@ def read_expert_slice(path, ep_rank: int, ep_size: int, *, key: str = "param", o
     sf = SourceFile(path)
     obj = sf.load()
     if not isinstance(obj, dict) or not isinstance(obj.get(key), TensorRef):
-        raise CheckpointFormatError(f"{sf.path}: not a universal parameter file (no tensor under {key!r})")
+        raise CheckpointFormatError(f"{sf.path}: not a universal parameter file (no tensor under {quoted(key)})")
     t = obj[key]
     num_experts = int(obj.get("ep_num_experts", t.shape[0]))
     if not obj.get("is_expert_param", False):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from ..tensors import numel
+from ..errors import quoted
 from ..formats.pickle_read import TensorRef
 from ..zero.names import ZERO12_MODEL_RE, ZERO3_MODEL_RE  # noqa: F401  (the layout's model-state files)
 
@@ -65,7 +66,7 @@ def read_state(obj, stage) -> Tuple[Optional[TensorRef], dict, List[str]]:
         problems.append(f"holds {tensor.dtype}; DeepSpeed's universal states are float32")
     for key, typ in STATE_META_TYPES.items():
         if key in meta and (type(meta[key]) is not typ):
-            problems.append(f"marker {key!r} is {meta[key]!r}, expected a {typ.__name__}")
+            problems.append(f"marker {quoted(key)} is {quoted(meta[key])}, expected a {typ.__name__}")
     cat_dim = meta.get("cat_dim")
     if type(cat_dim) is int and not 0 <= cat_dim < max(1, len(tensor.shape)):
         problems.append(f"cat_dim {cat_dim} is not a dimension of the {len(tensor.shape)}-d tensor")

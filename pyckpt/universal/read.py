@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, quoted
 from ..formats.confined import check_links_inside, inside
 from ..tensors import NewTensor, numel
 from ..formats.pickle_read import TensorRef
@@ -166,7 +166,7 @@ def _trainable(uck: UniversalCheckpoint, dense_only: bool, state: str = "fp32") 
             if dense_only and uck.stage != 3 and name not in in_module:
                 continue  # what the ZeRO export leaves out with dense_only; the conversion wrote nothing
             lister = next(ms for ms in uck.model if name in ms.shapes)
-            raise CheckpointFormatError(f"{path}: missing: {os.path.basename(lister.path)} lists {name!r} as "
+            raise CheckpointFormatError(f"{path}: missing: {os.path.basename(lister.path)} lists {quoted(name)} as "
                                         f"trainable (param_shapes), and its {state} state is this file")
         sf = SourceFile(inside(uck.folder, param_state_path(name, state)))
         obj = sf.load()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+from ..errors import quoted
 from ..tensors import numel
 from ..zero.tp_merge import SCALE_POWER
 from .slice import Run, append_run, remap, select_along
@@ -40,7 +41,7 @@ def _rank_entry(ranks, rank: int):
 
 def _ints(values, what: str) -> Tuple[int, ...]:
     if not isinstance(values, (list, tuple)) or not all(type(v) is int for v in values):
-        raise NotACopy(f"affine map {what} is {values!r}, not a list of integers")
+        raise NotACopy(f"affine map {what} is {quoted(values)}, not a list of integers")
     return tuple(values)
 
 

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, quoted
 from ..tensors import FLOATING, ITEMSIZE, NewTensor, numel
 from ..formats.pickle_read import TensorRef
 from ..formats.dtype_cast import cast_bytes
@@ -139,7 +139,7 @@ def _zero2_frozen(ms: ModelStates, name: str, shape: tuple) -> NewTensor:
     if t is None:
         raise CheckpointFormatError(f"{ms.path}: frozen parameter {name} has no tensor in frozen_param_fragments")
     if t.numel() != numel(shape):
-        raise CheckpointFormatError(f"{ms.path}: frozen_param_fragments[{name!r}] holds {t.numel()} elements, "
+        raise CheckpointFormatError(f"{ms.path}: frozen_param_fragments[{quoted(name)}] holds {t.numel()} elements, "
                                     f"frozen_param_shapes says {shape}")
     whole = _whole(ms, name, t, to_float=False)
     return NewTensor(whole.dtype, shape, whole.pieces)

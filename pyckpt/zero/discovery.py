@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-from ..errors import CheckpointFormatError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, UnsupportedCheckpointError, quoted
 from ..formats.confined import check_links_inside, inside, read_small_text
 from ..formats.torch_zip import SourceFile, iter_sources
 from ..planning.collector import pauses_collector
@@ -59,7 +59,7 @@ def follow_pointer(path: str, pointer: str) -> str:
     tag = check_tag(read_small_text(path, pointer).strip(), latest)
     tag_dir = inside(path, tag)
     if not os.path.isdir(tag_dir):
-        raise CheckpointFormatError(f"{latest} names tag {tag!r}, but {tag_dir} does not exist")
+        raise CheckpointFormatError(f"{latest} names tag {quoted(tag)}, but {tag_dir} does not exist")
     return tag_dir
 
 

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..errors import quoted
 from ..formats.pickle_read import TensorRef
 from ..formats.torch_zip import SourceFile
 from .names import check_param_name
@@ -80,7 +81,8 @@ def read_model_states(sf: SourceFile) -> ModelStates:
         for name in group:
             if name in seen:
                 # its universal file would be written twice, the second replacing the first
-                s.fail(f"param_shapes[{g}]", f"lists {name!r} more than once (also in param_shapes[{seen[name]}])")
+                s.fail(f"param_shapes[{g}]",
+                       f"lists {quoted(name)} more than once (also in param_shapes[{seen[name]}])")
             seen[name] = g
         groups.append(group)
     frozen = s.dict(obj.get("frozen_param_shapes"), "frozen_param_shapes", optional=True)
@@ -97,11 +99,11 @@ def read_model_states(sf: SourceFile) -> ModelStates:
     shared = s.dict(obj.get("shared_params"), "shared_params", optional=True) or {}
     for alias, holder in shared.items():
         check_param_name(alias, sf.path, "shared_params key")
-        check_param_name(holder, sf.path, f"shared_params[{alias!r}]")
+        check_param_name(holder, sf.path, f"shared_params[{quoted(alias)}]")
     fragments = s.dict(obj.get("frozen_param_fragments"), "frozen_param_fragments", optional=True) or {}
     for name, t in fragments.items():
         check_param_name(name, sf.path, "frozen_param_fragments key")
-        s.tensor(t, f"frozen_param_fragments[{name!r}]")
+        s.tensor(t, f"frozen_param_fragments[{quoted(name)}]")
     return ModelStates(
         file=sf,
         groups=groups,

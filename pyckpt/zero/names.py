@@ -22,7 +22,7 @@ import itertools
 import os
 import re
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, quoted
 
 NAME_MAX = 255
 # DeepSpeed's model-state file names (engine._get_ckpt_name, _get_zero_ckpt_name): ZeRO-1/2 writes one per
@@ -56,18 +56,15 @@ def check_param_name(name, where: str, what: str = "parameter name") -> str:
     """``name`` if it may become a folder name, else CheckpointFormatError naming ``where``."""
     problem = name_problem(name)
     if problem:
-        shown = repr(name)
-        if len(shown) > 80:
-            shown = shown[:80] + "..."
-        raise CheckpointFormatError(f"{where}: {what} {shown} {problem}: not a DeepSpeed parameter name, refusing "
-                                    "to use it as a path")
+        raise CheckpointFormatError(f"{where}: {what} {quoted(name, 80)} {problem}: not a DeepSpeed parameter name, "
+                                    "refusing to use it as a path")
     return name
 
 
 def check_tag(tag: str, latest_path: str) -> str:
     """A tag named by a ``latest`` file must be one folder name beside it."""
     if tag in ("", ".", "..") or "/" in tag or "\x00" in tag or os.sep in tag:
-        raise CheckpointFormatError(f"{latest_path}: names tag {tag!r}, which is not a folder name beside it")
+        raise CheckpointFormatError(f"{latest_path}: names tag {quoted(tag)}, which is not a folder name beside it")
     return tag
 
 

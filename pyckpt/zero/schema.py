@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, quoted
 from .names import check_param_name
 from ..formats.pickle_read import MAX_INDEX, Opaque, TensorRef
 
@@ -63,7 +63,7 @@ class Schema:
         out = OrderedDict()
         for name, shape in mapping.items():
             check_param_name(name, self.path, f"{where} key")
-            out[name] = self.shape(shape, f"{where}[{name!r}]")
+            out[name] = self.shape(shape, f"{where}[{quoted(name)}]")
         return out
 
     def names(self, mapping, where: str) -> None:
@@ -79,5 +79,5 @@ def zero_stage(path: str, value) -> int:
         args = value._args
         value = args[0] if len(args) == 1 else None
     if isinstance(value, bool) or value not in (1, 2, 3):
-        raise CheckpointFormatError(f"{path}: optimizer_state_dict['zero_stage'] is {value!r}, not a ZeRO stage")
+        raise CheckpointFormatError(f"{path}: optimizer_state_dict['zero_stage'] is {quoted(value)}, not a ZeRO stage")
     return int(value)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, quoted
 from ..formats.pickle_read import Opaque, TensorRef, shared_value
 from ..tensors import NewTensor
 from ..formats.torch_zip import SourceFile
@@ -163,12 +163,12 @@ def _read_zero12(sf: SourceFile, osd: dict, stage: int, dp_rank: int, dp: int) -
             check_param_name(name, sf.path, f"{where} key")
             fields = getattr(frag, "_state", None) if isinstance(frag, Opaque) else frag
             if not isinstance(fields, dict):
-                s.fail(f"{where}[{name!r}]", "must be a fragment_address with start and numel")
+                s.fail(f"{where}[{quoted(name)}]", "must be a fragment_address with start and numel")
             if name in owner:
-                s.fail(where, f"lists {name!r}, which param_slice_mappings[{owner[name]}] lists too")
+                s.fail(where, f"lists {quoted(name)}, which param_slice_mappings[{owner[name]}] lists too")
             owner[name] = g
             # one name object for all the ranks a parameter spans
-            frags[shared_value(name)] = Fragment(g, *(s.int(fields.get(f), f"{where}[{name!r}].{f}")
+            frags[shared_value(name)] = Fragment(g, *(s.int(fields.get(f), f"{where}[{quoted(name)}].{f}")
                                                       for f in ("start", "numel")))
         mappings.append(frags)
     fp32 = [s.tensor(t, f"single_partition_of_fp32_groups[{g}]")

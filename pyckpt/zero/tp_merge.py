@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 
-from ..errors import CheckpointFormatError, TpMergeError, UnsupportedCheckpointError
+from ..errors import CheckpointFormatError, TpMergeError, UnsupportedCheckpointError, quoted
 from ..tensors import ITEMSIZE, NewTensor, numel
 from ..formats.pickle_read import Opaque
 from ..planning.plan import Piece, Segments, row_pieces
@@ -98,7 +98,8 @@ class TpRules:
     def _match_affine(self, name: str):
         found = [p for p in self.affine if re.match(p, name)]
         if len(found) > 1:
-            raise TpMergeError(f"{self.where}: Got more than one matching affine map patterns={found} for {name}")
+            raise TpMergeError(f"{self.where}: Got more than one matching affine map patterns={quoted(found)} for "
+                               f"{name}")
         if not found:
             return None
         if found[0] not in self._affine_checked:
@@ -135,14 +136,14 @@ class TpRules:
         if not unused:
             return
         if strict:
-            raise TpMergeError(f"{self.where}: Unused patterns={unused} while merging tp slices (no parameter "
+            raise TpMergeError(f"{self.where}: Unused patterns={quoted(unused)} while merging tp slices (no parameter "
                                "matches them; pass --no_strict to only warn)")
-        warnings.warn(f"Unused patterns={unused} while merging tp slices", stacklevel=3)
+        warnings.warn(f"Unused patterns={quoted(unused)} while merging tp slices", stacklevel=3)
 
     def _match(self, key: str, name: str) -> Optional[str]:
         found = [p for p in self.lists[key] if re.match(p, name)]
         if len(found) > 1:
-            raise TpMergeError(f"{self.where}: Got more than one matching patterns={found} for {name}")
+            raise TpMergeError(f"{self.where}: Got more than one matching patterns={quoted(found)} for {name}")
         if found:
             self.used.add(found[0])
             return found[0]
@@ -489,8 +490,8 @@ def _check_rules(info, path: str) -> None:
     s = Schema(path)
     s.dict(info, "universal_checkpoint_info")
     for key in PATTERN_KEYS:
-        for i, p in enumerate(s.list(info.get(key), f"universal_checkpoint_info[{key!r}]", optional=True) or ()):
-            _check_pattern(s, p, f"universal_checkpoint_info[{key!r}][{i}]")
+        for i, p in enumerate(s.list(info.get(key), f"universal_checkpoint_info[{quoted(key)}]", optional=True) or ()):
+            _check_pattern(s, p, f"universal_checkpoint_info[{quoted(key)}][{i}]")
     affine = s.dict(info.get("affine_map"), "universal_checkpoint_info['affine_map']", optional=True) or {}
     version = affine.get("version", 1)
     if not isinstance(version, (int, float)) or isinstance(version, bool) or version != version:
@@ -550,7 +551,7 @@ def _check_affine(name: str, amap, path: str) -> None:
                 s.int(loc, f"{pw}['locations'][{j}]")
             scale = pc.get("scale", 1.0)
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or not scale:
-                s.fail(f"{pw}['scale']", f"must be a finite non-zero number, got {scale!r}")
+                s.fail(f"{pw}['scale']", f"must be a finite non-zero number, got {quoted(scale)}")
 
 
 def _check_tiling(name: str, logical, ranks, where: str) -> None:

@@ -385,3 +385,96 @@ def test_a_file_that_only_starts_like_a_model_state_file_is_refused_not_copied(m
     assert "named like a model-state file but not mp_rank_NN_model_states.pt" in proc.stderr
     assert proc.stderr.count("\n") == 1 and _no_controls(proc.stderr)
     assert not (tmp_path / "out").exists()
+
+
+# -- a megabyte of checkpoint content in one message ---------------------------------------------
+
+MEGA = "h" * 1_000_000
+SHORT = 1000  # a line quoting a megabyte stays under this, whatever it quotes
+
+
+def test_quoting_helpers_cut_what_they_quote_and_say_how_long_it_was():
+    from pyckpt.cli.common import _escaped_warnings, one_line
+    from pyckpt.errors import bounded_line, clipped, quoted
+    assert quoted("model.w") == "'model.w'" and quoted([1, "a"]) == "[1, 'a']"
+    assert quoted(MEGA) == repr(MEGA[:200])[:200] + "...(1,000,000 characters)"
+    assert quoted([MEGA]).endswith("...(1,000,004 characters)") and len(quoted([MEGA])) < 250
+    assert quoted(7 ** 100_000) == "an integer of 280,736 bits"  # whose repr would raise
+    assert clipped("abc") == "abc" and clipped(MEGA, 10) == "hhhhhhhhhh...(1,000,000 characters)"
+    line = bounded_line("/ck/file.pt: " + MEGA + " is not a rule")
+    assert line.startswith("/ck/file.pt: hhh") and line.endswith("hhh is not a rule") and len(line) < 4100
+    assert "characters cut)" in line
+    # everyone else's errors and the warnings, at the command line's one door
+    assert len(one_line(ValueError(MEGA))) < 4100 and len(one_line(KeyError(MEGA))) < SHORT
+    import warnings
+    shown = _escaped_warnings(warnings.formatwarning)(f"skipped {MEGA}", UserWarning, "f.py", 1, "")
+    assert len(shown) < 4200 and "characters cut)" in shown
+    error = CheckpointFormatError(f"/ck/x.pt: {MEGA}: the rule")
+    assert len(str(error)) < 4100 and str(error).startswith("/ck/x.pt: ") and str(error).endswith(": the rule")
+
+
+def _lines(proc) -> list:
+    return (proc.stdout + proc.stderr).splitlines()
+
+
+def test_inspect_cuts_a_megabyte_ds_version(made, tmp_path):
+    root, tag = _copy(made, "dense", tmp_path)
+    rewrite(tag / "mp_rank_00_model_states.pt", lambda obj: obj.__setitem__("ds_version", MEGA))
+    proc = _run("pyckpt.describe", root)
+    assert proc.returncode == 0, proc.stderr[:2000]
+    (line, ) = [x for x in _lines(proc) if x.startswith("ds_version: ")]
+    assert len(line) < SHORT and line.endswith("...(1,000,000 characters)"), line[:2000]
+
+
+ZERO_EDITS = {
+    # (checkpoint, file, edit, what the one error line says)
+    "zero_stage": ("dense", "*optim_states.pt",
+                   lambda obj: obj["optimizer_state_dict"].__setitem__("zero_stage", MEGA), "not a ZeRO stage"),
+    "expert_count": ("moe2", "*model_states.pt",
+                     lambda obj: [layer.__setitem__("num_local_experts", MEGA) for layer in obj["ds_autoep_layers"]],
+                     "must be a positive integer"),
+    "expert_prefix": ("moe2", "*model_states.pt",
+                      lambda obj: [layer.__setitem__("expert_key_prefix", MEGA) for layer in obj["ds_autoep_layers"]],
+                      "expert_key_prefix"),
+}
+
+
+@pytest.mark.parametrize("case", list(ZERO_EDITS))
+def test_a_megabyte_value_in_zero_metadata_gives_one_short_line(made, tmp_path, case):
+    """A value of a ZeRO checkpoint's metadata (the ZeRO stage, an AutoEP layer's expert count or its
+    parameters' name prefix) quoted in an error: the line names the file and the rule, cut with the
+    length, from convert and the Hugging Face export alike."""
+    name, pattern, edit, rule = ZERO_EDITS[case]
+    root, tag = _copy(made, name, tmp_path)
+    for path in sorted(tag.glob(pattern)):
+        if "expert" not in path.name:
+            rewrite(path, edit)
+    for module, args in (("pyckpt.convert", [root, tmp_path / "out"]), ("pyckpt.export", [root, tmp_path / "hf"])):
+        proc = _run(module, *args)
+        assert proc.returncode == 1, proc.stderr[:2000]
+        (line, ) = _lines(proc)
+        assert len(line) < SHORT and rule in line and "1,000,0" in line, (module, line[:2000])
+        assert f"{tag}/" in line  # the file (two, for AutoEP layers that disagree)
+
+
+def test_a_megabyte_global_in_a_refused_pickle_gives_one_short_line(made, tmp_path):
+    """The allowlist reader refuses a global a pickle names; a megabyte-long name is quoted cut, with its
+    length."""
+    import io
+    import zipfile
+
+    root, tag = _copy(made, "dense", tmp_path)
+    path = tag / "mp_rank_00_model_states.pt"
+    out = io.BytesIO()
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("/data.pkl"):
+                data = b"\x80\x02c" + MEGA.encode() + b"\nName\nq\x00."  # GLOBAL MEGA.Name, then STOP
+            dst.writestr(info.filename, data)
+    path.write_bytes(out.getvalue())
+    proc = _run("pyckpt.describe", root)
+    assert proc.returncode == 1
+    (line, ) = _lines(proc)
+    assert len(line) < SHORT and line.startswith(f"pyckpt: error: {path}: refusing to load global 'hhh"), line[:2000]
+    assert "...(1,000,005 characters)" in line

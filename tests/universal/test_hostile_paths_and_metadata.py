@@ -582,3 +582,44 @@ def test_a_checkpoint_file_linking_out_of_the_checkpoint_is_refused(victim, chec
         assert str(ei.value).startswith(str(link))
         assert not (tmp_path / "out").exists()
     assert digest(root) == before
+
+
+# A megabyte where a name or a marker goes: the one line that refuses it quotes a few hundred characters and
+# says how long the rest was, naming the file. Fast: the save folder above, the commands run in this process.
+
+MEGA = "h" * 1_000_000
+
+
+@pytest.mark.parametrize("where", ["module_key", "param_shapes_key", "shared_params_alias"])
+def test_a_megabyte_parameter_name_is_refused_in_one_short_line(where, _save_folder, tmp_path):
+    root, tag = _save_copy(_save_folder, tmp_path)
+    model = _model_file(tag)
+
+    def edit(obj):
+        if where == "module_key":
+            _rename_key(obj["module"], next(iter(obj["module"])), MEGA)
+        elif where == "param_shapes_key":
+            _rename_key(obj["param_shapes"][0], next(iter(obj["param_shapes"][0])), MEGA)
+        else:
+            obj["shared_params"][MEGA] = next(iter(obj["param_shapes"][0]))
+
+    rewrite(model, edit)
+    for command in ("convert", "export-hf", "export-dcp"):
+        status, err = _in_process(command, root, tmp_path / "out" / command)
+        (line, ) = err.splitlines()
+        assert status == 1 and len(line) < 1000, (command, line[:2000])
+        assert f"{model}: " in line and "not a DeepSpeed parameter name" in line and "(1,000,000 characters)" in line
+
+
+def test_a_megabyte_marker_in_a_universal_state_file_is_reported_in_one_short_line(_save_folder, tmp_path, capsys):
+    """verify reports a universal state file's marker of the wrong type, quoting it: cut, with its length."""
+    from pyckpt import cli
+
+    root, tag = _save_copy(_save_folder, tmp_path)
+    universal = root / f"{tag.name}_universal"
+    fp32 = sorted(universal.glob("zero/*/fp32.pt"))[0]
+    rewrite(fp32, lambda obj: obj.__setitem__("cat_dim", MEGA))
+    assert cli.main(["verify", str(universal)]) == 1
+    out, _ = capsys.readouterr()
+    (line, ) = [x for x in out.splitlines() if "cat_dim" in x]
+    assert len(line) < 1000 and str(fp32) in line and "(1,000,000 characters)" in line, line[:2000]

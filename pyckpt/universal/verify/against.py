@@ -10,7 +10,7 @@ import warnings
 from collections import OrderedDict
 from typing import Optional, Tuple
 
-from ...errors import CheckpointFormatError, PyckptError, VerifyInputError, metadata_errors
+from ...errors import CheckpointFormatError, PyckptError, VerifyInputError, metadata_errors, quoted
 from ...formats.dtype_cast import cast_bytes
 from ...formats.pickle_read import Opaque, TensorRef
 from ...formats.torch_zip import SourceFile, open_regular
@@ -155,7 +155,7 @@ def _compare(expected, actual, sf: SourceFile, where: str, path: str, report: Ve
                        f"{list(expected)[:12]}")
             return
         for key in expected:
-            _compare(expected[key], actual[key], sf, f"{where}[{key!r}]", path, report, reader)
+            _compare(expected[key], actual[key], sf, f"{where}[{quoted(key)}]", path, report, reader)
         return
     if isinstance(expected, (list, tuple)) and not isinstance(expected, str):
         if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):

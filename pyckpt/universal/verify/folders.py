@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ...errors import CheckpointFormatError, VerifyInputError
+from ...errors import CheckpointFormatError, VerifyInputError, quoted
 from ...formats.confined import read_small_text
 from ...zero.names import check_tag
 from ..layout import LATEST_UNIVERSAL, STATES_FOLDER
@@ -38,7 +38,7 @@ def resolve_universal_folder(path, report: Optional[VerifyReport] = None) -> Opt
     folder = os.path.join(path, tag)
     if not os.path.isdir(folder):
         if report is None:
-            raise VerifyInputError(f"{latest} names {tag!r}, but {folder} does not exist")
-        report.add(latest, f"names {tag!r}, but {folder} is not a folder: DeepSpeed's load_universal would fail")
+            raise VerifyInputError(f"{latest} names {quoted(tag)}, but {folder} does not exist")
+        report.add(latest, f"names {quoted(tag)}, but {folder} is not a folder: DeepSpeed's load_universal would fail")
         return None
     return folder

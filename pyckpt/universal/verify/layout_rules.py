@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from ...errors import CheckpointFormatError, PyckptError
+from ...errors import CheckpointFormatError, PyckptError, quoted
 from ...formats.pickle_read import TensorRef
 from ...formats.torch_zip import SourceFile
 from ...formats.zip_integrity import member_crc_problems
@@ -250,7 +250,7 @@ def verify_folder(folder: str, report: VerifyReport, files: CheckedFiles) -> Non
                        + ("" if stage == 3 else " or module"))
     for name in sorted(expected - set(params) if models_ok else ()):
         report.add(os.path.join(zero, name), f"missing parameter folder: {os.path.basename(where[name])} names "
-                   f"{name!r}")
+                   f"{quoted(name)}")
     # Which state files a trainable parameter must have: those its peers have (Adam: exp_avg,
     # exp_avg_sq; ZeRO-1/2 also step). Zero-sized parameters have no optimizer fragments.
     peers = set()

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ...errors import AutoEPError, MissingExpertFileError, UnsupportedCheckpointError
+from ...errors import AutoEPError, MissingExpertFileError, UnsupportedCheckpointError, quoted
 from ...formats.torch_zip import SourceFile, iter_sources
 from ..model_states import ExpertWeights, ModelStates, read_expert_weights
 from ..names import check_param_name
@@ -95,7 +95,7 @@ def aggregate_zero12(model_files: List[ModelStates]) -> Tuple[Optional[list], bo
                 if not isinstance(prefix, str) or not prefix:
                     raise AutoEPError(f"AutoEP expert_key_prefix must be a non-empty string in {mf.path}.")
                 if prefix in by_prefix and by_prefix[prefix] != light:
-                    raise AutoEPError(f"Conflicting AutoEP metadata for expert_key_prefix {prefix!r} in "
+                    raise AutoEPError(f"Conflicting AutoEP metadata for expert_key_prefix {quoted(prefix)} in "
                                       f"{source[prefix]} and {mf.path}.")
                 if prefix not in by_prefix:
                     by_prefix[prefix] = light
@@ -125,10 +125,10 @@ def zero12_param_info(layers: list, where: str = "AutoEP metadata") -> Dict[str,
         prefix = entry["expert_key_prefix"]
         for f in ("num_experts", "ep_size"):
             if not positive_int(entry[f]):
-                raise AutoEPError(f"{where}: AutoEP {f} must be a positive integer, got {entry[f]!r}.")
+                raise AutoEPError(f"{where}: AutoEP {f} must be a positive integer, got {quoted(entry[f])}.")
         nl = entry["num_local_experts"]
         if not positive_int(nl):
-            raise AutoEPError(f"{where}: AutoEP num_local_experts must be a positive integer, got {nl!r}.")
+            raise AutoEPError(f"{where}: AutoEP num_local_experts must be a positive integer, got {quoted(nl)}.")
         if entry["num_experts"] != nl * entry["ep_size"]:
             raise AutoEPError(f"{where}: AutoEP expert count mismatch for {prefix}: num_experts={entry['num_experts']}, "
                               f"num_local_experts={nl}, ep_size={entry['ep_size']}.")
@@ -295,7 +295,7 @@ def placement_of(entry: dict, where: str) -> Placement:
         n, nl, ep = entry["num_experts"], entry["num_local_experts"], entry["ep_size"]
         if not all(positive_int(v) for v in (n, nl, ep)) or nl * ep != n:
             raise AutoEPError(f"{where}: AutoEP placement metadata is invalid: inconsistent legacy AutoEP metadata "
-                              f"(num_local_experts={nl!r}, ep_size={ep!r}, num_experts={n!r})")
+                              f"(num_local_experts={quoted(nl)}, ep_size={quoted(ep)}, num_experts={quoted(n)})")
         p = Placement(n, ep)
     if p.num_experts != entry["num_experts"] or p.ep_size != entry["ep_size"]:
         raise AutoEPError(f"{where}: AutoEP placement metadata disagrees with its layer entry "
@@ -311,16 +311,16 @@ def _placement(p, where: str) -> Placement:
     if not isinstance(p, dict):
         bad("AutoEP placement descriptor must be a dict.")
     if p.get("version") != 1:
-        bad(f"Unsupported AutoEP placement descriptor version {p.get('version')!r}; expected 1.")
+        bad(f"Unsupported AutoEP placement descriptor version {quoted(p.get('version'))}; expected 1.")
     n, ep, ranks = p.get("num_experts"), p.get("ep_size"), p.get("ranks")
     if not positive_int(n) or not positive_int(ep):
-        bad(f"num_experts and ep_size must be positive integers; got {n!r}, {ep!r}.")
+        bad(f"num_experts and ep_size must be positive integers; got {quoted(n)}, {quoted(ep)}.")
     if not isinstance(ranks, list) or len(ranks) != ep:
         bad(f"ranks must be a list of exactly {ep} entries.")
     by_rank: Dict[int, Tuple[int, ...]] = {}
     for r in ranks:
         if not isinstance(r, dict) or not isinstance(r.get("rank"), int) or not 0 <= r["rank"] < ep:
-            bad(f"placement rank entry {r!r} is invalid")
+            bad(f"placement rank entry {quoted(r)} is invalid")
         if r["rank"] in by_rank:
             bad(f"AutoEP placement rank {r['rank']} appears more than once.")
         experts = r.get("experts")
