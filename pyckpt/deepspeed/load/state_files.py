@@ -17,7 +17,7 @@ from ...zero.names import check_param_name
 from ...planning.state import STEP
 from ...universal.layout import (OPTIMIZER_STATE, OPTIMIZER_STATE_FILE, STATE_SUFFIX, STATES_FOLDER, param_folder,
                                  read_state, state_file)
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointFormatError, quoted
 from ...formats.confined import inside
 from ...tensors import ITEMSIZE
 from ...formats.pickle_read import Opaque, TensorRef
@@ -148,7 +148,7 @@ def loss_scaler(record, current, where: str):
 
 
 def _bad(where: str, record):
-    raise CheckpointFormatError(f"{where}: loss_scaler is {record!r}; expected DeepSpeed's LossScaler or "
+    raise CheckpointFormatError(f"{where}: loss_scaler is {quoted(record)}; expected DeepSpeed's LossScaler or "
                                 "DynamicLossScaler with scalar fields")
 
 

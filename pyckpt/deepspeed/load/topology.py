@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointFormatError, quoted
 from ...formats.confined import inside
 from ...formats.torch_zip import SourceFile
 from ...zero.discovery import zero_shard_grid
@@ -62,7 +62,7 @@ def saved(folder: str) -> Topology:
     dp, tp = ms.dp_world_size, ms.mp_world_size
     for key, value in (("dp_world_size", dp), ("mp_world_size", tp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise CheckpointFormatError(f"{where}: {key} is {value!r}, not a positive integer")
+            raise CheckpointFormatError(f"{where}: {key} is {quoted(value)}, not a positive integer")
     zero = ms.ds_config.get("zero_optimization") if isinstance(ms.ds_config, dict) else None
     stage = zero.get("stage") if isinstance(zero, dict) else None
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):

@@ -21,7 +21,7 @@ from typing import Dict, List, Tuple
 from ...zero.discovery import discover
 from ...universal.layout import OPTIMIZER_STATE, STATE_META_TYPES, param_folder, param_state_path
 from ...zero.read import read_zero_state
-from ...errors import CheckpointFormatError, metadata_errors
+from ...errors import CheckpointFormatError, metadata_errors, quoted
 from ...planning.state import STEP
 from ...tensors import ITEMSIZE, NewTensor
 from ...native import KIND_COPY, KIND_SOURCE_DTYPE
@@ -120,7 +120,8 @@ class ZeroView:
                 raise CheckpointFormatError(f"{label}: planned as {tensor!r}; expected a float32 tensor")
             for k, typ in STATE_META_TYPES.items():
                 if k in meta and type(meta[k]) is not typ:
-                    raise CheckpointFormatError(f"{label}: marker {k!r} is {meta[k]!r}, expected a {typ.__name__}")
+                    raise CheckpointFormatError(f"{label}: marker {quoted(k)} is {quoted(meta[k])}, expected a "
+                                                f"{typ.__name__}")
             out.states[key] = StateFile(VirtualStateFile(label, tensor), tensor, meta, isinstance(obj, dict))
         if not out.states:
             raise CheckpointFormatError(f"{folder}: no state planned for the parameter")
