@@ -12,7 +12,9 @@ an old OUTPUT that a killed swap had set aside, then exit. Every conversion into
 first anyway. A run into OUTPUT that is still going is waited for (it holds .NAME.pyckpt-lock).
 
 With --memory JOB instead: remove job JOB's memory tier on this node (its checkpoints in node-local
-memory, <root>/JOB; root: --memory-root, else $PYCKPT_MEMORY_ROOT, else /dev/shm/pyckpt-<uid>).
+memory, <root>/JOB; root: --memory-root, else $PYCKPT_MEMORY_ROOT, else /dev/shm/pyckpt-<uid>). A job
+that named no id of its own keeps them in a folder named after its save dir (default-<hex>, or none-<hex>
+under torchrun without --rdzv-id), which its first memory save logs: give that name.
 Links inside are removed, never followed; a root that is a link, another user's or writable by
 others is refused. Persist what you need first: the memory tier is not durable storage.
 """

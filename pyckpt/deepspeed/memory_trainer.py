@@ -167,6 +167,7 @@ def resume_point(output_dir, tier: MemoryTier) -> Optional[str]:
     ``checkpoint-N``, memory is compared with ``output_dir/latest`` (where the tier persists)."""
     from .load.hooks import _ranks
     from .load.memory_recovery import _Alone, _failed, recover
+    from .tiers.job_identity import bound
     from .tiers.links import nodes
 
     if not isinstance(tier, MemoryTier):
@@ -177,11 +178,13 @@ def resume_point(output_dir, tier: MemoryTier) -> Optional[str]:
         raise RuntimeError("pyckpt.deepspeed.resume_point is collective, and torch.distributed is not initialised "
                            "in this process of a launch of several: call it after creating the TrainingArguments")
     last = _last_checkpoint(output_dir)
-    found = recover(tier, last or output_dir, ranks)
+    # the callback saves with output_dir as the save dir: its checkpoints are the ones of that job
+    found = recover(tier, last or output_dir, ranks, save_dir=output_dir)
     if found is None:
         return last
     restore, tag = found
     group = ranks or _Alone()
+    tier, _ = bound(tier, output_dir)
     links = nodes(group, tier.folder, tier.keep, tier.job_name)
     outcome = None
     if links.leader:
@@ -228,6 +231,7 @@ def _trainer_folder(restore: str, tag: str) -> str:
     text, scheduler = _trainer_records(source)
     name = f"checkpoint-{_global_step(text, source)}"
     with Publisher(os.path.join(restore, name), overwrite=True, pointer=None) as out:
+        os.chmod(out.staging, 0o700)  # as private as the memory tier's other folders
         _link_tree(source, os.path.join(out.staging, tag), _link)
         with open(os.path.join(out.staging, "latest"), "w", encoding="utf-8") as f:
             f.write(tag)

@@ -6,7 +6,11 @@ resume from memory.
 
 JOB.json: {"cfg": a dsharness Config as a dict, "root": folder, "steps": N, "kill_at": K (or None: the
 job ends normally), "persist_every": P, "kill_mid_write": whether rank 1 dies while step K's memory
-save is being written rather than after it is published}. The first run trains, saving s<global_steps> to the memory tier asynchronously
+save is being written rather than after it is published, "job": the tier's job id (default "crash";
+null: none of its own), "other_job": {"save_dir": name under root, "step": S} or absent: before it
+starts, another job naming no id either saves step S of the same model to the same memory root and
+leaves it there as a crashed job does; this job then loads its own save dir under enable(memory=...)
+first and writes what that found to root/first_load.json}. The first run trains, saving s<global_steps> to the memory tier asynchronously
 after every step (every P-th persisted to root/durable); once the save after step K is published,
 rank 1 kills itself and rank 0 is left in a collective. The restarted run (TORCHELASTIC_RESTART_COUNT
 1) calls engine.load_checkpoint(root/durable) under enable(memory=...), and rank 0 writes what it
@@ -53,11 +57,20 @@ def main() -> int:
     rank, ws = dist.get_rank(), dist.get_world_size()
     durable = os.path.join(root, "durable")
     # kept at the end when the test compares it with DeepSpeed's own load afterwards
-    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="crash", keep=2, persist_every=job["persist_every"],
-                         keep_at_exit=job["kill_at"] is not None)
+    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job=job.get("job", "crash"), keep=2,
+                         persist_every=job["persist_every"], keep_at_exit=job["kill_at"] is not None)
     lines = pyckpt_warnings()
+    other = job.get("other_job")
+    if other:
+        _other_job(cfg, ws, rank, root, other)
     pd.enable(memory=tier)
     engine = W.make_engine(cfg, ws)
+    if other:  # a fresh start that asks for its newest checkpoint: the other job's is not its own
+        path, _ = engine.load_checkpoint(durable)
+        if rank == 0:
+            with open(os.path.join(root, "first_load.json"), "w") as f:
+                json.dump({"path": None if path is None else str(path), "global_steps": engine.global_steps,
+                           "log": list(lines)}, f)
     if restart > 0:
         engine.load_checkpoint(durable)
         opt = engine.optimizer
@@ -105,6 +118,17 @@ def main() -> int:
         dist.barrier()
         return 0
     return 1  # the kill never came
+
+
+def _other_job(cfg, ws: int, rank: int, root: str, other: dict) -> None:
+    """Another job on the same memory root, naming no job id either: one step of the same model saved to
+    memory as step ``other["step"]`` and left there (keep_at_exit), as a job that crashed leaves it."""
+    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job=None, keep=2, keep_at_exit=True)
+    engine = W.make_engine(cfg, ws)
+    W.train_step(engine, cfg, rank, 1)
+    engine.global_steps = other["step"]  # further on than this job will get: the newer checkpoint by step
+    assert pd.save_checkpoint(engine, os.path.join(root, other["save_dir"]), tag=f"s{other['step']}", memory=tier)
+    engine.destroy()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ test_memory_nodes.py).
     torchrun --nnodes N --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT \
         memory_nodes_worker.py JOB.json
 
-JOB.json: {"phase": "train" | "resume", "cfg": a dsharness Config as a dict, "root": folder,
+JOB.json: {"phase": "train" | "resume", "cfg": a dsharness Config as a dict, "root": folder, "durable":
+the save dir (default root/durable),
 "steps": N, "persist_every": P, "job": the memory tier's job id}.
 
 train: steps 1..N, each saved asynchronously to memory as s<step> (every P-th persisted to
@@ -57,7 +58,8 @@ def main() -> int:
     deepspeed.init_distributed(dist_backend="gloo")
     cfg, root = job["cfg"], job["root"]
     rank, ws = dist.get_rank(), dist.get_world_size()
-    durable = os.path.join(root, "durable")
+    # the save dir: the one the job trained with on a resume too (its memory checkpoints are that save dir's)
+    durable = job.get("durable") or os.path.join(root, "durable")
     # kept at exit in training (the test kills it anyway); at a normal end after the resume the leaders
     # persist the newest memory checkpoint together and remove the tier
     tier = pd.MemoryTier(job=job["job"], keep=2, persist_every=job["persist_every"],

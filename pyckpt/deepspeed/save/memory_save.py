@@ -2,7 +2,9 @@
 and the end of a job.
 
 The checkpoint goes to each node's own folder of the job's memory root (tmpfs) instead of
-``save_dir``, through the same save as a durable one (synchronous or asynchronous: DeepSpeed's own
+``save_dir``: the job folder of the job saving to ``save_dir`` (:mod:`..tiers.job_identity`: its own
+id, or, for a job that names none, a folder named after the save dir), recorded there as its run's
+(refused, and saved to ``save_dir`` with one line, where another save dir's job holds it), through the same save as a durable one (synchronous or asynchronous: DeepSpeed's own
 files, staged, agreed on every rank, published atomically with ``latest``), each node's leader
 publishing its node's share (:mod:`.node_share`); the newest ``keep`` stay there. With several
 nodes each share is then copied to the next node's memory in the background (:mod:`..tiers.links`).
@@ -20,8 +22,9 @@ persistence is logged; the memory copy stays.
 
 A process that saved to the tier and ends without an uncaught exception leaves no memory checkpoint
 behind (unless ``keep_at_exit``): at exit the node leaders join the saves, persist the newest memory
-checkpoint where ``save_dir`` holds an older one, and remove the job's memory folder. A crash leaves
-it for the restart; ``pyckpt clean --memory JOB`` removes one by hand.
+checkpoint of the job's run where ``save_dir`` holds an older one, and remove the job's memory folder,
+while its record is still the job's own. A crash leaves it for the restart; ``pyckpt clean --memory
+JOB`` removes one by hand.
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ from ...execution.distributed import TorchRanks, describe_failure
 from ...execution.leftovers import remove_path
 from ...execution.publisher import Publisher
 from ..tiers import node_manifest as nm
+from ..tiers.job_identity import agreed_run, bound, foreign, new_run, owns, read_record
 from ..tiers.links import nodes
 from ..tiers.memory_root import budget, fits, this_node
 from ..tiers.policy import MemoryTier
 from .arrival import Arrival, _default_store
 from .background import AsyncSave, StoreAgreement
 from .node_share import NodeShare
-from .request import SaveRequest
+from .request import SaveRequest, check_tag
 from .retention import keep_last as prune
 from .retention import read_checkpoint, replace_problem
 from .space import estimate_rank_bytes
@@ -61,10 +65,11 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
     when it does not fit; then the persistence. Returns what ``save`` returns."""
     group = TorchRanks()
     save_dir = request.save_dir
+    memory, identity = bound(memory, save_dir)
     if request.universal or request.export:
         raise ValueError("universal= and export= convert a durable checkpoint: a memory checkpoint is converted "
                          "once persisted (convert save_dir/<tag> with `pyckpt convert` / `pyckpt export`)")
-    tag = str(request.tag if request.tag is not None else f"global_step{engine.global_steps}")
+    tag = check_tag(str(request.tag if request.tag is not None else f"global_step{engine.global_steps}"))
     # The previous asynchronous save is joined before this one's arrival, as every save does: its
     # background thread waits on the same store client, and a blocking wait there from this thread
     # would deadlock the two (each holds the client while it waits for the other rank's key).
@@ -79,9 +84,11 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
     # below, which the others take for their preflight; both sides then see the difference and stop.
     arrival = Arrival("save", group.rank, group.size)
     arrival.wait(request.arrival_timeout, "pyckpt.deepspeed.save_checkpoint")
-    mine = {"memory": True, "error": None, "need": 0, "budget": None, "folder": None, "node": None}
+    mine = {"memory": True, "error": None, "need": 0, "budget": None, "folder": None, "node": None, "record": None,
+            "run": new_run() if group.rank == 0 else None}
     try:
         mine["node"] = this_node()
+        mine["record"] = read_record(memory.root_path, memory.job_name)
         mine["folder"] = memory.folder()
         mine["need"] = estimate_rank_bytes(engine)
         mine["budget"] = budget(memory.root_path, memory.job_name, memory.limit_bytes)
@@ -93,18 +100,26 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
         raise SaveError("the ranks called save_checkpoint with different memory= settings (some with a memory "
                         f"tier, some without); checkpoint {tag} was not saved, nothing was written", published=False)
     errors = [(r, p["error"]) for r, p in enumerate(pre) if p["error"]]
-    problem = "; ".join(f"rank {r}: {e}" for r, e in errors) if errors else _fits_by_node(pre)
+    problem = "; ".join(f"rank {r}: {e}" for r, e in errors) if errors else (
+        next((f for f in (foreign(p["record"], identity, memory.root_path) for p in pre) if f), None)
+        or _fits_by_node(pre))
     if problem:
         if group.rank == 0:
             log.warning("pyckpt: checkpoint %s goes to %s, not to memory: %s", tag, save_dir, problem)
         return save(engine, dataclasses.replace(request, tag=tag))
     folder = pre[group.rank]["folder"]
+    # the job's run: the one its folder records (on the first node that has a record), else drawn now
+    run = agreed_run([p["record"] for p in pre], identity) or pre[0]["run"]
+    if group.rank == 0 and identity.derived and pre[0]["record"] is None:
+        log.info("pyckpt: this job names no job id of its own ($PYCKPT_JOB_ID, torchrun's --rdzv-id): its memory "
+                 "checkpoints go to %s, named after its save dir %s", os.path.dirname(folder), identity.save_dir)
     model = nm.model_digest(engine)
     links = nodes(group, memory.folder, memory.keep, memory.job_name)
     links.model = model
-    share = NodeShare(links, memory.job_name, model, memory.keep, memory.root_path, group.size)
+    links.owner = lambda m: owns(m, identity, run)
+    share = NodeShare(links, identity, run, model, memory.keep, memory.root_path, group.size)
     if links.leader:
-        _leave_at_exit(memory, links, folder, save_dir, request.fsync)
+        _leave_at_exit(memory, links, folder, save_dir, request.fsync, identity, run)
         restore = os.path.join(folder, nm.RESTORE)
         if os.path.lexists(restore):  # a recovery's assembly (links to the files): every rank has loaded since
             remove_path(restore)
@@ -133,12 +148,13 @@ def _fits_by_node(pre: list) -> Optional[str]:
     return None
 
 
-# What the exit handler needs, by memory folder: (tier, links, save_dir, fsync, store) of the latest save there.
+# What the exit handler needs, by memory folder: (tier, links, save_dir, fsync, store, identity, run) of the
+# latest save there.
 _AT_EXIT: dict = {}
 _CRASHED = []
 
 
-def _leave_at_exit(memory: MemoryTier, links, folder: str, save_dir: str, fsync: bool) -> None:
+def _leave_at_exit(memory: MemoryTier, links, folder: str, save_dir: str, fsync: bool, identity, run: str) -> None:
     if not _AT_EXIT:
         previous = sys.excepthook
 
@@ -148,13 +164,13 @@ def _leave_at_exit(memory: MemoryTier, links, folder: str, save_dir: str, fsync:
 
         sys.excepthook = excepthook
         atexit.register(_leave)
-    _AT_EXIT[folder] = (memory, links, save_dir, fsync, _default_store())
+    _AT_EXIT[folder] = (memory, links, save_dir, fsync, _default_store(), identity, run)
 
 
 def _leave() -> None:
-    """At a normal exit (each node's leader): join, persist the newest memory checkpoint where
-    save_dir's is older (the leaders together), remove the job's memory folder. Anything that fails
-    leaves the folder, saying why."""
+    """At a normal exit (each node's leader): join, persist the newest memory checkpoint of the job's
+    run where save_dir's is older (the leaders together), remove the job's memory folder while its
+    record is still the job's run's. Anything that fails leaves the folder, saying why."""
     if _CRASHED:
         return
     from .background import wait_for_saves
@@ -162,14 +178,18 @@ def _leave() -> None:
     from ..tiers.memory_root import remove_job
     from ..tiers.recovery import durable_step
 
-    for folder, (memory, links, save_dir, fsync, store) in list(_AT_EXIT.items()):
+    for folder, (memory, links, save_dir, fsync, store, identity, run) in list(_AT_EXIT.items()):
         if memory.keep_at_exit:
             continue
         try:
             wait_for_saves()
             if links.sender is not None:
                 links.sender.flush(EXIT_TIMEOUT)
-            newest = max(((m.step, m.save, path) for path, m in nm.shares(folder) if m.job == memory.job_name),
+            record = read_record(memory.root_path, memory.job_name)
+            if record is None or (record.run, record.save_dir) != (run, identity.save_dir):
+                raise RuntimeError(f"its record {'is gone' if record is None else 'names another run or save dir'}: "
+                                   f"the folder is not this run's to persist from or remove")
+            newest = max(((m.step, m.save, path) for path, m in nm.shares(folder) if owns(m, identity, run)),
                          default=None)
             durable = durable_step(save_dir)
             if newest is not None and (durable is None or durable < newest[0]):

@@ -3,9 +3,11 @@ replicates its own node's files (:func:`.collective_save.save_collectively` with
 
 Every rank writes DeepSpeed's files into its own node's memory folder under one staging name (rank
 0's, so that DeepSpeed's tag check sees one tag); the ranks agree on every rank's outcome as for a
-durable save; then each node's leader adds the node manifest (:mod:`..tiers.node_manifest`), renames
-its staging folder into place, points its node's ``latest`` at it, keeps the tier's ``keep`` newest
-of the job's shares there, and offers it to the ring's sender (:mod:`..tiers.links`). A node whose
+durable save; then each node's leader records its job folder as the job's run's
+(:func:`..tiers.job_identity.claim`), adds the node manifest (:mod:`..tiers.node_manifest`: every file
+with its size and CRC-32, read once here), renames its staging folder (made private) into place,
+points its node's ``latest`` at it, keeps the tier's ``keep`` newest of the run's shares there, and
+offers it to the ring's sender (:mod:`..tiers.links`). A node whose
 publication fails says so, and every rank returns the same outcome; the nodes that did publish keep
 their share, which recovery never takes without every other node's share of the same save.
 """
@@ -20,6 +22,7 @@ from ...execution.distributed import describe_failure
 from ...execution.leftovers import remove_path
 from ...execution.publisher import Publisher
 from ..tiers import node_manifest as nm
+from ..tiers.job_identity import Identity, claim, owns
 from ..tiers.links import Nodes
 from ..tiers.memory_root import job_folders
 
@@ -27,9 +30,12 @@ log = logging.getLogger("pyckpt")
 
 
 class NodeShare:
-    def __init__(self, links: Nodes, job: str, model: str, keep: int, root: str, world_size: int):
+    def __init__(self, links: Nodes, identity: Identity, run: str, model: str, keep: int, root: str,
+                 world_size: int):
         self.links = links
-        self.job = job
+        self.identity = identity
+        self.job = identity.job
+        self.run = run
         self.model = model
         self.keep = keep
         self.root = root
@@ -60,13 +66,17 @@ class NodeShare:
         self.save_id = pre[0]["owner"]
         return None
 
+    def mine(self, manifest) -> bool:
+        """Whether a share is one of this job's run's (its job folder, save dir and run)."""
+        return owns(manifest, self.identity, self.run)
+
     def replace_problem(self, output: str) -> Optional[str]:
         """Why ``output`` (an existing tag folder of this node) must not be replaced: only a share of
-        this job is."""
+        this job's save dir is."""
         if not os.path.lexists(output):
             return None
         found = nm.read(output) if os.path.isdir(output) and not os.path.islink(output) else None
-        if found is None or found.job != self.job:
+        if found is None or not owns(found, self.identity):
             return (f"{output} exists and is not a memory checkpoint of job {self.job}; a save replaces only its "
                     f"own; choose another tag, or remove that folder")
         return None
@@ -79,9 +89,12 @@ class NodeShare:
                            + "; ".join(f"rank {r}: {m}" for r, m in bad)
                            + ". Nothing was published; the partial files were removed")
         try:
+            claim(self.root, self.identity, self.run)  # the folder is this job's run's before a share is in it
             first, count = self.links.ranks[self.node]
+            os.chmod(publisher.staging, 0o700)  # a share's folder is as private as the folders above it
             manifest = nm.NodeManifest(self.save_id, self.job, tag, int(step), self.node, self.nodes, self.world_size,
-                                       (first, count), self.model, tuple(nm.list_files(publisher.staging)))
+                                       (first, count), self.model, tuple(nm.describe(publisher.staging)), self.run,
+                                       self.identity.save_dir)
             nm.write(publisher.staging, manifest)
             problem = self.replace_problem(publisher.output)
             if problem:
@@ -93,9 +106,9 @@ class NodeShare:
         self.published = publisher.output
         folder = os.path.dirname(publisher.output)
         try:
-            # the job's shares here, read once for both prunings (each read stats every listed file)
-            found = [(path, m) for path, m in nm.shares(folder) if m.job == self.job and m.model == self.model]
-            nm.prune(folder, self.keep, self.job, self.model, protect=(tag, ), found=found)
+            # the run's shares here, read once for both prunings (each read stats every listed file)
+            found = [(path, m) for path, m in nm.shares(folder) if self.mine(m) and m.model == self.model]
+            nm.prune(folder, self.keep, self.mine, self.model, protect=(tag, ), found=found)
             self._prune_stale(folder, found)
         except Exception as exc:  # the checkpoint is in place; say why older ones stay
             log.warning("pyckpt: the memory tier could not prune %s: %s", folder, describe_failure(exc))
@@ -109,7 +122,7 @@ class NodeShare:
         new as anything in them, so they are never the newest copy left. ``found``: this folder's shares
         of the job and model, where the caller has read them."""
         if found is None:
-            found = [(p, m) for p, m in nm.shares(folder) if m.job == self.job and m.model == self.model]
+            found = [(p, m) for p, m in nm.shares(folder) if self.mine(m) and m.model == self.model]
         mine = sorted((m.step for _, m in found), reverse=True)
         if len(mine) < self.keep:
             return

@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ...execution.distributed import describe_failure
 from .memory_root import this_node
@@ -75,6 +75,8 @@ class Nodes:
     sender: Optional["Sender"] = None
     key: tuple = ()
     model: Optional[str] = None  # the model digest of the latest save (the replicas' retention)
+    # whether a share (its manifest) is one of the job's run's, as of the latest save (the same retention)
+    owner: Optional[Callable] = None
 
     @property
     def leader(self) -> bool:
@@ -140,8 +142,8 @@ def nodes(group, node_folder, keep: int, job: str, replicate: bool = True) -> No
                 bind, shown = _listen_host()
                 folder = node_folder()
                 out.receiver = ReplicaReceiver(folder, token, host=bind, port=0,
-                                               on_published=lambda replica_dir: _prune_replicas(replica_dir, keep, job,
-                                                                                                out.model)).start()
+                                               on_published=lambda replica_dir: _prune_replicas(replica_dir, keep, out)
+                                               ).start()
                 address = (shown, out.receiver.address[1])
             except Exception as exc:
                 error = describe_failure(exc)
@@ -166,9 +168,10 @@ def forget_all() -> None:
     _NODES.clear()
 
 
-def _prune_replicas(replica_dir: str, keep: int, job: str, model: Optional[str]) -> None:
-    if model is not None:
-        prune(replica_dir, keep, job, model)
+def _prune_replicas(replica_dir: str, keep: int, links: Nodes) -> None:
+    # nothing is removed before this process's first save has said whose shares are the job's
+    if links.model is not None and links.owner is not None:
+        prune(replica_dir, keep, links.owner, links.model)
 
 
 class Sender:

@@ -286,6 +286,27 @@ def job_folder(root: str, job: str, node: int) -> str:
     return node_path
 
 
+def level(folder: str, name: str, what: str, create: bool = True) -> Optional[str]:
+    """``folder/name`` (``folder`` a level :func:`job_folder` made and checked, such as a node's folder),
+    created mode 0700 if absent and ``create``, and checked by :func:`open_root`'s rules (no link, ours,
+    writable by nobody else) on the very folder opened, ``folder`` itself opened without following a
+    link and checked again; None when absent and not ``create``. Returns its path."""
+    path = os.path.join(folder, name)
+    try:
+        fd = os.open(folder, _DIR_FLAGS)
+    except OSError as exc:
+        raise _open_failed(exc, folder, "the folder above " + what) from exc
+    try:
+        _check(os.fstat(fd), folder, "the folder above " + what)
+        child = _open_level(fd, name, path, what, create)
+    finally:
+        os.close(fd)
+    if child is None:
+        return None
+    os.close(child)
+    return path
+
+
 def job_folders(root: str, job: str) -> List[Tuple[int, str]]:
     """``(node, path)`` of every ``node<N>`` folder of the job under ``root``, sorted by node. Only real
     folders named exactly ``node<N>`` (digits, no leading zero) count; links, files and other names are

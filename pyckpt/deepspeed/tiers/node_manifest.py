@@ -4,11 +4,14 @@ On several nodes each node's memory folder holds only the files its own ranks wr
 file of model-parallel rank 0 is on one node only), so a node's tag folder cannot say by itself which
 checkpoint it belongs to, nor whether it is whole. Its leader therefore adds ``pyckpt-node.json``
 before publishing it: the save it belongs to (an id drawn once per save by rank 0, the same on every
-node), the job, the step, this node's number, how many nodes and ranks saved, a digest of the model's
-parameter names and shapes, and every file with its size. A replica carries the file along, so
-whichever node holds a node's files, they say whose they are; recovery puts a checkpoint together
-only from shares of one save (never of two saves of one step), and only when every node's share is
-there, each file at its size (:mod:`.recovery`).
+node), the job, its run and the real path of its save dir (:mod:`.job_identity`), the step, this node's
+number, how many nodes and ranks saved, a digest of the model's parameter names and shapes, and every
+file with its size and the CRC-32 of its bytes. A replica carries the file along, so whichever node
+holds a node's files, they say whose they are; recovery puts a checkpoint together only from shares
+of one save (never of two saves of one step) of its own job's run, only when every node's share is
+there, each file at its size, and only after each file's bytes gave the CRC-32 recorded at the save
+(:mod:`.recovery`). The step a share claims counts only where the model-state file it holds says the
+same.
 
 The file is pyckpt's, not DeepSpeed's: a persisted or recovered checkpoint leaves it out.
 Everything in it is untrusted when read: the strict JSON reader, every field's type and range, file
@@ -17,6 +20,7 @@ names confined to the tag folder.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -27,9 +31,13 @@ from typing import List, Optional, Sequence, Tuple
 
 from ...errors import CheckpointFormatError
 from ...formats.json_file import read_json_object
+from ...native import _core
+from .job_identity import run_problem, save_dir_problem
 
 NAME = "pyckpt-node.json"
-VERSION = 1
+# 2: the run, the save dir and a CRC-32 per file; a share of version 1 names none of them and is
+# nobody's to recover
+VERSION = 2
 # 15,000 expert files of ~100 bytes each are 1.5 MB; a node's share never comes near this
 MAX_BYTES = 64 * 1024 * 1024
 MAX_FILES = 1_000_000
@@ -53,16 +61,21 @@ class NodeManifest:
     world_size: int
     ranks: Tuple[int, int]  # first rank and rank count of this node
     model: str  # sha-256 of the model's parameter names and shapes
-    files: Tuple[Tuple[str, int], ...]  # (name relative to the tag folder, size) of every file but this one
+    # (name relative to the tag folder, size, CRC-32 of its bytes) of every file but this one
+    files: Tuple[Tuple[str, int, int], ...]
+    run: str  # the job's run (:mod:`.job_identity`)
+    save_dir: str  # the real path of the save dir the checkpoint belongs to
 
     def key(self) -> tuple:
         """What every share of one checkpoint has in common."""
-        return (self.save, self.job, self.tag, self.step, self.nodes, self.world_size, self.model)
+        return (self.save, self.job, self.tag, self.step, self.nodes, self.world_size, self.model, self.run,
+                self.save_dir)
 
     def to_json(self) -> bytes:
         body = {"pyckpt_node_manifest": VERSION, "save": self.save, "job": self.job, "tag": self.tag,
                 "step": self.step, "node": self.node, "nodes": self.nodes, "world_size": self.world_size,
-                "ranks": list(self.ranks), "model": self.model, "files": [list(f) for f in self.files]}
+                "ranks": list(self.ranks), "model": self.model, "files": [list(f) for f in self.files],
+                "run": self.run, "save_dir": self.save_dir}
         return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode()
 
 
@@ -81,6 +94,53 @@ def model_digest(engine) -> str:
         shape = tuple(getattr(p, "ds_shape", None) or p.shape)
         h.update(f"{name}\0{shape}\0{bool(p.requires_grad)}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
+
+
+# what one thread reads at once to take a file's CRC-32
+CRC_CHUNK = 8 << 20
+
+
+def file_crc(path: str, size: Optional[int] = None, buf: Optional[bytearray] = None) -> Tuple[int, os.stat_result]:
+    """(CRC-32 of the regular file ``path``, its fstat), read with read(2) (a mapping of a file that
+    shrank would kill the process) without following a link. With ``size``, a file of another size
+    is a CheckpointFormatError, as is anything but a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"{path}: not a regular file")
+        want = st.st_size if size is None else size
+        if st.st_size != want:
+            raise CheckpointFormatError(f"{path}: {st.st_size} bytes, the manifest records {want}")
+        view = memoryview(buf if buf is not None else bytearray(min(CRC_CHUNK, max(want, 1))))
+        crc = 0
+        done = 0
+        while done < want:
+            n = os.readv(fd, [view[:min(len(view), want - done)]])
+            if n == 0:
+                raise CheckpointFormatError(f"{path}: shrank to {done} bytes while being read")
+            crc = _core.crc32(view[:n], crc)
+            done += n
+    finally:
+        os.close(fd)
+    return crc, st
+
+
+def crcs(paths: Sequence[Tuple[str, Optional[int]]]) -> List[Tuple[int, os.stat_result]]:
+    """:func:`file_crc` of each ``(path, size)``, a few files at once (the CRC and the reads release the
+    GIL), in order; the first failure raised."""
+    if len(paths) < 2:
+        return [file_crc(p, size) for p, size in paths]
+    workers = min(4, len(paths), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pyckpt-crc") as pool:
+        return list(pool.map(lambda item: file_crc(*item), paths))
+
+
+def describe(folder: str) -> List[Tuple[str, int, int]]:
+    """(name, size, CRC-32) of every file :func:`list_files` lists in ``folder``: what a manifest records."""
+    listed = list_files(folder)
+    found = crcs([(os.path.join(folder, name), size) for name, size in listed])
+    return [(name, size, crc) for (name, size), (crc, _) in zip(listed, found)]
 
 
 def list_files(folder: str) -> List[Tuple[str, int]]:
@@ -148,27 +208,52 @@ def parse(data: dict, where: str) -> NodeManifest:
     model = data.get("model")
     if not isinstance(model, str) or not _HEX.match(model):
         raise CheckpointFormatError(f"{where}: model is not a sha-256 digest")
+    for key, rule in (("run", run_problem), ("save_dir", save_dir_problem)):
+        problem = rule(data.get(key))
+        if problem:
+            raise CheckpointFormatError(f"{where}: {key} {problem}")
     files = data.get("files")
     if not isinstance(files, list) or not 0 < len(files) <= MAX_FILES:
         raise CheckpointFormatError(f"{where}: files is not a list of 1 to {MAX_FILES} entries")
     seen = set()
     out = []
     for entry in files:
-        if (not isinstance(entry, list) or len(entry) != 2 or not _name_ok(entry[0]) or isinstance(entry[1], bool)
-                or not isinstance(entry[1], int) or not 0 <= entry[1] < 2 ** 63):
-            raise CheckpointFormatError(f"{where}: a files entry is not [a name inside the folder, a size]")
+        if (not isinstance(entry, list) or len(entry) != 3 or not _name_ok(entry[0])
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in entry[1:])
+                or not 0 <= entry[1] < 2 ** 63 or not 0 <= entry[2] < 2 ** 32):
+            raise CheckpointFormatError(f"{where}: a files entry is not [a name inside the folder, a size, a CRC-32]")
         if entry[0] in seen:
             raise CheckpointFormatError(f"{where}: {entry[0]!r} is listed twice")
         seen.add(entry[0])
-        out.append((entry[0], entry[1]))
+        out.append((entry[0], entry[1], entry[2]))
     return NodeManifest(data["save"], data["job"], data["tag"], step, node, nodes, world, (ranks[0], ranks[1]),
-                        model, tuple(out))
+                        model, tuple(out), data["run"], data["save_dir"])
+
+
+def tag_folder_problem(path: str) -> str:
+    """Why the folder ``path`` is not a tag folder of ours (checked as the memory root is: no link, this
+    user's, writable by nobody else), or ''."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a folder"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
 
 
 def read(tag_folder: str) -> Optional[NodeManifest]:
-    """The manifest of the node share in ``tag_folder`` when it is whole: the manifest readable, its tag
-    the folder's name, and every file it lists a regular file of that size (links not followed).
-    None otherwise: a half-written, foreign or damaged folder does not count."""
+    """The manifest of the node share in ``tag_folder`` when it is whole: the folder ours (no link, this
+    user's, writable by nobody else), the manifest readable, its tag the folder's name, and every file
+    it lists a regular file of that size (links not followed). None otherwise: a half-written, foreign
+    or damaged folder does not count. The files' bytes are not read here: their CRC-32 is checked where
+    they are read (:func:`crcs`, by recovery)."""
+    if tag_folder_problem(tag_folder):
+        return None
     try:
         body, _ = read_json_object(tag_folder, NAME, "pyckpt node manifest", MAX_BYTES)
         manifest = parse(body, os.path.join(tag_folder, NAME))
@@ -176,7 +261,7 @@ def read(tag_folder: str) -> Optional[NodeManifest]:
         return None
     if manifest.tag != os.path.basename(os.path.normpath(tag_folder)):
         return None
-    for name, size in manifest.files:
+    for name, size, _ in manifest.files:
         try:
             st = os.stat(os.path.join(tag_folder, name), follow_symlinks=False)
         except OSError:
@@ -228,20 +313,25 @@ def replica_folders(node_folder: str) -> List[str]:
     return sorted(out)
 
 
-def prune(folder: str, keep: int, job: str, model: str, protect: Sequence[str] = (), found=None) -> List[str]:
-    """Removes the shares of this job and model in ``folder`` beyond the ``keep`` newest by step (a
-    share another job or model left, or a folder that is no share, stays), never one named in
-    ``protect`` nor the one ``folder/latest`` names. Returns the tag folders removed. ``found``: the
-    folder's shares of this job and model, where the caller has read them already."""
+def prune(folder: str, keep: int, owner, model: str, protect: Sequence[str] = (), found=None) -> List[str]:
+    """Removes the shares of this job's run and this model in ``folder`` beyond the ``keep`` newest by
+    step (``owner(manifest)``: whether a share is the run's; a share of another job, run or model, or a
+    folder that is no share, stays), never one named in ``protect`` nor the one ``folder/latest``
+    names. Returns the tag folders removed. ``found``: the folder's shares of this run and model, where
+    the caller has read them already."""
     from ...execution.leftovers import remove_path
 
     if found is None:
-        found = [(path, m) for path, m in shares(folder) if m.job == job and m.model == model]
+        found = [(path, m) for path, m in shares(folder) if owner(m) and m.model == model]
     mine = [(m.step, path) for path, m in found]
     latest = None
-    try:
-        with open(os.path.join(folder, "latest"), "rb") as f:
-            latest = f.read(4096).decode("utf-8", "replace").strip()
+    try:  # a link or a FIFO in latest's place names nothing (and must not block)
+        fd = os.open(os.path.join(folder, "latest"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                latest = os.read(fd, 4096).decode("utf-8", "replace").strip()
+        finally:
+            os.close(fd)
     except OSError:
         pass
     keep_names = set(protect) | ({latest} if latest else set())

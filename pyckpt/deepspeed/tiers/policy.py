@@ -24,7 +24,9 @@ class MemoryTier:
     ``root``: the node-local memory root (default ``$PYCKPT_MEMORY_ROOT``, else ``/dev/shm/pyckpt-<uid>``),
     made mode 0700 and refused when it is a link, another user's, or writable by others. ``job``: the
     job's folder under it (default ``$PYCKPT_JOB_ID``, else torchrun's run id, which survives elastic
-    restarts). ``keep``: checkpoints kept in memory (the newest by step). ``persist_every``: every N-th
+    restarts; a job with neither, as under the ``deepspeed`` launcher, ``srun``, plain ``python`` or
+    torchrun without ``--rdzv-id``, gets a folder named after its save dir's real path,
+    :mod:`.job_identity`). ``keep``: checkpoints kept in memory (the newest by step). ``persist_every``: every N-th
     memory checkpoint is also copied to the durable ``save_dir`` in the background (None: only when
     ``save_checkpoint(..., persist=True)`` asks). ``limit_bytes``: the most this job's memory folders
     may hold, besides the filesystem's own free space. ``keep_at_exit``: a process that saved to the
@@ -36,8 +38,10 @@ class MemoryTier:
     On several nodes (torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE``) each node keeps its own ranks'
     files in its own root, and a replica of the previous node's in the ring (the newest ``keep`` of
     those too); a restart recovers the newest checkpoint every node's share of which a live node holds
-    (:mod:`.recovery`). A job relaunched from scratch (a new torchrun run id) finds its memory only under
-    the same ``job`` name: set it (or ``$PYCKPT_JOB_ID``) for such jobs."""
+    (:mod:`.recovery`). A job relaunched from scratch with a new torchrun run id (``--standalone``) finds
+    its memory only under the same ``job`` name: set it (or ``$PYCKPT_JOB_ID``) for such jobs. Whatever
+    the name, a memory checkpoint belongs to the save dir it was saved for: a save, a recovery and the
+    end of a job take only those of their own save dir."""
 
     root: Optional[str] = None
     job: Optional[str] = None

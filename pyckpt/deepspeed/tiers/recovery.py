@@ -2,9 +2,12 @@
 or ``save_dir``'s when that is newer, and how the nodes get the files they lack.
 
 A memory checkpoint is a set of node shares (:mod:`.node_manifest`), one per node that saved it, each
-held by its own node, by the node its replica went to, or by both. It is *recoverable* when every
-share of one save (the same save id, so never two saves of one step) is whole on at least one live
-node. The newest recoverable save by step wins; at equal steps memory wins over ``save_dir`` (it is
+held by its own node, by the node its replica went to, or by both. Only the shares of the job's own run
+and save dir count (:mod:`.job_identity`), and only where the step a share claims is the step its
+model-state file records (the one share holding DeepSpeed's model-state file of model-parallel rank 0
+vouches for the save's step, as that file does for a checkpoint in ``save_dir``). A checkpoint is
+*recoverable* when every share of one save (the same save id, so never two saves of one step) is whole
+on at least one live node, its step vouched for. The newest recoverable save by step wins; at equal steps memory wins over ``save_dir`` (it is
 the faster read, and the files are the same). Then every live node needs every share on its own
 memory: a share it lacks is sent to it by a node that holds it (the holders taken in turn), through
 the replica protocol, verified before it counts.
@@ -19,7 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .checkpoint_record import read_checkpoint
+from .checkpoint_record import FIRST_MODEL_STATES, read_checkpoint
+from .job_identity import owns
 from .memory_root import job_folders
 from .node_manifest import replica_folders, shares
 
@@ -72,18 +76,32 @@ class Holding:
     nodes: int  # how many nodes saved
     world_size: int
     path: str  # its tag folder on the holder
+    vouched: bool = False  # it holds the model-state file of mp rank 0, which records its step
+    run: str = ""  # the job's run that saved it
 
 
-def inventory(root: str, job: str) -> List[Holding]:
-    """Every whole share of ``job`` under ``root``: in each of the job's node folders (this node's,
-    and those left by an earlier run in which this host was another node), its own shares and the
-    replicas it keeps."""
-    out = []
-    for _, node_folder in job_folders(root, job):
+def inventory(root: str, identity, run: Optional[str] = None, refused: Optional[List[str]] = None) -> List[Holding]:
+    """Every whole share of ``identity``'s checkpoints (a :class:`~.job_identity.Identity`: its job folder
+    and save dir), of ``run``'s where one is given, under ``root``: in each of the job's node folders
+    (this node's, and those left by an earlier run in which this host was another node), its own shares
+    and the replicas it keeps. A share that holds the model-state file of mp rank 0 counts only where
+    that file records the step the share claims; ``refused`` gets one line for each that does not."""
+    out: List[Holding] = []
+    for _, node_folder in job_folders(root, identity.job):
         for folder in [node_folder] + replica_folders(node_folder):
             for path, m in shares(folder):
-                if m.job == job:
-                    out.append(Holding(m.key(), m.node, m.step, m.tag, m.nodes, m.world_size, path))
+                if not owns(m, identity, run):
+                    continue
+                names = {name for name, _, _ in m.files}
+                vouched = any(name in names for name in FIRST_MODEL_STATES)
+                if vouched:
+                    record = read_checkpoint(path)
+                    if record is None or record.step != m.step:
+                        if refused is not None:
+                            says = "is not readable" if record is None else f"records step {record.step}"
+                            refused.append(f"{path} claims step {m.step}, its model-state file {says}: not recovered")
+                        continue
+                out.append(Holding(m.key(), m.node, m.step, m.tag, m.nodes, m.world_size, path, vouched, m.run))
     return out
 
 
@@ -120,16 +138,19 @@ class Plan:
 
 def recoverable(held: Dict[int, List[Holding]], exclude=frozenset()) -> Optional[Plan]:
     """The newest save every share of which some live node holds (``held``: live node -> its
-    holdings), or None; saves whose key is in ``exclude`` (ones that could not be put together) are
-    passed over."""
+    holdings) and whose step a model-state file vouches for, or None; saves whose key is in ``exclude``
+    (ones that could not be put together) are passed over."""
     by_key: Dict[tuple, Dict[int, set]] = {}
     sample: Dict[tuple, Holding] = {}
+    vouched = set()
     for node, holdings in held.items():
         for h in holdings:
             by_key.setdefault(h.key, {}).setdefault(h.origin, set()).add(node)
             sample[h.key] = h
+            if h.vouched:
+                vouched.add(h.key)
     complete = [k for k, origins in by_key.items()
-                if k not in exclude and set(origins) == set(range(sample[k].nodes))]
+                if k not in exclude and k in vouched and set(origins) == set(range(sample[k].nodes))]
     if not complete:
         return None
     best = max(complete, key=lambda k: (sample[k].step, k[0]))

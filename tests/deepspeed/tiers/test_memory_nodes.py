@@ -38,11 +38,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _agents(tmp: Path, env: dict, phase: str, cfg: h.Config, roots: list, job: str) -> list:
+def _agents(tmp: Path, env: dict, phase: str, cfg: h.Config, roots: list, job: str, durable=None) -> list:
     """One torchrun agent per memory root (a node each), 2 ranks each, meeting at one c10d endpoint."""
     spec = tmp / f"{phase}-{len(roots)}.json"
     spec.write_text(json.dumps({"phase": phase, "cfg": dataclasses.asdict(cfg), "root": str(tmp), "steps": STEPS,
-                                "persist_every": PERSIST_EVERY, "job": job}))
+                                "persist_every": PERSIST_EVERY, "job": job,
+                                "durable": str(durable or tmp / "durable")}))
     endpoint = f"127.0.0.1:{_port()}"
     procs = []
     for i, root in enumerate(roots):
@@ -130,10 +131,16 @@ def _resume(trained: dict, nodes: int, name: str = "", tamper=None, step: int = 
         copies.append(copy)
     if tamper is not None:
         tamper(copies)
-    (work / "durable").parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(tmp / "durable", work / "durable", symlinks=True)
-    procs = _agents(work, trained["env"], "resume", cfg, copies, "nodes")
+    # the job resumes with the save dir it trained with (its memory checkpoints are that save dir's), each
+    # restart from the save dir as the loss left it; then the restart's save dir is moved into its folder
+    durable, trained_durable = tmp / "durable", tmp / "durable-as-trained"
+    if not trained_durable.exists():
+        os.rename(durable, trained_durable)
+    shutil.copytree(trained_durable, durable, symlinks=True)
+    work.mkdir(parents=True, exist_ok=True)
+    procs = _agents(work, trained["env"], "resume", cfg, copies, "nodes", durable)
     _wait_all(procs, work, "resume-*.log")
+    os.rename(durable, work / "durable")
     import torch
 
     resumed = torch.load(work / f"resumed-{2 * nodes}.pt", weights_only=False)  # the test's own file

@@ -13,40 +13,40 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from pyckpt.deepspeed.tiers import node_manifest as nm
+from memory_shares import claim, describe, model_states
 
 WORKER = str(Path(__file__).resolve().parents[2] / "workers" / "memory_recovery_worker.py")
 MODEL = "ef" * 32
 
 
-def _share(folder: Path, tag: str, step: int, node: int, save: str) -> dict:
+def _share(folder: Path, tag: str, step: int, node: int, save: str, save_dir: Path) -> dict:
     path = folder / tag
     path.mkdir(parents=True)
     files = {f"zero_pp_rank_{node}_mp_rank_00_optim_states.pt": os.urandom(3000 + node)}
-    if node == 0:
-        files["mp_rank_00_model_states.pt"] = os.urandom(500)
     for name, data in files.items():
         (path / name).write_bytes(data)
-    nm.write(str(path), nm.NodeManifest(save, "job", tag, step, node, 2, 2, (node, 1), MODEL,
-                                        tuple(sorted((n, len(d)) for n, d in files.items()))))
+    if node == 0:
+        model_states(path / "mp_rank_00_model_states.pt", step)
+        files["mp_rank_00_model_states.pt"] = (path / "mp_rank_00_model_states.pt").read_bytes()
+    describe(path, save=save, job="job", step=step, node=node, nodes=2, world=2, model=MODEL, save_dir=save_dir)
     return files
 
 
 @pytest.fixture
 def layout(tmp_path):
-    """Node 0's memory holds its own shares of steps 4 and 5 and node 1's replicas of them; node 1's
-    memory is empty (a replacement node)."""
+    """Node 0's memory holds its own shares of steps 4 and 5 and node 1's replicas of them, its job
+    folder recorded as the run's of save_dir; node 1's memory is empty (a replacement node)."""
     roots = [tmp_path / "root0", tmp_path / "root1"]
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    claim(roots[0], "job", durable)
     node0 = roots[0] / "job" / "node0"
-    for p in (roots[0], roots[0] / "job", node0, roots[1]):
-        p.mkdir(mode=0o700)
+    roots[1].mkdir(mode=0o700)
     files = {}
     for step in (4, 5):
         save = f"save-{step}"
-        files[step] = {**_share(node0, f"s{step}", step, 0, save),
-                       **_share(node0 / "replica-of-node1", f"s{step}", step, 1, save)}
-    (tmp_path / "durable").mkdir()
+        files[step] = {**_share(node0, f"s{step}", step, 0, save, durable),
+                       **_share(node0 / "replica-of-node1", f"s{step}", step, 1, save, durable)}
     return roots, files
 
 

@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
+from types import SimpleNamespace
 
 import pytest
 
+from memory_shares import RUN, describe, model_states
+
+from pyckpt.deepspeed.tiers import job_identity as ji
 from pyckpt.deepspeed.tiers import node_manifest as nm
 from pyckpt.deepspeed.tiers.links import layout, replica_target
 from pyckpt.deepspeed.tiers.recovery import Holding, inventory, recoverable
 
 MODEL = "ab" * 32
+SAVE_DIR = "/work/save"  # the save dir the shares below record
 
 
-def share(folder, tag, step, node, nodes=2, save="save-1", job="job", files=None, world=4):
-    """A node share as a leader publishes it: files and the manifest listing them."""
+def share(folder, tag, step, node, nodes=2, save="save-1", job="job", files=None, world=4, run=RUN,
+          save_dir=SAVE_DIR, states_step=None):
+    """A node share as a leader publishes it: files and the manifest listing them; node 0's holds the
+    model-state file of mp rank 0, recording ``states_step`` (default: ``step``)."""
     path = os.path.join(folder, tag)
     os.makedirs(path)
     files = files or {f"zero_pp_rank_{2 * node}_mp_rank_00_optim_states.pt": 10 + node,
@@ -25,15 +33,21 @@ def share(folder, tag, step, node, nodes=2, save="save-1", job="job", files=None
     for name, size in files.items():
         with open(os.path.join(path, name), "wb") as f:
             f.write(b"x" * size)
-    nm.write(path, nm.NodeManifest(save, job, tag, step, node, nodes, world, (2 * node, 2), MODEL,
-                                   tuple(sorted(files.items()))))
+    if node == 0:
+        model_states(os.path.join(path, "mp_rank_00_model_states.pt"), step if states_step is None else states_step)
+    describe(path, save=save, job=job, step=step, node=node, nodes=nodes, world=world, ranks=(2 * node, 2),
+             model=MODEL, run=run, save_dir=save_dir)
     return path
+
+
+IDENTITY = ji.Identity("job", SAVE_DIR, False)
 
 
 def test_a_share_counts_only_whole_and_named_for_its_folder(tmp_path):
     path = share(str(tmp_path), "s3", 3, 0)
     m = nm.read(path)
     assert m is not None and (m.step, m.node, m.nodes, m.tag) == (3, 0, 2, "s3")
+    assert (m.run, m.save_dir) == (RUN, SAVE_DIR)
     name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     with open(os.path.join(path, name), "ab") as f:  # a file of another size: not whole
         f.write(b"y")
@@ -47,21 +61,23 @@ def test_a_share_counts_only_whole_and_named_for_its_folder(tmp_path):
     assert nm.read(os.path.join(str(tmp_path), "s4")) is None
 
 
-BASE = {"pyckpt_node_manifest": 1, "save": "a", "job": "j", "tag": "t", "step": 1, "node": 0, "nodes": 1,
-        "world_size": 1, "ranks": [0, 1], "model": MODEL, "files": [["f", 1]]}
+BASE = {"pyckpt_node_manifest": 2, "save": "a", "job": "j", "tag": "t", "step": 1, "node": 0, "nodes": 1,
+        "world_size": 1, "ranks": [0, 1], "model": MODEL, "files": [["f", 1, 7]], "run": RUN, "save_dir": SAVE_DIR}
 
 
 @pytest.mark.parametrize("change", [
-    {"pyckpt_node_manifest": 2}, {"save": "../x"}, {"job": ".hidden"}, {"tag": "a/b"}, {"step": -1},
+    {"pyckpt_node_manifest": 1}, {"save": "../x"}, {"job": ".hidden"}, {"tag": "a/b"}, {"step": -1},
     {"step": True}, {"node": 1}, {"nodes": 0}, {"world_size": 0}, {"ranks": [0, 2]}, {"ranks": [0]},
-    {"model": "zz"}, {"files": []}, {"files": [["../etc/passwd", 1]]}, {"files": [["/abs", 1]]},
-    {"files": [["a//b", 1]]}, {"files": [["f", 1], ["f", 2]]}, {"files": [["f", -1]]}, {"files": [["f\x1b", 1]]},
-    {"files": [[nm.NAME, 1]]}, {"files": [["f", 2 ** 63]]}, {"step": 1.5},
+    {"model": "zz"}, {"files": []}, {"files": [["../etc/passwd", 1, 7]]}, {"files": [["/abs", 1, 7]]},
+    {"files": [["a//b", 1, 7]]}, {"files": [["f", 1, 7], ["f", 2, 7]]}, {"files": [["f", -1, 7]]},
+    {"files": [["f\x1b", 1, 7]]}, {"files": [[nm.NAME, 1, 7]]}, {"files": [["f", 2 ** 63, 7]]}, {"step": 1.5},
+    {"files": [["f", 1]]}, {"files": [["f", 1, 2 ** 32]]}, {"files": [["f", 1, -1]]}, {"files": [["f", 1, True]]},
+    {"run": "x" * 32}, {"run": None}, {"save_dir": "relative/dir"}, {"save_dir": "/a\nb"}, {"save_dir": 7},
 ], ids=lambda c: "-".join(f"{k}={v!r}" for k, v in c.items())[:60])
 def test_a_hostile_manifest_is_refused_naming_the_field(tmp_path, change):
     with pytest.raises(nm.CheckpointFormatError):
         nm.parse({**BASE, **change}, "m.json")
-    assert nm.parse(BASE, "m.json").files == (("f", 1), )
+    assert nm.parse(BASE, "m.json").files == (("f", 1, 7), )
 
 
 def test_the_manifest_file_itself_is_read_strictly(tmp_path):
@@ -76,7 +92,7 @@ def test_the_manifest_file_itself_is_read_strictly(tmp_path):
 
 def held(node, *items):
     return [Holding(("save-%s" % save, "job", f"s{step}", step, nodes, 4, MODEL), origin, step, f"s{step}", nodes, 4,
-                    f"/n{node}/{save}/{origin}") for save, step, origin, nodes in items]
+                    f"/n{node}/{save}/{origin}", origin == 0, RUN) for save, step, origin, nodes in items]
 
 
 def test_the_newest_save_every_share_of_which_a_live_node_holds_wins():
@@ -114,7 +130,8 @@ def test_inventory_finds_own_shares_replicas_and_a_former_node_number(tmp_path):
     replicas.mkdir(mode=0o700)
     share(str(replicas), "s2", 2, 0)
     share(str(node0), "junk", 9, 0, job="other")  # another job's share: not this job's
-    found = inventory(str(root), "job")
+    share(str(node0), "elsewhere", 8, 0, save_dir="/another/save")  # another save dir's: not this job's
+    found = inventory(str(root), IDENTITY)
     assert sorted((h.origin, h.step) for h in found) == [(0, 2), (1, 2)]
     assert recoverable({0: found}).step == 2
 
@@ -133,10 +150,11 @@ def test_replica_retention_keeps_the_newest_of_this_job_and_model(tmp_path):
     for step in (1, 2, 3):
         share(folder, f"s{step}", step, 0)
     share(folder, "other", 0, 0, job="someone-else")
+    share(folder, "run0", 0, 0, run="f" * 32)  # an earlier run's of the same save dir
     os.mkdir(os.path.join(folder, "user-folder"))
-    removed = nm.prune(folder, 2, "job", MODEL)
+    removed = nm.prune(folder, 2, lambda m: ji.owns(m, IDENTITY, RUN), MODEL)
     assert [os.path.basename(p) for p in removed] == ["s1"]
-    assert sorted(os.listdir(folder)) == ["other", "s2", "s3", "user-folder"]
+    assert sorted(os.listdir(folder)) == ["other", "run0", "s2", "s3", "user-folder"]
 
 
 def test_reserved_tags():
@@ -160,7 +178,7 @@ def test_a_former_node_number_s_folder_goes_once_this_node_holds_keep_newer_shar
     share(str(job / "node1" / "replica-of-node0"), "s3", 3, 0)
     share(str(job / "node2"), "s9", 9, 1)  # newer than anything this node will hold below: kept
     links = SimpleNamespace(node=0, count=2, leader=True, ranks=[(0, 2), (2, 2)], sender=None)
-    mine = NodeShare(links, "job", MODEL, keep=2, root=str(root), world_size=4)
+    mine = NodeShare(links, IDENTITY, RUN, MODEL, keep=2, root=str(root), world_size=4)
     share(str(job / "node0"), "s4", 4, 0)
     mine._prune_stale(str(job / "node0"))
     assert sorted(os.listdir(job)) == ["node0", "node1", "node2"]  # one share of its own: not yet
@@ -173,9 +191,9 @@ def test_a_share_whose_file_path_leads_out_through_a_folder_link_does_not_count(
     path = tmp_path / "t"
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "f").write_bytes(b"x")
-    path.mkdir()
+    path.mkdir(mode=0o700)
     os.symlink(str(tmp_path / "elsewhere"), path / "sub")
-    nm.write(str(path), nm.NodeManifest("a", "j", "t", 1, 0, 1, 1, (0, 1), MODEL, (("sub/f", 1), )))
+    nm.write(str(path), nm.NodeManifest("a", "j", "t", 1, 0, 1, 1, (0, 1), MODEL, (("sub/f", 1, 0), ), RUN, SAVE_DIR))
     assert nm.read(str(path)) is None
     os.unlink(path / "sub")
     (path / "sub").mkdir()
@@ -189,7 +207,7 @@ def test_a_memory_save_replaces_only_its_own_job_s_share_never_a_user_s_folder_n
     from pyckpt.deepspeed.save.node_share import NodeShare
 
     links = SimpleNamespace(node=0, count=1, leader=True, ranks=[(0, 1)], sender=None)
-    mine = NodeShare(links, "job", MODEL, keep=2, root=str(tmp_path), world_size=1)
+    mine = NodeShare(links, IDENTITY, RUN, MODEL, keep=2, root=str(tmp_path), world_size=1)
     user = tmp_path / "s7"
     user.mkdir()
     (user / "mp_rank_00_model_states.pt").write_bytes(b"the user's own")
@@ -197,6 +215,8 @@ def test_a_memory_save_replaces_only_its_own_job_s_share_never_a_user_s_folder_n
     assert problem and "is not a memory checkpoint of job job" in problem
     share(str(tmp_path), "s8", 8, 0, nodes=1, job="another-job")
     assert "is not a memory checkpoint of job job" in mine.replace_problem(str(tmp_path / "s8"))
+    share(str(tmp_path), "s6", 6, 0, nodes=1, save_dir="/another/save")  # the same name, another save dir's
+    assert "is not a memory checkpoint of job job" in mine.replace_problem(str(tmp_path / "s6"))
     share(str(tmp_path), "s9", 9, 0, nodes=1)
     assert mine.replace_problem(str(tmp_path / "s9")) is None and mine.replace_problem(str(tmp_path / "s10")) is None
     assert (user / "mp_rank_00_model_states.pt").read_bytes() == b"the user's own"
@@ -207,17 +227,20 @@ import os, resource, sys, time
 from pyckpt.deepspeed.load import memory_recovery
 from pyckpt.deepspeed.tiers import node_manifest as nm
 from pyckpt.deepspeed.tiers.policy import MemoryTier
+from pyckpt.deepspeed.tiers.job_identity import Identity
 from pyckpt.deepspeed.tiers.recovery import inventory, recoverable
 root, count = sys.argv[1], int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 node = os.path.join(root, "job", "node0")
 tag = os.path.join(node, "s1")
 t0 = time.perf_counter()
-files = tuple(nm.list_files(tag))
-nm.write(tag, nm.NodeManifest("a", "job", "s1", 1, 0, 1, 1, (0, 1), "ab" * 32, files))
-held = inventory(root, "job")
+files = tuple(nm.describe(tag))
+run, identity = "ab" * 16, Identity("job", "/save", False)
+nm.write(tag, nm.NodeManifest("a", "job", "s1", 1, 0, 1, 1, (0, 1), "ab" * 32, files, run, "/save"))
+import dataclasses
+held = [dataclasses.replace(h, vouched=True) for h in inventory(root, identity, run)]  # its step: not what is tested
 plan = recoverable({0: held})
-problem = memory_recovery._assemble(plan, MemoryTier(root=root, job="job"), node)
+problem = memory_recovery._assemble(plan, MemoryTier(root=root, job="job"), node, identity, run)
 linked = len(os.listdir(os.path.join(node, "restore", "s1")))
 print(len(files), len(held), problem, linked, round(time.perf_counter() - t0, 2))
 """
@@ -233,7 +256,7 @@ def test_a_share_of_fifteen_thousand_files_is_read_and_linked_under_64_descripto
     tag = root / "job" / "node0" / "s1"
     for p in (root, root / "job", root / "job" / "node0"):
         p.mkdir(mode=0o700)
-    tag.mkdir()
+    tag.mkdir(mode=0o700)
     for i in range(15_000):
         (tag / f"layer_{i // 64}_expert_{i % 64}_mp_rank_00_model_states.pt").write_bytes(b"x")
     run = subprocess.run([sys.executable, "-c", SCALE, str(root), "15000"], capture_output=True, text=True, cwd="/",
@@ -241,3 +264,131 @@ def test_a_share_of_fifteen_thousand_files_is_read_and_linked_under_64_descripto
     assert run.returncode == 0, run.stderr[-3000:]
     files, held, problem, linked, _ = run.stdout.split()
     assert (files, held, problem, linked) == ("15000", "1", "None", "15000")
+
+
+# -- what a recovery trusts -------------------------------------------------------------------------
+
+@pytest.fixture
+def tier_layout(tmp_path, monkeypatch):
+    """One node's tier of job "job" saving to tmp_path/save, recorded as the run's, in tmpfs (/dev/shm)
+    where the machine has it; shares added by ``add(step, claims=...)``; save_dir holds a DeepSpeed
+    checkpoint at step ``durable`` when asked."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from memory_shares import claim
+
+    from pyckpt.deepspeed.tiers.links import forget_all
+    from pyckpt.deepspeed.tiers.policy import MemoryTier
+
+    for name in ("PYCKPT_JOB_ID", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    shm = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+    root = Path(tempfile.mkdtemp(prefix="pyckpt-test-", dir="/dev/shm")) if shm else tmp_path / "mem"
+    claim(root, "job", save_dir)
+    tier = MemoryTier(root=str(root), job="job")
+    node = root / "job" / "node0"
+
+    def add(step, claims=None):
+        path = node / f"s{step}"
+        path.mkdir()
+        model_states(path / "mp_rank_00_model_states.pt", step)
+        (path / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(os.urandom(5000))
+        describe(path, save=f"save-{step}", job="job", step=step if claims is None else claims, save_dir=save_dir)
+        return path
+
+    def durable(step):
+        model_states_folder = save_dir / f"global_step{step}"
+        model_states_folder.mkdir()
+        model_states(model_states_folder / "mp_rank_00_model_states.pt", step)
+        (save_dir / "latest").write_text(f"global_step{step}")
+
+    try:
+        yield SimpleNamespace(tier=tier, node=node, save_dir=save_dir, add=add, durable=durable)
+    finally:
+        forget_all()
+        if shm:
+            shutil.rmtree(root)
+
+
+def _recover(layout):
+    from logged import pyckpt_warnings
+
+    from pyckpt.deepspeed.load.memory_recovery import recover
+
+    lines = pyckpt_warnings()
+    return recover(layout.tier, str(layout.save_dir)), lines
+
+
+def test_the_step_a_share_claims_counts_only_where_its_model_state_file_records_it(tier_layout):
+    """A share holding step-3 files that claims step 999 does not win over save_dir at step 50: the step
+    is read from the model-state file, as on the save_dir side, and the disagreement is said in one line."""
+    lie = tier_layout.add(3, claims=999)
+    tier_layout.durable(50)
+    found, lines = _recover(tier_layout)
+    assert found is None
+    (line, ) = lines
+    assert line.startswith(f"pyckpt: resuming from {tier_layout.save_dir}, not from memory: ") and \
+        f"{lie} claims step 999, its model-state file records step 3: not recovered" in line, line
+    # and where it claims the step it holds, it is the newest and is taken
+    tier_layout.add(60)
+    found, lines = _recover(tier_layout)
+    assert found == (str(tier_layout.node / "restore"), "s60")
+    assert lines[0].startswith("pyckpt: resuming step 60 from memory") and "claims step 999" in lines[0]
+
+
+def test_a_planted_restore_link_is_refused_and_nothing_is_written_through_it(tier_layout, tmp_path):
+    """<node>/restore, where a recovery assembles the checkpoint, is checked as the root is: a link there to a
+    folder outside the memory root is refused (the recovery loads save_dir, saying why) and nothing is
+    written into the folder it names."""
+    tier_layout.add(5)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, tier_layout.node / "restore")
+    found, lines = _recover(tier_layout)
+    assert found is None and os.listdir(outside) == []
+    assert os.readlink(tier_layout.node / "restore") == str(outside)
+    (line, ) = lines
+    assert "step 5 (s5) could not be put together" in line and "the recovery's folder is a symbolic link" in line, \
+        line
+    # another user's or a group-writable restore folder: refused alike
+    os.unlink(tier_layout.node / "restore")
+    (tier_layout.node / "restore").mkdir(mode=0o777)
+    os.chmod(tier_layout.node / "restore", 0o777)
+    found, lines = _recover(tier_layout)
+    assert found is None and "writable by group or others" in lines[0]
+    assert os.listdir(tier_layout.node / "restore") == []
+
+
+def test_a_flipped_byte_in_memory_falls_back_to_the_older_step_then_to_save_dir_with_one_line(tier_layout):
+    """Each file's CRC-32 is recorded at the save and checked when a recovery reads the files: a byte
+    flipped in the newest share since passes it over for the older one; flipped there too, save_dir."""
+    older, newer = tier_layout.add(4), tier_layout.add(5)
+    manifest = nm.read(str(newer))
+    assert {name: crc for name, _, crc in manifest.files} == {
+        name: zlib.crc32((newer / name).read_bytes()) for name in os.listdir(newer) if name != nm.NAME}
+
+    def flip(folder):
+        path = folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        data = bytearray(path.read_bytes())
+        data[1234] ^= 0x10
+        with open(path, "r+b") as f:  # in place, as memory corruption is: same file, same size
+            f.write(data)
+
+    flip(newer)
+    found, lines = _recover(tier_layout)
+    assert found == (str(tier_layout.node / "restore"), "s4")
+    (line, ) = lines
+    assert line.startswith("pyckpt: resuming step 4 from memory") and "step 5 (s5) could not be put together" in line
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt of node 0's share of s5: the CRC-32 of its 5000 bytes is" in line
+    assert "its memory copy is damaged" in line and line.endswith("passed over"), line
+    flip(older)
+    tier_layout.durable(2)
+    found, lines = _recover(tier_layout)
+    assert found is None
+    (line, ) = lines
+    assert line.startswith(f"pyckpt: resuming from {tier_layout.save_dir}, not from memory: step 5 (s5) could not be "
+                           "put together") and "step 4 (s4) could not be put together" in line, line

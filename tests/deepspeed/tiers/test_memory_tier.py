@@ -124,21 +124,38 @@ def test_a_rank_killed_while_its_memory_save_is_written_resumes_the_step_before(
 def test_a_job_that_ends_normally_leaves_its_newest_checkpoint_on_disk_and_nothing_in_memory(tmp_path, ds_environ):
     """Five steps saved to memory (every 3rd persisted) and a normal end: at exit rank 0 persists step 5
     (save_dir held step 3) and removes the job's memory folder; save_dir's latest then loads as DeepSpeed's
-    own checkpoint of step 5."""
+    own checkpoint of step 5. Under torchrun without --rdzv-id (every such job's run id is "none") and
+    without $PYCKPT_JOB_ID, beside another such job that saved step 7 of the same model to the same root and
+    crashed: this job's first load resumes nothing of the other's, its end copies only its own step into
+    its own save dir and removes only its own folder; the other job's checkpoint stays whole."""
     import json
+    import socket
     import subprocess
     import sys
 
     cfg = h.Config(2, "fp32", 2)
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 5, "kill_at": None,
-                               "persist_every": 3}))
+                               "persist_every": 3, "job": None, "other_job": {"save_dir": "durable-b", "step": 7}}))
     env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    env.pop("PYCKPT_JOB_ID", None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                            WORKER.replace("save_glue_worker", "memory_crash_worker"), str(job)], capture_output=True,
                           text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert sorted(p.name for p in (tmp_path / "mem").iterdir()) == []  # the job's folder is gone
+    first = json.loads((tmp_path / "first_load.json").read_text())
+    assert first["path"] is None and first["global_steps"] == 0, first  # not the other job's step 7
+    assert not [line for line in first["log"] if "from memory" in line], first["log"]
+    # this job's folder is gone; the other job's (named after its save dir) is whole, its step 7 in it
+    (other, ) = sorted(p.name for p in (tmp_path / "mem").iterdir())
+    assert other.startswith("none-"), other
+    kept = tmp_path / "mem" / other / "node0"
+    assert (kept / "latest").read_text() == "s7" and (kept / "s7" / "mp_rank_00_model_states.pt").is_file()
+    assert not (tmp_path / "durable-b").exists() or list((tmp_path / "durable-b").iterdir()) == []
     durable = tmp_path / "durable"
     assert (durable / "latest").read_text() == "s5" and sorted(p.name for p in durable.iterdir()) == ["latest", "s3", "s5"]
     (res, ) = _launch(2, [_call("stock_step", cfg, durable)], None, "stock load of the persisted checkpoint", TIMEOUT_S)

@@ -19,11 +19,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from memory_shares import claim, describe
 
 import pyckpt.deepspeed as pd
 from pyckpt.deepspeed import memory_trainer as mt
 from pyckpt.deepspeed.load.memory_recovery import recover
-from pyckpt.deepspeed.tiers import node_manifest as nm
 from pyckpt.errors import CheckpointFormatError
 
 WORKER = Path(__file__).resolve().parents[2] / "workers" / "memory_trainer_worker.py"
@@ -101,13 +101,14 @@ def trainer_checkpoint(out: Path, step: int) -> Path:
     return folder
 
 
-def memory_checkpoint(tier, step: int, **client_state) -> Path:
-    """A memory checkpoint of one node and rank, published as a memory save publishes it."""
+def memory_checkpoint(tier, step: int, out: Path, **client_state) -> Path:
+    """A memory checkpoint of one node and rank, published as a memory save into ``out`` (the Trainer's
+    output_dir, the callback's save dir) publishes it."""
+    claim(tier.root, tier.job_name, out)
     node = Path(tier.folder())
     tag = f"global_step{step}"
     folder = tag_folder(node, tag, step, **client_state)
-    nm.write(str(folder), nm.NodeManifest(f"save-{step}", tier.job_name, tag, step, 0, 1, 1, (0, 1), "ab" * 32,
-                                          tuple(nm.list_files(str(folder)))))
+    describe(folder, save=f"save-{step}", job=tier.job_name, step=step, save_dir=out)
     (node / "latest").write_text(tag)
     return folder
 
@@ -122,7 +123,7 @@ def test_resume_point_builds_a_trainer_checkpoint_from_the_newer_memory_one(tmp_
     tier = pd.MemoryTier(root=str(tmp_path / "mem"), job="j")
     out = tmp_path / "out"
     trainer_checkpoint(out, 4)
-    source = memory_checkpoint(tier, 6, hf_trainer_state=trainer_state(6), hf_lr_scheduler=SCHEDULER)
+    source = memory_checkpoint(tier, 6, out, hf_trainer_state=trainer_state(6), hf_lr_scheduler=SCHEDULER)
     with caplog.at_level(logging.WARNING, logger="pyckpt"):
         point = pd.resume_point(out, tier)
     restore = Path(tier.folder()) / "restore"
@@ -144,8 +145,12 @@ def test_resume_point_builds_a_trainer_checkpoint_from_the_newer_memory_one(tmp_
         assert recover(tier, point) is None
         assert recover(tier, str(restore / "checkpoint-6" / ".." / "checkpoint-6")) is None
     assert caplog.messages == []
-    # anywhere else, it recovers as before
-    assert recover(tier, str(out / "checkpoint-4")) == (str(restore), "global_step6")
+    # anywhere else, it recovers as before: the checkpoints of the job saving to out, not to another folder
+    assert recover(tier, str(out / "checkpoint-4"), save_dir=str(out)) == (str(restore), "global_step6")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pyckpt"):  # the Trainer's own load of its checkpoint-4
+        assert recover(tier, str(out / "checkpoint-4")) is None
+    assert caplog.messages == []  # a folder inside the job's save dir: nothing said of another job
 
 
 def test_resume_point_takes_the_trainers_own_checkpoint_when_it_is_newer_or_memory_is_empty(tmp_path, alone):
@@ -155,7 +160,7 @@ def test_resume_point_takes_the_trainers_own_checkpoint_when_it_is_newer_or_memo
     assert not os.path.exists(tmp_path / "mem" / "j")  # and nothing made in memory by looking
     trainer_checkpoint(out, 4)
     assert pd.resume_point(out, tier) == str(out / "checkpoint-4")
-    memory_checkpoint(tier, 6, hf_trainer_state=trainer_state(6))
+    memory_checkpoint(tier, 6, out, hf_trainer_state=trainer_state(6))
     trainer_checkpoint(out, 8)
     assert pd.resume_point(out, tier) == str(out / "checkpoint-8")
     assert not os.path.exists(Path(tier.folder()) / "restore")
@@ -163,7 +168,7 @@ def test_resume_point_takes_the_trainers_own_checkpoint_when_it_is_newer_or_memo
 
 def test_a_memory_checkpoint_without_the_trainers_state_stops_the_resume(tmp_path, alone):
     tier = pd.MemoryTier(root=str(tmp_path / "mem"), job="j")
-    memory_checkpoint(tier, 6)  # saved by pyckpt.deepspeed.save_checkpoint, not by the callback
+    memory_checkpoint(tier, 6, tmp_path / "out")  # saved by pyckpt.deepspeed.save_checkpoint, not by the callback
     with pytest.raises(pd.RankLoadError, match="not saved by pyckpt.deepspeed.MemoryCheckpoints"):
         pd.resume_point(tmp_path / "out", tier)
     assert not os.path.exists(Path(tier.folder()) / "restore" / "checkpoint-6")

@@ -12,13 +12,17 @@ import threading
 import time
 
 import pytest
+from memory_shares import describe
 
 from pyckpt.deepspeed.tiers import node_manifest as nm
+from pyckpt.deepspeed.tiers.job_identity import Identity
 from pyckpt.deepspeed.tiers.recovery import inventory
 from pyckpt.deepspeed.tiers.replication import ReplicaReceiver, send_folder
 from pyckpt.errors import ReplicationError
 
 MODEL = "cd" * 32
+SAVE_DIR = "/work/save"
+IDENTITY = Identity("job", SAVE_DIR, False)
 BIG = 4 << 20
 
 
@@ -29,8 +33,8 @@ def share(folder, tag, step, node=1):
     for name, data in files.items():
         with open(os.path.join(path, name), "wb") as f:
             f.write(data)
-    nm.write(path, nm.NodeManifest("save-" + tag, "job", tag, step, node, 2, 4, (2, 2), MODEL,
-                                   tuple(sorted((n, len(d)) for n, d in files.items()))))
+    describe(path, save="save-" + tag, job="job", step=step, node=node, nodes=2, world=4, ranks=(2, 2), model=MODEL,
+             save_dir=SAVE_DIR)
     return path
 
 
@@ -100,7 +104,7 @@ def test_a_sender_killed_mid_transfer_leaves_the_older_replica_whole_and_counted
         # the cut transfer's staging went with it; s3 stays the replica, whole, and latest names it
         assert _state(node0) == (["latest", "s3"], [("s3", 3)])
         assert (node0 / "replica-of-node1" / "latest").read_text() == "s3"
-        assert [(h.origin, h.step) for h in inventory(str(tmp_path / "root"), "job")] == [(1, 3)]
+        assert [(h.origin, h.step) for h in inventory(str(tmp_path / "root"), IDENTITY)] == [(1, 3)]
         send_folder(s4, 1, "s4", receiver.address, token)
     assert _state(node0) == (["latest", "s3", "s4"], [("s3", 3), ("s4", 4)])
 
@@ -165,7 +169,7 @@ def test_a_receiver_killed_mid_transfer_publishes_nothing_and_the_next_one_clear
         monkeypatch.undo()
         names, shares = _state(node0)
         assert shares == [("s3", 3)] and any(n.startswith(".s4.pyckpt-tmp-") for n in names), names
-        assert [(h.origin, h.step) for h in inventory(str(tmp_path / "root"), "job")] == [(1, 3)]
+        assert [(h.origin, h.step) for h in inventory(str(tmp_path / "root"), IDENTITY)] == [(1, 3)]
     finally:
         if proc.poll() is None:
             proc.kill()
