@@ -9,37 +9,84 @@ takes although part of it is missing. Here accelerate's own steps run unchanged 
 folder (beside the final one, or in the project folder under automatic naming, whose ``checkpoints/``
 ``load_state`` lists whole); when every process's files are there (and, with ``save="async"``,
 DeepSpeed's background write is published) the main process renames it into place in one step.
-The automatic naming's rotation is done here, after the folder is in place, with accelerate's rule
-(the highest numbers kept), so it never removes one being written nor the newest complete one.
+
+The automatic naming's rotation removes what accelerate's own would remove (:func:`rotation_victims`,
+its rule read from ``save_state``), but after the new folder is in place, so a crash never leaves fewer
+complete checkpoints than before; where accelerate's rotation fails (an entry of ``checkpoints/`` whose
+name holds no number), the save fails the same way before anything is written or removed. A folder of the
+user's given as ``output_dir`` keeps its files, as accelerate writes beside them
+(:func:`.framework_folders.into_place`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import logging
 import shutil
-from typing import Callable
+from typing import Callable, List, Optional
 
+log = logging.getLogger("pyckpt")
+
+from ..errors import printable
+from .framework_folders import (MethodOnImport, PendingFolder, agree, barrier, check_target, clean_staging,
+                                join_pending)
 from .save import engine_hook
-from .framework_folders import MethodOnImport, PendingFolder, barrier, clean_staging, join_pending
 
 STAGING_SUFFIX = ".pyckpt-accelerate"
 
 
-def _number(name: str) -> int:
-    found = re.findall(r"([0-9]+)(?=[^/]*$)", name)
-    return int(found[0]) if found else -1
+# The number accelerate sorts ``checkpoints/`` by: the first run of digits in an entry's name (its
+# save_state matches them in the last component of the entry's path).
+_DIGITS = re.compile(r"([0-9]+)(?=[^/]*$)")
 
 
-def _rotate(parent: str, limit):
-    def rotate():
-        if limit is None:
-            return
-        names = [n for n in os.listdir(parent) if not n.startswith(".")]
-        names.sort(key=_number)
-        for name in names[:max(0, len(names) - limit)]:
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-    return rotate
+def rotation_victims(parent: str, limit: Optional[int]) -> List[str]:
+    """What accelerate 1.15's ``save_state`` with automatic naming removes from ``parent`` (``checkpoints/``)
+    before it writes the next folder: with ``total_limit`` set and every entry of ``parent`` (files and
+    hidden ones included) plus the new one more than it, the entries sorted by the number in their names
+    (ties in listing order), as many from the lowest as make room.
+
+    Where accelerate's rotation fails, this raises as it does, before anything is removed: an entry whose
+    name holds no number (its sort's IndexError; accelerate removes nothing then either), a victim that is
+    not a folder (``shutil.rmtree``'s NotADirectoryError, or OSError for a link; accelerate has removed the
+    victims sorted before it by then)."""
+    if limit is None:
+        return []
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    if len(names) + 1 <= limit:
+        return []
+
+    def number(name: str) -> int:
+        found = _DIGITS.findall(name)
+        if not found:
+            raise IndexError(f"{printable(os.path.join(parent, name))}: has no number in its name, and accelerate's "
+                             f"rotation (total_limit={limit}) sorts every entry of {printable(parent)} by one (stock "
+                             "accelerate stops here too); move it out of that folder")
+        return int(found[0])
+    names.sort(key=number)
+    victims = [os.path.join(parent, name) for name in names[:len(names) + 1 - limit]]
+    for path in victims:
+        if os.path.islink(path):
+            raise OSError(f"{printable(path)}: is a link, the oldest entry accelerate's rotation (total_limit={limit}) "
+                          "would remove, and removing a link's tree fails (stock accelerate stops here too); kept")
+        if not os.path.isdir(path):
+            raise NotADirectoryError(f"{printable(path)}: is not a folder, yet the oldest entry accelerate's rotation "
+                                     f"(total_limit={limit}) would remove (stock accelerate stops here too); kept")
+    return victims
+
+
+def _remove(victims: List[str]) -> Callable[[], None]:
+    def remove() -> None:
+        for path in victims:
+            if os.path.islink(path) or not os.path.isdir(path):  # replaced since the save began
+                log.warning("pyckpt: kept %s: no longer the folder accelerate's rotation chose", printable(path))
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+    return remove
 
 
 def _main_process(accelerator) -> bool:
@@ -52,7 +99,7 @@ def _main_process(accelerator) -> bool:
     return accelerator.is_main_process
 
 
-def _wrap(original: Callable) -> Callable:
+def _wrap(original: Callable, module=None) -> Callable:
     def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
         from accelerate.utils import DistributedType
 
@@ -76,12 +123,20 @@ def _wrap(original: Callable) -> Callable:
         staging_run = os.path.join(beside, "." + os.path.basename(final) + STAGING_SUFFIX)
         staged = os.path.join(staging_run, os.path.basename(final))
         lead = _main_process(self)
+        victims: List[str] = []
+        problem = None
         if lead:
-            os.makedirs(parent, exist_ok=True)
-            clean_staging(beside, STAGING_SUFFIX, keep=staging_run)
-            shutil.rmtree(staging_run, ignore_errors=True)
-            os.makedirs(staging_run)
-        barrier()
+            try:
+                check_target(final)
+                os.makedirs(parent, exist_ok=True)
+                if automatic:  # chosen as accelerate chooses them before its save; removed after this one
+                    victims = rotation_victims(parent, config.total_limit)
+                clean_staging(beside, STAGING_SUFFIX, keep=staging_run)
+                shutil.rmtree(staging_run, ignore_errors=True)
+                os.makedirs(staging_run)
+            except Exception as exc:  # raised on every process, below
+                problem = exc
+        agree(problem)
         config.automatic_checkpoint_naming = False
         try:
             location = original(self, staged, safe_serialization, **kwargs)
@@ -90,17 +145,23 @@ def _wrap(original: Callable) -> Callable:
         barrier()  # every process's files are in the staged folder
         engine = next((m for m in self._models if hasattr(m, "_pyckpt_async_save")), None)
         handle = getattr(engine, "_pyckpt_async_save", None) if mode == "async" else None
+        problem = None
         if lead:
-            after = _rotate(parent, config.total_limit) if automatic else None
-            PendingFolder(self, staged, staging_run, final, handle, after).start()
+            folder = PendingFolder(self, staged, staging_run, final, handle, _remove(victims) if victims else None)
+            folder.start()
+            if mode == "atomic":
+                try:
+                    folder.join()
+                except Exception as exc:
+                    problem = exc
         if mode == "atomic":
-            barrier()
+            agree(problem)  # no process goes on before the folder is in place, or all raise
         return final if location == staged else location
     save_state.__pyckpt_hooked__ = True
     return save_state
 
 
-_SAVE_STATE = MethodOnImport("accelerate.accelerator", "Accelerator", "save_state", _wrap)
+_SAVE_STATE = MethodOnImport("accelerate.accelerator", "Accelerator", {"save_state": _wrap})
 
 
 def install() -> None:

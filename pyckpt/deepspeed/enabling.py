@@ -58,13 +58,13 @@ def enable(trust_pickles: bool = False, *, reshard: bool = True, memory=None, sa
     before = engine_hook.mode()
     if mode is not None and loaded:
         installed = not engine_hook.installed()
-        engine_hook.install()
-        trainer_save.install()
-        accelerate_save.install()
-        lightning_save.install()
-        engine_hook.set_mode(mode)
-        log.info("pyckpt: DeepSpeed's save_checkpoint is %s", "atomic and asynchronous" if mode == "async"
-                 else "atomic")
+        if engine_hook.install():  # else DeepSpeed and the frameworks stay stock (it warned)
+            engine_hook.set_mode(mode)  # before the frameworks: they patch only while a mode is set
+            trainer_save.install()
+            accelerate_save.install()
+            lightning_save.install()
+            log.info("pyckpt: DeepSpeed's save_checkpoint is %s", "atomic and asynchronous"
+                     if engine_hook.mode() == "async" else "atomic")
     return Enabled(loaded, before, installed)
 
 

@@ -8,6 +8,12 @@ on the main process when every process's files are there and, with an asynchrono
 background write is published (a thread waits for it, so training goes on), then runs the framework's
 rotation. The next save, the end of training and the interpreter's exit join that wait; a killed run's
 staging folders are removed by the next save into the same parent (:func:`clean_staging`).
+
+What is already at ``<parent>/<name>`` is the framework's to replace only as far as the framework itself
+would replace it (:func:`into_place`): the frameworks write a checkpoint file by file into a folder that
+exists, so whatever of it the new checkpoint does not overwrite stays (a user's notes, a file of an
+earlier save); a file, or a link, where the folder goes stops the save, as it stops the framework's own
+(:func:`check_target`).
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import os
 import shutil
 import sys
 import threading
-from typing import Callable, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
+from ..errors import printable
 from ..native import _core
+from .framework_patch import apply, need
 from .save import engine_hook
 
 log = logging.getLogger("pyckpt")
@@ -36,7 +44,8 @@ class PendingFolder:
     then runs ``after`` (the framework's rotation). ``owner`` is the Trainer or Accelerator that saved it.
     ``write``, where given, is the framework's own part of the folder left to write (the Trainer's model
     files from a snapshot): it runs in the same background thread, and the folder is published only if it
-    succeeds (its error is raised by :meth:`join`)."""
+    succeeds. A failure is raised by :meth:`join`, which says whether the folder was published; with
+    nothing left to wait for, :meth:`start` publishes at once (its failure, too, raised by join)."""
 
     def __init__(self, owner, staged: str, staging_run: str, final: str, handle, after: Optional[Callable] = None,
                  write: Optional[Callable] = None):
@@ -44,18 +53,23 @@ class PendingFolder:
         self.staged, self.staging_run, self.final = staged, staging_run, final
         self.handle, self.after, self.write = handle, after, write
         self.error: Optional[BaseException] = None
+        self.published = False
         self.thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
-        if self.handle is None and self.write is None:
-            self.finish()
-            return
-        self.thread = threading.Thread(target=self._after_write, name="pyckpt-publish-folder", daemon=True)
         with _LOCK:
             _PENDING.add(self)
+        if self.handle is None and self.write is None:
+            self._run()
+            return
+        self.thread = threading.Thread(target=self._run, name="pyckpt-publish-folder", daemon=True)
         self.thread.start()
 
-    def _after_write(self) -> None:
+    def done(self) -> bool:
+        """Whether :meth:`join` would return at once."""
+        return self.thread is None or not self.thread.is_alive()
+
+    def _run(self) -> None:
         try:
             failed = None
             if self.write is not None:
@@ -70,6 +84,7 @@ class PendingFolder:
                 raise failed
             self.finish()
         except BaseException as exc:  # raised by join()
+            shutil.rmtree(self.staging_run, ignore_errors=True)
             self.error = exc
 
     def finish(self) -> None:
@@ -81,11 +96,12 @@ class PendingFolder:
                         "stays the newest", self.final, message)
             return
         into_place(self.staged, self.final)
+        self.published = True
         shutil.rmtree(self.staging_run, ignore_errors=True)
         if self.after is not None:
             self.after()
 
-    def join(self) -> None:
+    def join(self) -> bool:
         if self.thread is not None:
             self.thread.join()
         with _LOCK:
@@ -93,21 +109,116 @@ class PendingFolder:
         if self.error is not None:
             error, self.error = self.error, None
             raise error
+        return self.published
+
+
+def check_target(final: str) -> None:
+    """``final`` can take a checkpoint folder: absent, or a folder. A file there stops the save, as it stops
+    the framework's own (its ``os.makedirs(..., exist_ok=True)`` raises FileExistsError), and is kept; so
+    does a link, which the framework would write through and pyckpt does not."""
+    if os.path.islink(final):
+        raise FileExistsError(f"{printable(final)}: is a link where the checkpoint folder goes; pyckpt writes "
+                              "through no link, and keeps it as it is (save elsewhere, or remove the link)")
+    if os.path.lexists(final) and not os.path.isdir(final):
+        raise FileExistsError(f"{printable(final)}: exists and is not a folder, so the checkpoint folder cannot be "
+                              "made there (the framework's own save stops here too); it is kept as it is")
 
 
 def into_place(staged: str, final: str) -> None:
-    """``staged`` renamed to ``final`` in one step: a save of a step saved before swaps with the old folder,
-    which is removed after (``final`` exists throughout)."""
+    """``staged`` published as ``final``, replacing only what the framework's own save would overwrite:
+
+    * ``final`` absent: ``staged`` renamed to it in one step;
+    * ``final`` a folder of which the new checkpoint overwrites every entry (at every depth, a file by a
+      file, a folder by a folder: the same step saved again): exchanged in one step, the old one removed
+      after, so ``final`` is complete throughout;
+    * ``final`` a folder holding anything the new checkpoint does not write (a user's notes, a file an
+      earlier save wrote and this one does not): the new files moved into it, over those of the same name,
+      the rest kept, as the framework's save writes beside them (``latest`` moved last); the folder is then
+      not published in one step, as the framework's own is not;
+    * anything else (a file or a link at ``final``, a file where the checkpoint has a folder or the
+      reverse, a link inside): FileExistsError naming it, before anything is moved.
+    """
+    check_target(final)
     try:
         _core.rename_noreplace(staged, final)
+        _fsync_dir(os.path.dirname(final))
+        return
     except FileExistsError:
+        check_target(final)
+    if _overwrites_all(staged, final):
         _core.rename_exchange(staged, final)
-        shutil.rmtree(staged, ignore_errors=True)
-    fd = os.open(os.path.dirname(final), os.O_RDONLY | os.O_DIRECTORY)
+        shutil.rmtree(staged, ignore_errors=True)  # the old folder, now at the staged name
+        _fsync_dir(os.path.dirname(final))
+        return
+    moves = _merge_moves(staged, final)
+    for source, target, over in moves:
+        if over:
+            os.replace(source, target)
+        else:
+            _core.rename_noreplace(source, target)
+    for folder in dict.fromkeys(os.path.dirname(target) for _, target, _ in moves):
+        _fsync_dir(folder)
+    log.info("pyckpt: %s held files the checkpoint does not write: its files were moved in beside them",
+             printable(final))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _overwrites_all(new: str, old: str) -> bool:
+    """Whether every entry under ``old`` is under ``new`` too, of the same kind (a regular file for a
+    regular file, a folder for a folder), and ``old`` holds no link nor anything else: what the framework's
+    save of ``new`` into ``old`` would leave is then ``new`` itself."""
+    stack = [(new, old)]
+    while stack:
+        new_dir, old_dir = stack.pop()
+        with os.scandir(old_dir) as entries:
+            for entry in entries:
+                counterpart = os.path.join(new_dir, entry.name)
+                if entry.is_symlink() or os.path.islink(counterpart):
+                    return False
+                if entry.is_dir(follow_symlinks=False):
+                    if not os.path.isdir(counterpart):
+                        return False
+                    stack.append((counterpart, entry.path))
+                elif not (entry.is_file(follow_symlinks=False) and os.path.isfile(counterpart)):
+                    return False
+    return True
+
+
+def _merge_moves(staged: str, final: str) -> List[Tuple[str, str, bool]]:
+    """(source, target, over an existing file) for moving ``staged``'s entries into ``final``: a folder
+    that is missing moves whole, one that exists is entered, a regular file replaces a regular file. A file
+    where the checkpoint has a folder, a folder where it has a file, or a link on the way is a conflict the
+    framework's own save fails on too (or, for the link, writes through): FileExistsError, nothing moved."""
+    moves, last = [], []
+    stack = [(staged, final)]
+    while stack:
+        source_dir, target_dir = stack.pop()
+        for name in sorted(os.listdir(source_dir)):
+            source, target = os.path.join(source_dir, name), os.path.join(target_dir, name)
+            if not os.path.lexists(target):
+                (last if name == "latest" else moves).append((source, target, False))
+                continue
+            if os.path.islink(target):
+                raise FileExistsError(f"{printable(target)}: is a link where the checkpoint writes {printable(name)}; "
+                                      "pyckpt writes through no link, and keeps it as it is")
+            source_is_dir = os.path.isdir(source) and not os.path.islink(source)
+            if source_is_dir and os.path.isdir(target):
+                stack.append((source, target))
+            elif not source_is_dir and os.path.isfile(target):
+                (last if name == "latest" else moves).append((source, target, True))
+            else:
+                held = "folder" if os.path.isdir(target) else "file" if os.path.isfile(target) else "special file"
+                raise FileExistsError(f"{printable(target)}: holds a {held} where the checkpoint writes a "
+                                      f"{'folder' if source_is_dir else 'file'} (the framework's own save fails here "
+                                      "too); kept as it is")
+    return moves + last
 
 
 def join_pending(owner=None) -> None:
@@ -150,12 +261,29 @@ def barrier() -> None:
         dist.barrier()
 
 
+def agree(problem: Optional[BaseException]) -> None:
+    """Every process raises the first problem any process found (a main process's check of the folder, its
+    publication), or none does: a collective, every process calls it at the same point (where the one that
+    found it raised alone, the others would wait in the next collective)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p is not None), None)
+    if problem is not None:
+        raise problem
+
+
 class PatchOnImport(importlib.abc.MetaPathFinder):
     """Calls ``patch(module)`` when the module ``name`` is imported after ``enable()`` (transformers and
-    accelerate load theirs lazily), while a save mode is set."""
+    accelerate load theirs lazily), while a save mode is set. A patch that cannot apply never fails the
+    import: it warns once and the framework stays stock (:func:`.framework_patch.apply`); DeepSpeed's saves
+    are then atomic, not asynchronous, since a stock framework would go on (rotate, remove the older
+    checkpoint, call it complete) while a background write is still running."""
 
-    def __init__(self, name: str, patch: Callable):
-        self.name, self.patch = name, patch
+    def __init__(self, name: str, patch: Callable, stock: str):
+        self.name, self.patch, self.stock = name, patch, stock
 
     def find_spec(self, name, path, target=None):
         if name != self.name:
@@ -163,21 +291,28 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
-        loader, patch = spec.loader, self.patch
+        loader = spec.loader
         run = loader.exec_module
 
         def exec_module(mod):
             run(mod)
             if engine_hook.mode() is not None:
-                patch(mod)
+                self.apply(mod)
         loader.exec_module = exec_module
         return spec
+
+    def apply(self, module) -> bool:
+        if apply(self.name, lambda: self.patch(module), self.stock + "; DeepSpeed's saves are atomic, not "
+                 "asynchronous, while it is (it would not wait for a background write)"):
+            return True
+        engine_hook.hold_async()
+        return False
 
     def install(self) -> None:
         """Patch the module now if it is loaded, else when it is imported."""
         module = sys.modules.get(self.name)
         if module is not None:
-            self.patch(module)
+            self.apply(module)
         elif self not in sys.meta_path:
             sys.meta_path.insert(0, self)
 
@@ -190,20 +325,26 @@ _MISSING = object()
 
 
 class MethodOnImport:
-    """``<module>.<class_name>.<name>`` replaced by ``wrap(original)`` when the module is loaded (now, or on its
-    import after ``enable()``), put back as it was by :meth:`uninstall`."""
+    """Methods of ``<module>.<class_name>`` replaced, each ``name`` by ``wrap(original, module)``, when the
+    module is loaded (now, or on its import after ``enable()``), all or none: the class, each method and
+    each module attribute in ``needs`` are looked up first. :meth:`uninstall` puts them back as they were."""
 
-    def __init__(self, module: str, class_name: str, name: str, wrap: Callable[[Callable], Callable]):
-        self.class_name, self.name, self.wrap = class_name, name, wrap
-        self.saved: dict = {}  # class -> its own attribute before, or _MISSING where it inherited one
-        self.finder = PatchOnImport(module, self._patch)
+    def __init__(self, module: str, class_name: str, wraps: Dict[str, Callable], needs: Tuple[str, ...] = ()):
+        self.class_name, self.wraps, self.needs = class_name, wraps, needs
+        self.saved: dict = {}  # class -> {name: its own attribute before, or _MISSING where it inherited one}
+        self.finder = PatchOnImport(module, self._patch, f"{class_name} stays stock under enable(save=...)")
 
     def _patch(self, module) -> None:
-        cls = getattr(module, self.class_name)
+        cls = need(module, self.class_name)
         if cls in self.saved:
             return
-        self.saved[cls] = cls.__dict__.get(self.name, _MISSING)
-        setattr(cls, self.name, self.wrap(getattr(cls, self.name)))
+        for name in self.needs:
+            need(module, name)
+        originals = {name: need(cls, name) for name in self.wraps}
+        replaced = {name: wrap(originals[name], module) for name, wrap in self.wraps.items()}
+        self.saved[cls] = {name: cls.__dict__.get(name, _MISSING) for name in self.wraps}
+        for name, method in replaced.items():
+            setattr(cls, name, method)
 
     def install(self) -> None:
         self.finder.install()
@@ -211,8 +352,9 @@ class MethodOnImport:
     def uninstall(self) -> None:
         self.finder.uninstall()
         for cls, own in list(self.saved.items()):
-            if own is _MISSING:
-                delattr(cls, self.name)
-            else:
-                setattr(cls, self.name, own)
+            for name, value in own.items():
+                if value is _MISSING:
+                    delattr(cls, name)
+                else:
+                    setattr(cls, name, value)
             del self.saved[cls]

@@ -24,7 +24,7 @@ log = logging.getLogger("pyckpt")
 MODULE = "lightning.pytorch.strategies.deepspeed"
 
 
-def _wrap(original: Callable) -> Callable:
+def _wrap(original: Callable, module=None) -> Callable:
     def remove_checkpoint(self, filepath) -> None:
         engine = getattr(self, "deepspeed_engine", None) if engine_hook.mode() == "async" else None
         handle = getattr(engine, "_pyckpt_async_save", None)
@@ -46,7 +46,7 @@ def _wrap(original: Callable) -> Callable:
     return remove_checkpoint
 
 
-_REMOVE = MethodOnImport(MODULE, "DeepSpeedStrategy", "remove_checkpoint", _wrap)
+_REMOVE = MethodOnImport(MODULE, "DeepSpeedStrategy", {"remove_checkpoint": _wrap})
 
 
 def install() -> None:

@@ -12,10 +12,12 @@ step returns: the rename waits for their publication (a thread on process 0), so
 the rotation never sees a checkpoint still being written. The model files the Trainer writes from its own
 ``save_model`` (``model.safetensors``, config, tokenizer, ``training_args.bin``) are written by that thread
 too, from a copy of the state dict taken in the call (:class:`DeferredModelWrite`), so the step's stall is
-the copy, not the write. The next save, loading the best model at the end (``load_best_model_at_end``:
-the best may be the last checkpoint, still being written), the end of ``train()`` and the interpreter's
-exit join that wait. Staging folders of a killed run are removed by the next save
-(:mod:`.framework_folders`).
+the copy, not the write. The next save, the end of training (``_finalize_training``, before it loads the best
+model, which may be the last checkpoint, and before ``save_total_limit=1`` deletes all but the best) and
+the interpreter's exit join that wait. The hub push and the ``on_save`` callbacks stock runs right after a
+save run once the folder is in place (:mod:`.trainer_after_save`). Staging folders of a killed run are
+removed by the next save; a ``checkpoint-N`` that is not the Trainer's keeps what the Trainer would not
+overwrite, and a file of that name stops the save as it stops the Trainer's (:mod:`.framework_folders`).
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
-from .framework_folders import PatchOnImport, PendingFolder, barrier, clean_staging, join_pending
+from . import trainer_after_save as after_save
+from .framework_folders import MethodOnImport, PendingFolder, agree, barrier, check_target, clean_staging, join_pending
 from .save import engine_hook
 from .save.shared_copies import SharedCopies, recording
 
 STAGING_SUFFIX = ".pyckpt-trainer"
-_PATCHED: Dict[type, tuple] = {}
 
 
 def _wrap(original: Callable, module) -> Callable:
@@ -38,24 +40,32 @@ def _wrap(original: Callable, module) -> Callable:
         mode = engine_hook.mode()
         if mode is None or not getattr(self, "is_deepspeed_enabled", False):
             return original(self, model, trial)
-        join_pending(self)  # the previous checkpoint in place before this one starts
+        after_save.run(self, wait=True)  # the previous checkpoint in place, its push and on_save run
         run_dir = self._get_output_dir(trial=trial)
         folder = f"{module.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final = os.path.join(run_dir, folder)
         staging_run = os.path.join(run_dir, "." + folder + STAGING_SUFFIX)
         staged = os.path.join(staging_run, folder)
         lead = self.args.should_save
+        problem = None
         if lead:
-            os.makedirs(run_dir, exist_ok=True)
-            clean_staging(run_dir, STAGING_SUFFIX, keep=staging_run)
-            shutil.rmtree(staging_run, ignore_errors=True)
-            os.makedirs(staging_run)
-        barrier()
+            try:
+                check_target(final)
+                os.makedirs(run_dir, exist_ok=True)
+                clean_staging(run_dir, STAGING_SUFFIX, keep=staging_run)
+                shutil.rmtree(staging_run, ignore_errors=True)
+                os.makedirs(staging_run)
+            except Exception as exc:  # raised on every process, below
+                problem = exc
+        agree(problem)
         rotate = module.rotate_checkpoints
         module.rotate_checkpoints = lambda **kwargs: None  # after the rename, below
         shared = SharedCopies() if mode == "async" and lead else None
         deferred = DeferredModelWrite(self, shared) if shared is not None else None
-        shadowed = _shadow(self, _get_output_dir=lambda trial=None: staging_run, _save=deferred)
+        pushes: list = []
+        push = self._push_from_checkpoint  # run once the folder is in place, from its final name
+        shadowed = _shadow(self, _get_output_dir=lambda trial=None: staging_run, _save=deferred,
+                           _push_from_checkpoint=pushes.append)
         try:
             with recording(shared) if shared is not None else contextlib.nullcontext():
                 original(self, model, trial)
@@ -63,27 +73,72 @@ def _wrap(original: Callable, module) -> Callable:
             _restore(self, shadowed)
             module.rotate_checkpoints = rotate
         write = deferred.after_snapshot() if deferred is not None else None
+        publication = None
         try:
             _fix_best(self, staged, final, run_dir, module, lead)
             barrier()  # every rank's files (its RNG state) are in the staged folder
             engine = getattr(self, "model_wrapped", None)
             handle = getattr(engine, "_pyckpt_async_save", None) if mode == "async" else None
             if lead:
-                args = self.args
+                limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
 
                 def rotate():
-                    module.rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
-                                              best_model_checkpoint=self.state.best_model_checkpoint,
-                                              use_mtime=True)
-                PendingFolder(self, staged, staging_run, final, handle, rotate, write).start()
+                    module.rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                                              best_model_checkpoint=best, use_mtime=True)
+                publication = PendingFolder(self, staged, staging_run, final, handle, rotate, write)
+                publication.start()  # with nothing in the background (atomic): in place now, or failed
                 write = None
         finally:
             if write is not None:
                 deferred.abandon()
+        after_save.record(self, final, publication, push if pushes else None, defer_on_save=mode == "async")
         if mode == "atomic":
-            barrier()  # no rank goes on before the checkpoint is in place
+            after_save.run(self, wait=True)  # no process goes on before it is in place (or all raise); the push
     _save_checkpoint.__pyckpt_hooked__ = True
     return _save_checkpoint
+
+
+def _wrap_log_save_evaluate(original: Callable, module) -> Callable:
+    """``_maybe_log_save_evaluate``, which saves and then calls ``on_save``: under ``save="async"`` that call
+    is held until the checkpoint is in place, and at the end of each step what is in place runs
+    (:mod:`.trainer_after_save`)."""
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        if engine_hook.mode() != "async" or not getattr(self, "is_deepspeed_enabled", False):
+            return original(self, *args, **kwargs)
+        handler = self.callback_handler
+        shadowed = _shadow(handler, on_save=after_save.on_save_stand_in(self, handler.on_save))
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            _restore(handler, shadowed)
+            after_save.settle(self)
+        after_save.run(self, wait=False)
+        return result
+    _maybe_log_save_evaluate.__wrapped__ = original
+    return _maybe_log_save_evaluate
+
+
+def _wrap_finalize(original: Callable, module) -> Callable:
+    """``_finalize_training``: the last checkpoint in place on every process, its push and ``on_save`` run,
+    before it loads the best checkpoint (which may be the last) and, with ``save_total_limit=1``, deletes
+    every checkpoint but the best (stock deletes the last one there too)."""
+    def _finalize_training(self, *args, **kwargs):
+        if engine_hook.mode() is not None and getattr(self, "is_deepspeed_enabled", False):
+            after_save.run(self, wait=True)
+        return original(self, *args, **kwargs)
+    _finalize_training.__wrapped__ = original
+    return _finalize_training
+
+
+def _wrap_train(original: Callable, module) -> Callable:
+    def train(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            after_save.drop(self)  # left only where training stopped on an error
+            join_pending(self)
+    train.__wrapped__ = original
+    return train
 
 
 _MISSING = object()
@@ -204,45 +259,16 @@ def _fix_best(trainer, staged: str, final: str, run_dir: str, module, lead: bool
         state.save_to_json(os.path.join(staged, module.TRAINER_STATE_NAME))
 
 
-def _patch(module) -> None:
-    cls = module.Trainer
-    if cls in _PATCHED:
-        return
-    original = cls.__dict__["_save_checkpoint"]
-    cls._save_checkpoint = _wrap(original, module)
-    train = cls.__dict__["train"]
-
-    def train_then_join(self, *args, **kwargs):
-        try:
-            return train(self, *args, **kwargs)
-        finally:
-            join_pending(self)
-    train_then_join.__wrapped__ = train
-    load_best = cls.__dict__.get("_load_best_model")
-    _PATCHED[cls] = (original, module, train, load_best)
-    cls.train = train_then_join
-    if load_best is not None:
-        def join_then_load_best(self, *args, **kwargs):
-            join_pending(self)  # the best checkpoint may be the last one, still being written (by process 0)
-            if engine_hook.mode() is not None and getattr(self, "is_deepspeed_enabled", False):
-                barrier()  # every process loads it once it is in place
-            return load_best(self, *args, **kwargs)
-        join_then_load_best.__wrapped__ = load_best
-        cls._load_best_model = join_then_load_best
-
-
-_FINDER = PatchOnImport("transformers.trainer", _patch)
+# Methods and module names of transformers.trainer this relies on, all found or none replaced.
+_TRAINER = MethodOnImport("transformers.trainer", "Trainer",
+                          {"_save_checkpoint": _wrap, "_maybe_log_save_evaluate": _wrap_log_save_evaluate,
+                           "_finalize_training": _wrap_finalize, "train": _wrap_train},
+                          needs=("PREFIX_CHECKPOINT_DIR", "TRAINER_STATE_NAME", "rotate_checkpoints"))
 
 
 def install() -> None:
-    _FINDER.install()
+    _TRAINER.install()
 
 
 def uninstall() -> None:
-    _FINDER.uninstall()
-    for cls, (original, module, train, load_best) in list(_PATCHED.items()):
-        cls._save_checkpoint = original
-        cls.train = train
-        if load_best is not None:
-            cls._load_best_model = load_best
-        del _PATCHED[cls]
+    _TRAINER.uninstall()

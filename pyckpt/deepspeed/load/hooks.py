@@ -321,29 +321,36 @@ def universal_load(engine_cls) -> Callable:
 
 
 def install() -> bool:
-    """Replace the three optimizers' universal load; False (and DeepSpeed untouched) on a DeepSpeed
-    version these hooks were not proven against."""
+    """Replace the three optimizers' universal load and the engine's load; False (and DeepSpeed untouched) on a
+    DeepSpeed version these hooks were not proven against, or one lacking a class or method they replace
+    (one warning: all are found before any is replaced)."""
     import importlib
 
     import deepspeed
+
+    from ..framework_patch import apply, need
 
     if deepspeed.__version__ not in PROVEN_VERSIONS:
         logger.warning("pyckpt: the accelerated universal load is proven against DeepSpeed %s, not %s; DeepSpeed's "
                        "own loader stays in place", ", ".join(PROVEN_VERSIONS), deepspeed.__version__)
         return False
-    for (module, name), planner in _TARGETS.items():
-        cls = getattr(importlib.import_module(module), name)
-        if cls in _ORIGINALS:
-            continue
-        original = cls.__dict__["_load_universal_checkpoint"]
-        _ORIGINALS[cls] = original
-        cls._load_universal_checkpoint = _load(planner, original)
-    from deepspeed.runtime.engine import DeepSpeedEngine
 
-    if DeepSpeedEngine not in _ENGINE_ORIGINAL:
-        _ENGINE_ORIGINAL[DeepSpeedEngine] = DeepSpeedEngine.__dict__["load_checkpoint"]
-        DeepSpeedEngine.load_checkpoint = _engine_load(_ENGINE_ORIGINAL[DeepSpeedEngine])
-    return True
+    def patch() -> None:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        found = []
+        for (module, name), planner in _TARGETS.items():
+            cls = need(importlib.import_module(module), name)
+            found.append((cls, planner, need(cls, "_load_universal_checkpoint")))
+        engine_load = need(DeepSpeedEngine, "load_checkpoint")
+        for cls, planner, original in found:
+            if cls not in _ORIGINALS:
+                _ORIGINALS[cls] = original
+                cls._load_universal_checkpoint = _load(planner, original)
+        if DeepSpeedEngine not in _ENGINE_ORIGINAL:
+            _ENGINE_ORIGINAL[DeepSpeedEngine] = engine_load
+            DeepSpeedEngine.load_checkpoint = _engine_load(engine_load)
+    return apply("deepspeed", patch, "DeepSpeed's own loader stays in place")
 
 
 def uninstall() -> None:

@@ -12,6 +12,11 @@ every rank, where DeepSpeed's own save would have raised on one and hung the oth
 
 pyckpt's save itself calls the engine's original method into its staging folder; the engine is marked
 while it does, so that inner call is DeepSpeed's own.
+
+Where a framework above DeepSpeed could not be patched (a release that renamed what pyckpt replaces), it
+runs stock, and a stock framework does not wait for a background write: it would rotate away, or remove,
+its older checkpoint while the newer one is still being written. :func:`hold_async` then makes the saves
+atomic, not asynchronous, until the save hooks are uninstalled.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ log = logging.getLogger("pyckpt")
 
 MODES = ("atomic", "async")
 _ORIGINAL: Dict[type, Callable] = {}
-_MODE: Dict[str, Optional[str]] = {"save": None}
+_MODE: Dict[str, Optional[str]] = {"save": None, "held": None}
 _INSIDE = "_pyckpt_inside_save"
 _ANNOUNCED: list = []  # the one line a job prints, on its first save
 
@@ -41,7 +46,15 @@ def check_mode(save) -> Optional[str]:
 
 
 def mode() -> Optional[str]:
+    """The save mode in effect: "atomic" for "async" while :func:`hold_async` holds it."""
+    if _MODE["save"] == "async" and _MODE["held"]:
+        return "atomic"
     return _MODE["save"]
+
+
+def hold_async() -> None:
+    """Asynchronous saves made atomic from now on (a framework runs stock: see the module doc)."""
+    _MODE["held"] = "held"
 
 
 def set_mode(value: Optional[str]) -> Optional[str]:
@@ -53,7 +66,7 @@ def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 (DeepSpeed's)
                         exclude_frozen_parameters=False):
-        if _MODE["save"] is None or getattr(self, _INSIDE, False):
+        if mode() is None or getattr(self, _INSIDE, False):
             return original(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                             exclude_frozen_parameters=exclude_frozen_parameters)
         from .collective_save import save_checkpoint as collective
@@ -61,13 +74,13 @@ def _wrap(original: Callable) -> Callable:
         if not _ANNOUNCED and getattr(self, "global_rank", 0) == 0:
             _ANNOUNCED.append(True)
             log.warning("pyckpt: DeepSpeed's save_checkpoint is %s (pyckpt.deepspeed.enable(save=%r)): %s",
-                        "atomic and asynchronous" if _MODE["save"] == "async" else "atomic", _MODE["save"],
+                        "atomic and asynchronous" if mode() == "async" else "atomic", _MODE["save"],
                         "published whole when every rank's files are complete")
         setattr(self, _INSIDE, True)
         try:
             result = collective(self, save_dir, tag, client_state=dict(client_state or {}),
                                 exclude_frozen_parameters=exclude_frozen_parameters,
-                                async_save=_MODE["save"] == "async", save_latest=bool(save_latest),
+                                async_save=mode() == "async", save_latest=bool(save_latest),
                                 training_state=False)
         finally:
             setattr(self, _INSIDE, False)
@@ -79,13 +92,21 @@ def _wrap(original: Callable) -> Callable:
 
 
 def install() -> bool:
+    """DeepSpeedEngine.save_checkpoint replaced; False, with one warning and DeepSpeed left stock, where this
+    DeepSpeed has no such method."""
     from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from ..framework_patch import apply, need
 
     if DeepSpeedEngine in _ORIGINAL:
         return True
-    _ORIGINAL[DeepSpeedEngine] = DeepSpeedEngine.__dict__["save_checkpoint"]
-    DeepSpeedEngine.save_checkpoint = _wrap(_ORIGINAL[DeepSpeedEngine])
-    return True
+
+    def patch() -> None:
+        original = need(DeepSpeedEngine, "save_checkpoint")
+        _ORIGINAL[DeepSpeedEngine] = original
+        DeepSpeedEngine.save_checkpoint = _wrap(original)
+    return apply("deepspeed", patch, "DeepSpeed's own save_checkpoint stays in place: enable(save=...) saves nothing "
+                 "through pyckpt")
 
 
 def uninstall() -> None:
@@ -93,6 +114,7 @@ def uninstall() -> None:
         cls.save_checkpoint = original
         del _ORIGINAL[cls]
     set_mode(None)
+    _MODE["held"] = None
 
 
 def installed() -> bool:

@@ -40,13 +40,35 @@ def test_the_next_save_removes_only_what_a_killed_save_left(tmp_path):
 
 
 def test_a_folder_goes_into_place_in_one_step_over_an_older_one(tmp_path):
-    staged = _folder(str(tmp_path / "stage" / "checkpoint-4"), ("new",))
+    staged = _folder(str(tmp_path / "stage" / "checkpoint-4"), ("a", "b"))
     final = str(tmp_path / "checkpoint-4")
     into_place(staged, final)
-    assert os.listdir(final) == ["new"] and not os.path.exists(staged)
-    again = _folder(str(tmp_path / "stage" / "checkpoint-4"), ("newer",))
-    into_place(again, final)  # a step saved twice: exchanged, the old one removed after
-    assert os.listdir(final) == ["newer"] and not os.path.exists(again)
+    assert sorted(os.listdir(final)) == ["a", "b"] and not os.path.exists(staged)
+    old = os.stat(os.path.join(final, "a")).st_ino
+    again = _folder(str(tmp_path / "stage" / "checkpoint-4"), ("a", "b", "c"))
+    into_place(again, final)  # a step saved twice, every old file written again: exchanged, the old one removed after
+    assert sorted(os.listdir(final)) == ["a", "b", "c"] and not os.path.exists(again)
+    assert os.stat(os.path.join(final, "a")).st_ino != old
+
+
+def test_a_folder_holding_files_the_save_does_not_write_keeps_them(tmp_path):
+    """Stock writes a checkpoint file by file into a folder that exists (test_framework_against_stock.py): what it
+    does not overwrite stays, and pyckpt moves its files in beside them; a conflict it would fail on too (a
+    folder where a file goes, a link) stops the publication before anything moves."""
+    final = _folder(str(tmp_path / "checkpoint-4"), ("notes.txt", "a"))
+    _folder(os.path.join(final, "global_step4"), ("mine",))
+    staged = _folder(str(tmp_path / "stage" / "checkpoint-4"), ("a", "latest"))
+    _folder(os.path.join(staged, "global_step4"), ("shard",))
+    into_place(staged, final)
+    assert sorted(os.listdir(final)) == ["a", "global_step4", "latest", "notes.txt"]
+    assert sorted(os.listdir(os.path.join(final, "global_step4"))) == ["mine", "shard"]
+    with open(os.path.join(final, "notes.txt")) as f:
+        assert f.read() == "notes.txt"
+    staged = _folder(str(tmp_path / "stage2" / "checkpoint-4"), ("b",))
+    _folder(os.path.join(staged, "notes.txt"))  # a folder where the user's file is
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        into_place(staged, final)
+    assert sorted(os.listdir(final)) == ["a", "global_step4", "latest", "notes.txt"]  # nothing moved, not even b
 
 
 class _Handle:
