@@ -3,7 +3,7 @@ real DeepSpeed on CPU, with or without ``pyckpt.deepspeed.enable(save=MODE)``
 (tests/deepspeed/save/test_enable_save.py compares the runs).
 
     torchrun --nproc_per_node W accelerate_save_worker.py PROJECT TOKENIZER --mode none|atomic|async
-        [--resume] [--kill-at I] [--limit K]
+        [--resume] [--kill-at I] [--limit K] [--mine]
 
 A LlamaForCausalLM with tied embeddings, bf16 (DeepSpeed's mixed precision), ZeRO-2, 6 steps, a
 ``save_state()`` after every second step (``checkpoints/checkpoint_0`` .. ``_2``; ``--limit 2`` keeps two).
@@ -13,6 +13,8 @@ folder at once (accelerate 1.15); pyckpt's rotation runs on rank 0 alone.
 ``--resume`` loads the newest (``load_state()``) and trains two more steps. ``--kill-at I``: rank 1
 SIGKILLs itself while writing its RNG state in the save of ``checkpoint_I``. Rank 0 writes
 PROJECT/result.json (or result_resume.json): the losses by step, and the step the resume started from.
+``--mine``: PROJECT/mine/notes.txt is a file of the user's before the job, and after the last step
+``save_state(PROJECT/mine)`` (automatic naming off for that call) saves into that folder.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> int:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--kill-at", type=int, default=None)
     ap.add_argument("--limit", type=int, default=None, help="ProjectConfiguration's total_limit")
+    ap.add_argument("--mine", action="store_true")
     args = ap.parse_args()
 
     rank, world, tokenizer = hf.start_save_job(args.mode, args.tokenizer)
@@ -85,6 +88,16 @@ def main() -> int:
         losses[step + 1] = float(loss.detach().float())
         if (step + 1) % 2 == 0:
             accelerator.save_state()
+    if args.mine:
+        mine = os.path.join(args.project, "mine")
+        if rank == 0:
+            os.makedirs(mine)
+            with open(os.path.join(mine, "notes.txt"), "w") as f:
+                f.write("the user's")
+        accelerator.wait_for_everyone()
+        accelerator.project_configuration.automatic_checkpoint_naming = False
+        accelerator.save_state(mine)
+        accelerator.project_configuration.automatic_checkpoint_naming = True
     if rank == 0:
         name = "result_resume.json" if args.resume else "result.json"
         with open(os.path.join(args.project, name), "w") as f:

@@ -3,6 +3,7 @@
 
     torchrun --nproc_per_node W trainer_save_worker.py OUT TOKENIZER --stage S --mode none|atomic|async
         [--steps N] [--resume] [--slow-write SECONDS] [--kill POINT --kill-step K] [--best first|last]
+        [--extras DIR]
 
 A LlamaForCausalLM with tied embeddings in bf16 (DeepSpeed's mixed precision), ``save_steps=2``,
 ``save_total_limit=2``, a linear schedule. ``--resume`` continues OUT's run from
@@ -17,6 +18,7 @@ Rank 0 writes OUT/result.json: the losses by step, the global step, the
 time each save call took, for each step when it started and, with ``--slow-write``, when each checkpoint's
 model files were written (to show the steps going on during a write), and how many storages of each
 asynchronous save's model clones (the Trainer's, for model.safetensors) were filled from DeepSpeed's snapshot.
+``--extras DIR``: after that job, more short ones in the same process (see :func:`_extras`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import json
 import os
 import sys
 import time
+
+import torch
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,6 +50,7 @@ def main() -> int:
     ap.add_argument("--kill", choices=("snapshot", "write", "trainer-files", "model-files", "rotation"))
     ap.add_argument("--kill-step", type=int, default=4)
     ap.add_argument("--best", choices=("first", "last"))
+    ap.add_argument("--extras")
     args = ap.parse_args()
 
     rank, _, tokenizer = hf.start_save_job(args.mode, args.tokenizer)
@@ -116,7 +121,127 @@ def main() -> int:
                        "state_dict_entries": len(trainer.model.state_dict()),
                        "best_model_checkpoint": trainer.state.best_model_checkpoint,
                        "weights": _digest(trainer.model)}, f)
+    if args.extras:
+        _extras(args, rank, tokenizer, data)
     return 0
+
+
+COMBOS = {f"limit{limit}-{metric or 'nometric'}-{'loadbest' if load else 'noload'}": (limit, metric, load)
+          for limit in (1, 2) for metric in ("loss", None) for load in (True, False)}
+
+
+def _extras(args, rank: int, tokenizer, data) -> None:
+    """Short jobs (4 steps, a save every 2) after the main one, each a new Trainer in this process, into
+    DIR (rank 0 writes DIR/result.json; every rank DIR/on_save_rank<R>.json). Under --mode async the background
+    write of DeepSpeed's files is slowed by 0.5 s, so that a checkpoint is still being written when the
+    Trainer's next step, on_save and end of training come.
+
+    * ``callbacks``: a callback whose on_save lists ``checkpoint-<step>/`` (its files and model.safetensors'
+      sha256), ``push_to_hub`` with ``hub_strategy="checkpoint"`` and a stand-in for the hub that copies each
+      upload into DIR/hub/<n>-<path in repo>/, ``save_total_limit`` None; ``checkpoint-2/notes.txt`` is a
+      file of the user's before the job starts.
+    * ``combos``: every combination of ``save_total_limit`` 1 or 2, ``metric_for_best_model`` "loss" (the
+      greater the better: the first checkpoint is the best) or none, ``load_best_model_at_end`` or not:
+      the checkpoints left after ``train()``.
+    * ``file`` (not under --mode none): a file ``checkpoint-2`` of the user's: what each rank raised.
+    """
+    import concurrent.futures
+    import fnmatch
+    import hashlib
+    import shutil
+
+    import transformers.trainer as trainer_module
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    if args.mode == "async":
+        from pyckpt.deepspeed.save import async_save
+
+        write = async_save.write_files
+
+        def slow(*a, **k):
+            time.sleep(0.5)
+            return write(*a, **k)
+        async_save.write_files = slow
+    out = args.extras
+    hub = os.path.join(out, "hub")
+    uploads = []
+
+    class Hub:  # the hub stand-in: each upload a copy of the folder as it is at the call
+        def create_repo(self, name, **kw):
+            return type("Repo", (), {"repo_id": f"stand-in/{os.path.basename(name)}"})()
+
+        def upload_folder(self, repo_id, folder_path, path_in_repo=None, ignore_patterns=(), **kw):
+            into = os.path.join(hub, f"{len(uploads)}-{path_in_repo or 'root'}")
+            for dirpath, _, filenames in os.walk(folder_path):
+                for name in filenames:
+                    rel = os.path.relpath(os.path.join(dirpath, name), folder_path)
+                    if not any(fnmatch.fnmatchcase(rel, p) for p in ignore_patterns or ()):
+                        os.makedirs(os.path.join(into, os.path.dirname(rel)), exist_ok=True)
+                        shutil.copy(os.path.join(dirpath, name), os.path.join(into, rel))
+            uploads.append(os.path.basename(into))
+            done = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+    trainer_module.hf_api = lambda: Hub()
+
+    def job(name, **options):
+        model = hf.make_model({"model": "llama", "tie": True}, len(tokenizer))
+        ds = hf.ds_config({"stage": 2, "dtype": "bf16"})
+        ds.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
+        callbacks = options.pop("callbacks", [])
+        evaluate = options.get("metric_for_best_model") or options.get("load_best_model_at_end")
+        targs = TrainingArguments(output_dir=os.path.join(out, name, "run"), deepspeed=ds,
+                                  per_device_train_batch_size=2, max_steps=4, save_strategy="steps", save_steps=2,
+                                  logging_steps=1, learning_rate=1e-2, report_to=[], use_cpu=True, seed=1234,
+                                  bf16=True, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1,
+                                  **({"eval_strategy": "steps", "eval_steps": 2} if evaluate else {}), **options)
+        return Trainer(model=model, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=callbacks,
+                       eval_dataset=data[:2] if evaluate else None)
+
+    seen = []
+
+    class Reader(TrainerCallback):
+        def on_save(self, a, state, control, **kw):
+            folder = os.path.join(a.output_dir, f"checkpoint-{state.global_step}")
+            listed = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+            weights = os.path.join(folder, "model.safetensors")
+            digest = hashlib.sha256(open(weights, "rb").read()).hexdigest() if os.path.isfile(weights) else None
+            seen.append({"step": state.global_step, "files": listed, "model": digest})
+
+    result = {}
+    if rank == 0:
+        os.makedirs(os.path.join(out, "callbacks", "run", "checkpoint-2"))
+        with open(os.path.join(out, "callbacks", "run", "checkpoint-2", "notes.txt"), "w") as f:
+            f.write("the user's")
+    torch.distributed.barrier()
+    job("callbacks", callbacks=[Reader()], push_to_hub=True, hub_strategy="checkpoint").train()
+    result["uploads"] = uploads
+    with open(os.path.join(out, f"on_save_rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    result["combos"] = {}
+    for name, (limit, metric, load) in COMBOS.items():
+        trainer = job(name, save_total_limit=limit, metric_for_best_model=metric, load_best_model_at_end=load,
+                      **({"greater_is_better": True} if metric else {}))
+        trainer.train()
+        run = trainer.args.output_dir
+        result["combos"][name] = sorted(n for n in os.listdir(run) if n.startswith("checkpoint-"))
+    if args.mode != "none":
+        run = os.path.join(out, "file", "run")
+        if rank == 0:
+            os.makedirs(run)
+            with open(os.path.join(run, "checkpoint-2"), "w") as f:
+                f.write("the user's")
+        torch.distributed.barrier()
+        try:
+            job("file").train()
+            raised = None
+        except Exception as exc:
+            raised = [type(exc).__name__, str(exc)]
+        with open(os.path.join(out, f"file_rank{rank}.json"), "w") as f:
+            json.dump(raised, f)
+    if rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
 
 
 def _best_args(best) -> dict:

@@ -71,7 +71,10 @@ def runs(tmp_path_factory):
     for stage, modes in ((2, ("none", "atomic", "async")), (3, ("none", "async"))):
         for mode in modes:
             out = root / f"s{stage}-{mode}" / "run"
-            launch(root, out, tokenizer, "--stage", stage, "--mode", mode)
+            # ZeRO-2 stock and async also run the worker's short extra jobs (callbacks, hub push, best-model
+            # retention, a file where a checkpoint goes) into <out>/../extras
+            extras = ("--extras", out.parent / "extras") if stage == 2 and mode != "atomic" else ()
+            launch(root, out, tokenizer, "--stage", stage, "--mode", mode, *extras)
             made[(stage, mode)] = out
     return root, tokenizer, made
 
@@ -91,6 +94,57 @@ def test_the_checkpoints_are_stock_deepspeeds_byte_for_byte(runs, stage, mode):
         # the clone of every weight the Trainer made for model.safetensors was filled from DeepSpeed's snapshot of
         # the same weights (ZeRO-3 gathers its 16-bit weights instead, and saves none in that file)
         assert result["filled_from_snapshot"] == [result["state_dict_entries"]] * 3
+
+
+def _extras(made, mode) -> Path:
+    return made[(2, mode)].parent / "extras"
+
+
+def test_async_on_save_and_the_hub_push_see_the_checkpoint_in_place_as_stock(runs):
+    """The Trainer's on_save callbacks and its per-save hub push (hub_strategy "checkpoint", the hub stood in for
+    by a copy of each upload) under enable(save="async"), each save's DeepSpeed files slowed to be written after
+    the step: a callback listing checkpoint-<step>/ in on_save finds what it finds in stock (every file,
+    model.safetensors the same bytes), on every rank (stock's rank 1 may find the main process still writing);
+    each upload holds stock's files, the model's byte for byte; the user's checkpoint-2/notes.txt, there before
+    the job, is kept beside the checkpoint's files as stock keeps it."""
+    _, _, made = runs
+    stock, mine = _extras(made, "none"), _extras(made, "async")
+    seen = {(mode, rank): json.loads((folder / f"on_save_rank{rank}.json").read_text())
+            for mode, folder in (("none", stock), ("async", mine)) for rank in (0, 1)}
+    assert [s["step"] for s in seen[("none", 0)]] == [2, 4]
+    assert seen[("async", 0)] == seen[("async", 1)] == seen[("none", 0)]
+    assert all(s["model"] and "model.safetensors" in s["files"] for s in seen[("async", 0)])
+    assert "notes.txt" in seen[("async", 0)][0]["files"]
+    assert (mine / "callbacks" / "run" / "checkpoint-2" / "notes.txt").read_text() == "the user's"
+    uploads = json.loads((stock / "result.json").read_text())["uploads"]
+    assert uploads == json.loads((mine / "result.json").read_text())["uploads"] and len(uploads) == 4
+    for upload in uploads:
+        theirs, ours = files(stock / "hub" / upload), files(mine / "hub" / upload)
+        assert sorted(theirs) == sorted(ours) and "model.safetensors" in ours
+        assert all(theirs[k] == ours[k] for k in ("model.safetensors", "config.json"))
+
+
+def test_the_checkpoints_left_after_training_are_stocks_in_every_combination(runs):
+    """save_total_limit 1 or 2, a best metric or none, load_best_model_at_end or not: the checkpoints left when
+    train() returns under enable(save="async") (the last one's write slowed past the end of training) are
+    stock's. With a limit of 1 and a best checkpoint, stock's end of training deletes every other one, the last
+    included: that deletion sees the last checkpoint in place."""
+    _, _, made = runs
+    stock = json.loads((_extras(made, "none") / "result.json").read_text())["combos"]
+    mine = json.loads((_extras(made, "async") / "result.json").read_text())["combos"]
+    assert len(stock) == 8 and mine == stock
+    assert stock["limit1-loss-noload"] == ["checkpoint-2"]
+
+
+def test_a_file_where_the_checkpoint_goes_stops_the_save_on_every_rank(runs):
+    """A file of the user's named checkpoint-2: the async save raises FileExistsError naming it on every rank, as
+    stock's save into it fails (test_framework_against_stock.py), and the file is kept."""
+    _, _, made = runs
+    run = _extras(made, "async") / "file" / "run"
+    for rank in (0, 1):
+        kind, message = json.loads((_extras(made, "async") / f"file_rank{rank}.json").read_text())
+        assert kind == "FileExistsError" and str(run / "checkpoint-2") in message and "\n" not in message
+    assert (run / "checkpoint-2").read_text() == "the user's" and os.listdir(run) == ["checkpoint-2"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -190,17 +244,21 @@ def launch_accelerate(tmp: Path, project: Path, tokenizer: Path, *args, expect_o
 
 def test_accelerate_save_state_is_stock_and_survives_a_kill(runs, tmp_path):
     """accelerate's save_state with automatic naming: the same folders as stock accelerate byte for byte under
-    enable(save="async"), total_limit=2 keeping the two newest (stock runs without a limit: see the worker); a
+    enable(save="async"), total_limit=2 keeping the two newest (stock runs without a limit: see the worker), and
+    a last save_state(output_dir) into a folder of the user's; a
     rank killed while writing checkpoint_1 leaves checkpoint_0 the one load_state() takes, and the next run
     resumes from it and cleans up."""
     root, tokenizer, _ = runs
     made = {}
     for mode, limit in (("none", ()), ("async", ("--limit", 2))):
         project = tmp_path / mode / "project"
-        launch_accelerate(root, project, tokenizer, "--mode", mode, *limit)
+        launch_accelerate(root, project, tokenizer, "--mode", mode, "--mine", *limit)
         made[mode] = project
     stock, mine = files(made["none"]), files(made["async"])
     assert sorted(p.name for p in (made["async"] / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    # save_state(output_dir) into a folder of the user's: its notes kept beside accelerate's files, as stock keeps
+    # them (the byte-for-byte comparison below covers mine/ too)
+    assert mine["mine/notes.txt"] == stock["mine/notes.txt"] == b"the user's" and "mine/latest" in mine
     stock = {k: v for k, v in stock.items() if not k.startswith("checkpoints/checkpoint_0/")}
     assert sorted(stock) == sorted(mine) and [k for k in stock if stock[k] != mine[k]] == []
     assert hidden(made["async"]) == []
