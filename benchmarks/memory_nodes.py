@@ -102,7 +102,9 @@ def worker(mode: str, spec_path: str) -> int:
 
         engine = _engine(args)
         _step(engine, args["width"])
-        pd.save_checkpoint(engine, os.path.join(args["out"], "unused"), memory=tier, client_state=CLIENT)
+        # the memory checkpoint of the save dir the restart loads (a memory checkpoint belongs to its save dir);
+        # nothing is written there but DeepSpeed's own save below (no persistence asked)
+        pd.save_checkpoint(engine, os.path.join(args["out"], "durable"), memory=tier, client_state=CLIENT)
         sent = None
         for found in links._NODES.values():
             if found.sender is not None:
