@@ -297,11 +297,11 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
         def exec_module(mod):
             run(mod)
             if engine_hook.mode() is not None:
-                self.apply(mod)
+                self.try_patch(mod)
         loader.exec_module = exec_module
         return spec
 
-    def apply(self, module) -> bool:
+    def try_patch(self, module) -> bool:
         if apply(self.name, lambda: self.patch(module), self.stock + "; DeepSpeed's saves are atomic, not "
                  "asynchronous, while it is (it would not wait for a background write)"):
             return True
@@ -312,7 +312,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
         """Patch the module now if it is loaded, else when it is imported."""
         module = sys.modules.get(self.name)
         if module is not None:
-            self.apply(module)
+            self.try_patch(module)
         elif self not in sys.meta_path:
             sys.meta_path.insert(0, self)
 

@@ -103,17 +103,23 @@ def _extras(made, mode) -> Path:
 def test_async_on_save_and_the_hub_push_see_the_checkpoint_in_place_as_stock(runs):
     """The Trainer's on_save callbacks and its per-save hub push (hub_strategy "checkpoint", the hub stood in for
     by a copy of each upload) under enable(save="async"), each save's DeepSpeed files slowed to be written after
-    the step: a callback listing checkpoint-<step>/ in on_save finds what it finds in stock (every file,
-    model.safetensors the same bytes), on every rank (stock's rank 1 may find the main process still writing);
-    each upload holds stock's files, the model's byte for byte; the user's checkpoint-2/notes.txt, there before
-    the job, is kept beside the checkpoint's files as stock keeps it."""
+    the step: a callback listing checkpoint-<step>/ in on_save finds every file the checkpoint has once training
+    ended, stock's, model.safetensors the same bytes as stock's callback found, on every rank (stock's own
+    listing may miss a file another rank is still writing: it has no barrier there); each upload holds stock's
+    files, the model's byte for byte; the user's checkpoint-2/notes.txt, there before the job, is kept beside
+    the checkpoint's files as stock keeps it."""
     _, _, made = runs
     stock, mine = _extras(made, "none"), _extras(made, "async")
     seen = {(mode, rank): json.loads((folder / f"on_save_rank{rank}.json").read_text())
             for mode, folder in (("none", stock), ("async", mine)) for rank in (0, 1)}
-    assert [s["step"] for s in seen[("none", 0)]] == [2, 4]
-    assert seen[("async", 0)] == seen[("async", 1)] == seen[("none", 0)]
-    assert all(s["model"] and "model.safetensors" in s["files"] for s in seen[("async", 0)])
+    assert [s["step"] for s in seen[("none", 0)]] == [s["step"] for s in seen[("async", 0)]] == [2, 4]
+    assert seen[("async", 0)] == seen[("async", 1)]
+    for i, step in enumerate((2, 4)):
+        complete = sorted(files(stock / "callbacks" / "run" / f"checkpoint-{step}"))
+        assert sorted(files(mine / "callbacks" / "run" / f"checkpoint-{step}")) == complete
+        assert seen[("async", 0)][i]["files"] == complete and "model.safetensors" in complete
+        assert seen[("async", 0)][i]["model"] == seen[("none", 0)][i]["model"] == seen[("none", 1)][i]["model"]
+        assert all(set(seen[("none", rank)][i]["files"]) <= set(complete) for rank in (0, 1))
     assert "notes.txt" in seen[("async", 0)][0]["files"]
     assert (mine / "callbacks" / "run" / "checkpoint-2" / "notes.txt").read_text() == "the user's"
     uploads = json.loads((stock / "result.json").read_text())["uploads"]
@@ -161,7 +167,7 @@ def test_resume_from_an_async_run_equals_resume_from_a_stock_one(runs, tmp_path,
 
 
 def test_async_steps_go_on_during_the_write(runs, tmp_path):
-    root, tokenizer, _ = runs
+    root, tokenizer, made = runs
     out = tmp_path / "run"
     launch(root, out, tokenizer, "--stage", 2, "--mode", "async", "--slow-write", 3)
     result = json.loads((out / "result.json").read_text())
@@ -175,6 +181,10 @@ def test_async_steps_go_on_during_the_write(runs, tmp_path):
     assert result["starts"]["3"] < result["model_written"]["checkpoint-2"]
     assert visible(out) == ["checkpoint-4", "checkpoint-6"] and hidden(out) == []
     assert (out / "checkpoint-6" / "model.safetensors").is_file()
+    # the same job as the stock run: the same files, byte for byte, although the step-2 save's on_save ran only at
+    # the step-4 save (still being written before), whose trainer_state.json records that step's own flags
+    stock = files(made[(2, "none")])
+    assert sorted(files(out)) == sorted(stock) and [k for k, v in files(out).items() if stock[k] != v] == []
 
 
 @pytest.mark.parametrize("best", ["first", "last"])

@@ -122,3 +122,54 @@ def test_a_pending_folder_with_a_failed_write_is_never_published(tmp_path, faili
         assert "was not published" in caplog.text and "disk full" in caplog.text
     assert not os.path.exists(final) and not os.path.exists(staging_run) and seen == []
     join_pending(owner)  # reported once
+
+
+def test_a_held_on_save_and_push_run_once_the_folder_is_in_place_in_stocks_order(tmp_path):
+    """What the Trainer runs right after a save (pyckpt/deepspeed/trainer_after_save.py), one process: the on_save
+    that follows an asynchronous save is held (should_save cleared now), nothing runs while the folder is being
+    written, then the push and on_save run in that order with the state as it was at the save, leaving the next
+    save's should_save alone; a folder that was not published gets neither (test_enable_save.py runs the real
+    Trainer)."""
+    import types
+
+    from transformers.trainer_callback import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
+
+    from pyckpt.deepspeed import trainer_after_save as after
+
+    order = []
+
+    class Reader(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            order.append(("on_save", state.global_step, os.path.isdir(str(tmp_path / "checkpoint-4"))))
+            control.should_training_stop = True
+
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(process_index=0), state=TrainerState(global_step=4),
+                                    control=TrainerControl(should_save=True))
+    trainer.callback_handler = CallbackHandler([Reader()], None, None, None, None)
+    handle = _Handle()
+    folder, _, _, final, _ = _pending(tmp_path, handle)
+    folder.start()
+    after.record(trainer, final, folder, lambda path: order.append(("push", trainer.state.global_step,
+                                                                      os.path.isdir(path))), defer_on_save=True)
+    on_save = after.on_save_stand_in(trainer, trainer.callback_handler.on_save)
+    trainer.control = on_save(trainer.args, trainer.state, trainer.control)
+    after.settle(trainer)
+    assert order == [] and not trainer.control.should_save and not trainer.control.should_training_stop
+    trainer.state.global_step = 5  # training goes on
+    after.run(trainer, wait=False)
+    assert order == []  # still being written
+    handle.done.set()
+    folder.thread.join()
+    trainer.control.should_save = True  # as at the start of the next save, which runs what is held first
+    after.run(trainer, wait=True)
+    assert order == [("push", 4, True), ("on_save", 4, True)] and trainer.state.global_step == 5
+    assert trainer.control.should_training_stop  # what on_save set acts now
+    assert trainer.control.should_save  # the next save's own flag (in its trainer_state.json) left as it was
+    failed = _Handle(ok=False, message="disk full")
+    folder, _, _, final, _ = _pending(tmp_path / "again", failed)
+    failed.done.set()
+    folder.start()
+    after.record(trainer, final, folder, lambda path: order.append("pushed anyway"), defer_on_save=True)
+    after.on_save_stand_in(trainer, trainer.callback_handler.on_save)(trainer.args, trainer.state, trainer.control)
+    after.run(trainer, wait=True)
+    assert len(order) == 2 and not after.queue(trainer)

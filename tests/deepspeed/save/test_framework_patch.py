@@ -18,11 +18,11 @@ from pyckpt.deepspeed.save import engine_hook
 
 @pytest.fixture
 def async_mode():
-    before = engine_hook.set_mode("async")
+    before, held = engine_hook.set_mode("async"), engine_hook._MODE["held"]
     try:
         yield
     finally:
-        engine_hook.uninstall()  # the mode and its hold, as enable()'s exit leaves them
+        engine_hook._MODE["held"] = held
         engine_hook.set_mode(before)
 
 
