@@ -122,13 +122,13 @@ def damaged(draw):
     return shape, boxes
 
 
-@props(600)
+@props(300)
 @given(any_layout())
 def test_any_boxes_against_the_oracle(layout):
     agrees(*layout)
 
 
-@props(400)
+@props(200)
 @given(guillotine())
 def test_guillotine_layouts_tile(layout):
     shape, boxes = layout
@@ -136,7 +136,7 @@ def test_guillotine_layouts_tile(layout):
     assert tiling_fault(shape, boxes) is None
 
 
-@props(600)
+@props(300)
 @given(damaged())
 def test_a_damaged_layout_against_the_oracle(layout):
     agrees(*layout)
@@ -183,7 +183,7 @@ def test_check_tiling_names_an_element_in_no_chunk():
                                  "tile it")
 
 
-@props(300)
+@props(150)
 @given(st.lists(st.integers(1, 2), min_size=4, max_size=6).map(tuple).flatmap(
     lambda shape: st.tuples(st.just(shape), boxes_in(shape, 9))))
 def test_any_boxes_cut_in_up_to_six_dimensions_are_checked_within_the_work_allowed(layout):
