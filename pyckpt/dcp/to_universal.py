@@ -107,6 +107,13 @@ def _param_groups(ck: DcpCheckpoint, key: str, names: List[str]) -> List[dict]:
                                             "DeepSpeed loads the param groups with torch.load(weights_only=False), "
                                             f"so a conversion writes only plain data ({PLAIN_RULE})")
             values.setdefault(obj.path[2], {})[str(obj.path[3])] = value
+    for dk, entry in list(ck.objects.items()) + list(ck.tensors.items()):
+        # dcp.save flattens a dict-valued hyper-parameter into deeper keys; left out, the conversion would
+        # resume without it and without a word
+        if len(entry.path) > 4 and entry.path[0] == key and entry.path[1] == "param_groups":
+            raise UnsupportedCheckpointError(f"{ck.folder}: param group value {quoted(dk)} is part of a nested "
+                                             "hyper-parameter (a dict inside a param group), which a conversion "
+                                             "does not carry into DeepSpeed's param groups")
     for dk, t in ck.tensors.items():
         if len(t.path) == 4 and t.path[0] == key and t.path[1] == "param_groups":
             raise UnsupportedCheckpointError(f"{ck.folder}: param group value {quoted(dk)} is a tensor (a capturable "

@@ -687,6 +687,20 @@ def test_convert_refuses_a_param_group_value_that_is_not_plain_data(tmp_path, ca
     assert os.listdir(out.parent) == [] and _snapshot(folder) == before
 
 
+def test_convert_refuses_a_nested_hyper_parameter_instead_of_dropping_it(tmp_path, capsys):
+    """dcp.save flattens a dict-valued param group entry into deeper keys (``param_groups.0.sched.warmup``);
+    the conversion read only the top level and dropped it without a word, so the job resumed without it.
+    Refused in one line naming the key; nothing is written."""
+    folder = _adam_folder(tmp_path / "in", sched={"warmup": 10, "kind": "linear"})
+    before = _snapshot(folder)
+    out = tmp_path / "u" / "step2_universal"
+    out.parent.mkdir()
+    code, lines = _convert(capsys, folder, out)
+    assert code == 1 and len(lines) == 1, lines
+    assert "param group value 'optim.param_groups.0.sched." in lines[0] and "nested" in lines[0], lines
+    assert os.listdir(out.parent) == [] and _snapshot(folder) == before
+
+
 # ------------------------------------------------------------------------------------ what an error line quotes
 
 def test_a_megabyte_transform_descriptor_gives_a_short_line(ck, tmp_path, capsys):

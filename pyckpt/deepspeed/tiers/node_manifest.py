@@ -29,7 +29,7 @@ import stat
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ...errors import CheckpointFormatError
+from ...errors import CheckpointFormatError, quoted
 from ...formats.json_file import read_json_object
 from ...native import _core
 from .job_identity import run_problem, save_dir_problem
@@ -177,7 +177,7 @@ def write(folder: str, manifest: NodeManifest) -> None:
 def _int(body: dict, key: str, low: int, high: int, where: str) -> int:
     value = body.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise CheckpointFormatError(f"{where}: {key} is {value!r}, not an integer from {low} to {high}")
+        raise CheckpointFormatError(f"{where}: {key} is {quoted(value)}, not an integer from {low} to {high}")
     return value
 
 
@@ -204,7 +204,7 @@ def parse(data: dict, where: str) -> NodeManifest:
     if (not isinstance(ranks, list) or len(ranks) != 2 or any(isinstance(r, bool) or not isinstance(r, int)
                                                               for r in ranks)
             or not (0 <= ranks[0] and 1 <= ranks[1] and ranks[0] + ranks[1] <= world)):
-        raise CheckpointFormatError(f"{where}: ranks is {ranks!r}, not [first rank, count] within the world size")
+        raise CheckpointFormatError(f"{where}: ranks is {quoted(ranks)}, not [first rank, count] within the world size")
     model = data.get("model")
     if not isinstance(model, str) or not _HEX.match(model):
         raise CheckpointFormatError(f"{where}: model is not a sha-256 digest")
@@ -223,7 +223,7 @@ def parse(data: dict, where: str) -> NodeManifest:
                 or not 0 <= entry[1] < 2 ** 63 or not 0 <= entry[2] < 2 ** 32):
             raise CheckpointFormatError(f"{where}: a files entry is not [a name inside the folder, a size, a CRC-32]")
         if entry[0] in seen:
-            raise CheckpointFormatError(f"{where}: {entry[0]!r} is listed twice")
+            raise CheckpointFormatError(f"{where}: {quoted(entry[0])} is listed twice")
         seen.add(entry[0])
         out.append((entry[0], entry[1], entry[2]))
     return NodeManifest(data["save"], data["job"], data["tag"], step, node, nodes, world, (ranks[0], ranks[1]),
