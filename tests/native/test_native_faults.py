@@ -176,7 +176,13 @@ SHRINK_EXECUTOR = """
 def test_executor_source_shrinking_mid_copy_raises_and_leaves_nothing(mode, tmp_path):
     proc = _python(SHRINK_EXECUTOR, mode, tmp_path, timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
-    assert "REFUSED source '" in proc.stdout and "became shorter while it was being read" in proc.stdout
+    assert "REFUSED source '" in proc.stdout
+    # A source is mapped lazily: the shrink shows as a read past the end of a live mapping, or, where the
+    # in-kernel copy came up short and maps the source to go on after the truncation (the executor's
+    # prefetch), as a source smaller than the plan validated. Both are the same refusal (SourceChangedError,
+    # nothing left behind, checked in the script); which one comes depends on when the truncation lands.
+    assert "became shorter while it was being read" in proc.stdout or \
+        (mode.startswith("raw") and "bytes after validation (ops read up to byte" in proc.stdout), proc.stdout
 
 
 def test_in_kernel_copy_refuses_a_source_replaced_after_validation(tmp_path):
