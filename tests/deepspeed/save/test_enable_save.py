@@ -126,7 +126,10 @@ def test_async_on_save_and_the_hub_push_see_the_checkpoint_in_place_as_stock(run
     assert uploads == json.loads((mine / "result.json").read_text())["uploads"] and len(uploads) == 4
     for upload in uploads:
         theirs, ours = files(stock / "hub" / upload), files(mine / "hub" / upload)
-        assert sorted(theirs) == sorted(ours) and "model.safetensors" in ours
+        # stock pushes from process 0 with no barrier after the other ranks' writes, so its copy may miss a
+        # file another rank is still writing (an RNG state): ours, pushed once the folder is published, holds
+        # every file stock's can hold, the model files among them
+        assert set(theirs) <= set(ours) and "model.safetensors" in ours and "model.safetensors" in theirs
         assert all(theirs[k] == ours[k] for k in ("model.safetensors", "config.json"))
 
 
