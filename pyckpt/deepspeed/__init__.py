@@ -5,7 +5,9 @@ pyckpt (:mod:`.load`) and, with ``enable(save="atomic" | "async")``, DeepSpeed's
 as frameworks call it (:mod:`.enabling`), ``load_checkpoint(engine, dir)`` resumes from plain ZeRO shards at any world
 size (:mod:`.load.direct`), and ``save_checkpoint(engine, dir)`` saves so that a failure costs
 nothing already saved (:mod:`.save`); ``MemoryCheckpoints`` and ``resume_point`` put the memory tier
-under the Hugging Face Trainer (:mod:`.memory_trainer`).
+under the Hugging Face Trainer (:mod:`.memory_trainer`), ``wait_for_replication()`` waits until the
+memory tier's newest checkpoint is on the peer node (:mod:`.replication_wait`), and ``init_distributed``
+is DeepSpeed's own with the process group kept apart per torchrun restart (:mod:`.elastic_group`).
 
 Import rule: this folder is the top of the library. It may import every folder below it
 (``huggingface``, ``universal``, ``zero``, ``execution``, ``planning``, ``formats``) and the
@@ -19,11 +21,14 @@ from .enabling import disable, enable
 from .save import AsyncSave, save_checkpoint, wait_for_saves
 from .memory_trainer import resume_point
 from .tiers.policy import MemoryTier
+from .replication_wait import wait_for_replication
+from .elastic_group import init_distributed
 
 # MemoryCheckpoints (a transformers TrainerCallback) is reached through __getattr__ below and left out of
 # __all__: importing it imports transformers, which neither `import pyckpt.deepspeed` nor `import *` needs.
 __all__ = ["enable", "disable", "enabled", "load_checkpoint", "save_checkpoint", "wait_for_saves", "AsyncSave",
-           "MemoryTier", "resume_point", "SaveError", "CollectiveCallError", "RankLoadError"]
+           "MemoryTier", "wait_for_replication", "init_distributed", "resume_point", "SaveError",
+           "CollectiveCallError", "RankLoadError"]
 
 
 def __getattr__(name: str):

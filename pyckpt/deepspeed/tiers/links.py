@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -161,6 +162,20 @@ def nodes(group, node_folder, keep: int, job: str, replicate: bool = True) -> No
     return out
 
 
+def replicated(timeout: Optional[float] = None) -> bool:
+    """Whether this node's newest memory checkpoint offered by this process has reached its peer,
+    verified: every sender of this process (a node's leader has one per job on several nodes) flushed
+    within one deadline of ``timeout`` seconds (None: no limit). True at once where there is none
+    (a rank that leads no node, a job on one node, no memory save yet)."""
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    verdict = True
+    for found in list(_NODES.values()):
+        if found.sender is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            verdict = found.sender.flush(left) and verdict
+    return verdict
+
+
 def forget_all() -> None:
     """Closes every receiver and sender of this process (at exit, and in tests)."""
     for found in list(_NODES.values()):
@@ -177,7 +192,8 @@ def _prune_replicas(replica_dir: str, keep: int, links: Nodes) -> None:
 class Sender:
     """A leader's background replication of its node's newest memory checkpoint to the ring's next
     node; newest-wins (module docstring). :meth:`offer` never blocks; :meth:`flush` waits for the
-    newest offered one to be sent or to fail (tests, benchmarks, the end of a job)."""
+    newest offered one to be sent or to fail (``pyckpt.deepspeed.wait_for_replication``, the end of a
+    job)."""
 
     def __init__(self, links: Nodes):
         self.links = links
@@ -198,11 +214,15 @@ class Sender:
             self._cond.notify_all()
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Waits until nothing is pending or in flight; True when the last replica tried was verified
-        by the peer."""
+        """Waits up to ``timeout`` seconds (None: no limit) until nothing is pending or in flight. True
+        when the newest checkpoint offered was verified by the peer (or none was offered); False when
+        it failed, or is still pending or on its way at the timeout (a replica verified earlier does
+        not stand for a newer one), or the sender was closed before sending it."""
         with self._cond:
             self._cond.wait_for(lambda: self._closed or (self._pending is None and not self._busy), timeout)
-            return self.last is not None and self.last[0]
+            if self._pending is not None or self._busy:
+                return False
+            return self.last is None or self.last[0]
 
     def close(self) -> None:
         with self._cond:

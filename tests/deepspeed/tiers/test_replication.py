@@ -715,3 +715,62 @@ def test_a_node_s_next_replica_may_follow_the_verdict_at_once(job, token, tmp_pa
         for i in range(5):
             send_folder(str(folder), 5, f"s{i}", r.address, token)
     assert [x.ok for x in r.results()] == [True] * 5
+
+
+# -- the job's wait for its replicas (pyckpt.deepspeed.wait_for_replication) ----------------------
+
+@contextlib.contextmanager
+def leading_node_0(token, address, monkeypatch):
+    """This process as node 0's leader of a two-node job, its ring sender aimed at ``address``."""
+    from pyckpt.deepspeed.tiers import links
+
+    found = links.Nodes(rank=0, node=0, count=2, leaders=[0, 2], ranks=[(0, 2), (2, 2)], token=token,
+                        addresses=[None, tuple(address)])
+    found.sender = links.Sender(found)
+    monkeypatch.setitem(links._NODES, ("test", 4, "job", True), found)
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+def test_wait_for_replication_is_true_once_the_peer_verified_the_newest_and_false_at_the_timeout_otherwise(
+        job, token, tmp_path, monkeypatch):
+    """A replica verified earlier does not stand for a newer checkpoint still on its way: a peer that
+    never answers leaves wait_for_replication False at its timeout (it returned True then, from the
+    earlier replica's verdict), and a failed send is False at once."""
+    import pyckpt.deepspeed as pd
+
+    assert pd.wait_for_replication(timeout=0) is True  # one node, or no save yet: nothing to wait for
+    first = make_folder(tmp_path / "mem" / "s1", {"model": os.urandom(MiB), "pyckpt-node.json": b"{}"})
+    second = make_folder(tmp_path / "mem" / "s2", {"model": os.urandom(MiB), "pyckpt-node.json": b"{}"})
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # accepts the connection into its backlog and never answers
+    try:
+        with receiving(job, token) as r, leading_node_0(token, r.address, monkeypatch) as found:
+            found.sender.offer(str(first), "s1")
+            assert pd.wait_for_replication() is True
+            assert tree(job / "replica-of-node0" / "s1") == tree(first)  # the peer's copy, verified and published
+            assert [(x.ok, x.tag) for x in r.results()] == [(True, "s1")]
+            found.addresses[1] = silent.getsockname()
+            found.sender.offer(str(second), "s2")
+            assert pd.wait_for_replication(timeout=0.5) is False
+            assert not (job / "replica-of-node0" / "s2").exists()
+            silent.close()  # the waiting connection is reset: the send fails
+            wait_for(lambda: found.sender.failed, "the send to the closed peer to fail")
+            assert pd.wait_for_replication(timeout=30) is False  # failed: no wait, no True
+            found.addresses[1] = r.address
+            found.sender.offer(str(second), "s2")  # the next offer goes to a peer that answers
+            assert pd.wait_for_replication(timeout=60) is True
+            assert tree(job / "replica-of-node0" / "s2") == tree(second)
+    finally:
+        silent.close()
+
+
+def test_wait_for_replication_checks_its_timeout():
+    import pyckpt.deepspeed as pd
+
+    for bad in (-1, float("nan"), "10"):
+        with pytest.raises(ValueError, match="timeout must be"):
+            pd.wait_for_replication(timeout=bad)
