@@ -39,6 +39,16 @@ public:
     // After the last window of `output` (at once if it has none). Returns how many bytes of the
     // output's total lie outside its windows (headers and such), for progress.
     virtual uint64_t finish(std::size_t output, const std::vector<uint32_t>& window_crc) = 0;
+    // A window that is one zero-fill run and was skipped: a destination whose unwritten bytes do
+    // not read as zeros (a file written over in place) writes them here.
+    virtual void zero_fill(std::size_t output, uint64_t offset, uint64_t len) {
+        (void)output, (void)offset, (void)len;
+    }
+    // The CRC-32 of `output`'s whole file once finish() ran, where this destination computed it.
+    virtual bool file_crc(std::size_t output, uint32_t& crc) const {
+        (void)output, (void)crc;
+        return false;
+    }
     // After a failure: removes everything this destination created.
     virtual void abandon() noexcept = 0;
 };

@@ -93,6 +93,7 @@ struct WindowRunner {
             drops.add(src, src_off, len);
         } else if (window_is_zero_fill(w, plan, pieces)) {
             if (want_crc) crc = crc32_zeros(0, len);
+            dest.zero_fill(o, off, len);
         } else {
             // Gather/CRC/write slice by slice so the staging bytes are still cache-hot for the
             // CRC and the copy into the page cache.
@@ -267,6 +268,10 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
                           const ProgressFn& progress) {
     const unsigned workers = resolve_workers(options.workers);
     validate_outputs(outputs, options.root);
+    if (options.file_crcs)
+        for (const OutputSpec& out : outputs)
+            if (out.container != Container::TorchSave)
+                throw PlanError("output '" + out.path + "': whole-file CRCs are computed for torch.save files only");
     WriteJob job(sources);
     for (const WriteOptions::MemorySource& m : options.memory_sources) {
         if (m.index >= sources.size()) throw PlanError("memory source index " + std::to_string(m.index) + " out of range");
@@ -389,6 +394,12 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
     } catch (...) {
         dest.abandon();
         throw;
+    }
+    if (options.file_crcs) {
+        stats.file_crcs.assign(outputs.size(), 0);
+        for (std::size_t o = 0; o < outputs.size(); ++o)
+            if (!dest.file_crc(o, stats.file_crcs[o]))
+                throw PlanError("output '" + outputs[o].path + "': no whole-file CRC for its container");
     }
     return stats;
 }

@@ -60,6 +60,13 @@ struct WriteOptions {
     uint64_t window_bytes = 0;    // 0: default (kDefaultWindowBytes)
     std::string root;             // non-empty: every output path must lie strictly below it
     bool copy_in_kernel = true;   // copy_file_range for page-aligned plain runs of raw files (test knob)
+    // An existing regular file at an output path (one link, not a symlink) is written over in place
+    // and resized instead of refused: its pages are reused, so a file rewritten every save costs no
+    // new memory on tmpfs. Every byte of such a file is written (no holes are left to read as zeros).
+    bool reuse_outputs = false;
+    // WriteStats::file_crcs gets the CRC-32 of every output's whole file, combined from the CRCs
+    // the copy computed and those of the framing, without reading the file back.
+    bool file_crcs = false;
     // Sources that are memory the caller owns rather than files: (source index, address, length).
     // The caller keeps the memory alive and unchanged until the call returns.
     struct MemorySource {
@@ -74,6 +81,7 @@ struct WriteStats {
     uint64_t bytes_written = 0;  // total size of the files produced (headers included)
     uint64_t files = 0;
     uint64_t records = 0;
+    std::vector<uint32_t> file_crcs;  // per output, with WriteOptions::file_crcs
 };
 
 // Windows are the unit of scheduling, CRC and page dropping. 4 MiB keeps per-window costs

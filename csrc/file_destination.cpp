@@ -1,6 +1,7 @@
 #include "file_destination.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -43,7 +44,13 @@ struct OutputState {
     // fd's number once open, read without the mutex: a window writes in many slices.
     std::atomic<int> open_fd{-1};
     bool created = false;
+    bool reused = false;  // an existing file written over in place (WriteOptions::reuse_outputs)
+    uint32_t file_crc = 0;
 };
+
+// Zeros for zero_fill's writes over a reused file.
+constexpr std::size_t kZeroBytes = 1u << 16;
+const uint8_t kZeros[kZeroBytes] = {};
 
 // New files: each is created new and sized up front, and windows land at their records' data
 // offsets. A torch.save ZIP archive (stored members) gets its headers and central directory,
@@ -161,7 +168,9 @@ public:
                     zip::append_torch_save_descriptor(chunk, e, crcs[r]);
                 }
                 place(L.cd_offset);
-                chunk.append(zip::build_torch_save_central_directory(names_[o], L, crcs));
+                const std::string cd = zip::build_torch_save_central_directory(names_[o], L, crcs);
+                chunk.append(cd);
+                if (options_.file_crcs) state_[o].file_crc = whole_file_crc(o, crcs, id, cd);
             } else if (out.container == Container::TorchZip) {
                 for (std::size_t r = 0; r < out.records.size(); ++r) {
                     place(L.entries[r].header_offset);
@@ -207,6 +216,19 @@ public:
         return L.file_size - window_bytes;
     }
 
+    void zero_fill(std::size_t o, uint64_t offset, uint64_t len) override {
+        int fd = open_output(o);
+        if (!state_[o].reused) return;  // a new file's unwritten bytes read as zeros already
+        for (uint64_t at = 0; at < len; at += kZeroBytes)
+            pwrite_all(fd, kZeros, std::min<uint64_t>(kZeroBytes, len - at), offset + at, outputs_[o].path);
+    }
+
+    bool file_crc(std::size_t o, uint32_t& crc) const override {
+        if (outputs_[o].container != Container::TorchSave) return false;
+        crc = state_[o].file_crc;
+        return true;
+    }
+
     void abandon() noexcept override {
         for (std::size_t o = 0; o < outputs_.size(); ++o) {
             OutputState& st = state_[o];
@@ -217,6 +239,38 @@ public:
     }
 
 private:
+    // The CRC-32 of a torch.save file from its parts in file order: each member's local header,
+    // its data (inline bytes, or the CRC its windows gave), its descriptor, then the central
+    // directory; any gap between them reads as zeros.
+    uint32_t whole_file_crc(std::size_t o, const std::vector<uint32_t>& crcs, const std::string& id,
+                            const std::string& cd) const {
+        const OutputSpec& out = outputs_[o];
+        const zip::ArchiveLayout& L = layouts_[o];
+        uint32_t crc = 0;
+        uint64_t at = 0;
+        auto add = [&](uint64_t offset, uint32_t part, uint64_t len) {
+            if (offset > at) crc = crc32_zeros(crc, offset - at);
+            crc = crc32_combine(crc, part, len);
+            at = offset + len;
+        };
+        std::string piece;
+        const std::size_t last = out.records.size() - 1;
+        for (std::size_t r = 0; r < out.records.size(); ++r) {
+            const zip::EntryLayout& e = L.entries[r];
+            piece.clear();
+            zip::append_torch_save_local_header(piece, names_[o][r], e);
+            add(e.header_offset, crc32(0, piece.data(), piece.size()), piece.size());
+            const std::string* bytes = r == last ? &id : out.records[r].has_inline ? &out.records[r].inline_bytes : nullptr;
+            add(e.data_offset, bytes ? crc32(0, bytes->data(), bytes->size()) : crcs[r], e.size);
+            piece.clear();
+            zip::append_torch_save_descriptor(piece, e, crcs[r]);
+            add(e.data_offset + e.size, crc32(0, piece.data(), piece.size()), piece.size());
+        }
+        add(L.cd_offset, crc32(0, cd.data(), cd.size()), cd.size());
+        if (L.file_size > at) crc = crc32_zeros(crc, L.file_size - at);
+        return crc;
+    }
+
     static std::vector<std::string> record_names(const OutputSpec& out, std::size_t n) {
         std::vector<std::string> names;
         names.reserve(n);
@@ -231,8 +285,22 @@ private:
         const std::string& path = outputs_[o].path;
         // O_EXCL | O_NOFOLLOW: an output is always a new file in a fresh folder, so anything
         // already there (a planted symlink above all) is refused rather than written through.
+        // Reusing, an existing file is written over only if it is a regular file with no other
+        // name: a link elsewhere would see the new bytes (or be a path out of the folder).
         if (int e = fi::next_failure(fi::Call::Open)) throw_errno_code(e, "open", path);
-        UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
+        UniqueFd fd;
+        if (options_.reuse_outputs) {
+            fd = UniqueFd(::open(path.c_str(), O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+            if (!fd && errno != ENOENT) throw_errno("open", path);
+            if (fd) {
+                struct stat sb;
+                if (::fstat(fd.get(), &sb) != 0) throw_errno("stat", path);
+                if (!S_ISREG(sb.st_mode) || sb.st_nlink != 1)
+                    throw_errno_code(EEXIST, "reuse (not a regular file with one link)", path);
+                st.reused = true;
+            }
+        }
+        if (!fd) fd = UniqueFd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666));
         if (!fd) throw_errno("open", path);
         st.created = true;
         st.fd = std::move(fd);

@@ -112,10 +112,13 @@ def native_errors(root: Optional[str] = None):
 
 
 def write_archives(sources, outputs, ops, *, root: str, workers: int = 0, fsync: bool = False,
-                   progress=None) -> dict:
-    """Runs an op table into new torch.save archives below ``root``; pyckpt errors on refusal."""
+                   progress=None, reuse_outputs: bool = False, file_crcs: bool = False) -> dict:
+    """Runs an op table into new torch.save archives below ``root``; pyckpt errors on refusal.
+    ``reuse_outputs``: an existing regular file (one link) at an output path is written over in place;
+    ``file_crcs``: the result's ``file_crcs`` holds each output's whole-file CRC-32."""
     with native_errors(root):
-        return _core.write_archives(sources, outputs, ops, workers or 0, fsync, progress, root=root)
+        return _core.write_archives(sources, outputs, ops, workers or 0, fsync, progress, root=root,
+                                    reuse_outputs=reuse_outputs, file_crcs=file_crcs)
 
 
 def series_layout(archive_name: str, records, starts) -> list:

@@ -98,7 +98,7 @@ void register_executor(py::module_& m) {
         "write_archives",
         [](const py::object& sources, const py::object& outputs, const py::object& ops, const py::object& workers,
            bool fsync, const py::object& progress, bool force_zip64, uint64_t window_bytes, const py::object& root,
-           bool copy_in_kernel) {
+           bool copy_in_kernel, bool reuse_outputs, bool file_crcs) {
             std::vector<std::unique_ptr<BufferView>> views;  // released with the GIL held, after the run
             WriteOptions opt;
             auto src = convert_sources(sources, views, opt.memory_sources);
@@ -109,6 +109,8 @@ void register_executor(py::module_& m) {
             opt.force_zip64 = force_zip64;
             opt.window_bytes = window_bytes;
             opt.copy_in_kernel = copy_in_kernel;
+            opt.reuse_outputs = reuse_outputs;
+            opt.file_crcs = file_crcs;
             if (!root.is_none()) opt.root = fspath(root);
             ProgressHook hook{progress, std::nullopt};
             WriteStats st = run_released(hook, [&] {
@@ -118,11 +120,13 @@ void register_executor(py::module_& m) {
             d["bytes_written"] = st.bytes_written;
             d["files"] = st.files;
             d["records"] = st.records;
+            if (file_crcs) d["file_crcs"] = st.file_crcs;
             return d;
         },
         py::arg("sources"), py::arg("outputs"), py::arg("ops"), py::arg("workers") = 0, py::arg("fsync") = false,
         py::arg("progress") = py::none(), py::kw_only(), py::arg("force_zip64") = false,
         py::arg("window_bytes") = 0, py::arg("root") = py::none(), py::arg("copy_in_kernel") = true,
+        py::arg("reuse_outputs") = false, py::arg("file_crcs") = false,
         "Write new files whose op-filled records are gathered from `sources` (paths, or buffers the caller keeps "
         "unchanged during the call): a torch-loadable ZIP archive per output with an archive_name, the exact file "
         "torch.save writes where an output's fourth item is 'torch_save' (its last record .data/serialization_id, "
@@ -132,7 +136,9 @@ void register_executor(py::module_& m) {
         "a source into a raw file whose offsets lie at the same place within a page are copied in the kernel "
         "(copy_file_range) unless copy_in_kernel is False. Raises "
         "PlanError for a bad table, OSError naming the file for I/O errors, SourceChangedError if a source shrank "
-        "while read; outputs created by a failed call are removed.");
+        "while read; outputs created by a failed call are removed. reuse_outputs: an existing regular file with one link "
+        "at an output path is written over in place (its pages reused) instead of refused. file_crcs: the result's "
+        "'file_crcs' lists each torch.save output's whole-file CRC-32, computed without reading the file back.");
 
     m.def(
         "series_layout",
