@@ -93,19 +93,21 @@ def main() -> int:
     for step in range(1, job["steps"] + 1):
         W.train_step(engine, cfg, rank, step)
         if step == job["kill_at"] and job.get("kill_mid_write") and rank == 1:
-            # rank 1 dies while its files are being written into the memory tier's staging folder
-            from pyckpt.deepspeed.save import async_save
+            # rank 1 dies while its files are being written into the memory tier's staging folder: the
+            # free slot's files (step 2's) already moved there to be written over, its write never done
+            import threading
+
+            from pyckpt.deepspeed.save import slot_save
 
             def write_then_never(*args, **kwargs):
                 time.sleep(600)
 
-            async_save.write_files = write_then_never
+            slot_save.write_archives = write_then_never
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
             pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
-            time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(600)
         handle = pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
-        if step == job["kill_at"] and job.get("kill_mid_write"):  # rank 0: its own write done, rank 1's never
-            W.train_step(engine, cfg, rank, step + 1)
+        if step == job["kill_at"] and job.get("kill_mid_write"):  # never: rank 0 waits in the save for rank 1
             time.sleep(600)
         if step == job["kill_at"]:
             handle.wait()  # published on every rank (the outcome is agreed before wait returns)

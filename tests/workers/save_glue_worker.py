@@ -541,16 +541,24 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
     tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="job1", keep=2, persist_every=2)
     engine = _engine(cfg, ws, rank, 1)
     results = []
+    inodes = []  # per save, the inode of each of DeepSpeed's files in the memory folder
+    folder = tier.folder()
     for s in range(1, 6):
         W.train_step(engine, cfg, rank, s)
         out = pd.save_checkpoint(engine, durable, tag=f"s{s}", client_state=_client_state(cfg), memory=tier,
                                  async_save=s % 2 == 0, keep_last=1)
         results.append(bool(out.wait()) if hasattr(out, "wait") else bool(out))
+        tag_dir = os.path.join(folder, f"s{s}")
+        inodes.append({n: os.stat(os.path.join(tag_dir, n)).st_ino for n in sorted(os.listdir(tag_dir))
+                       if n.endswith(".pt")})
     at_save = W.gather_state(engine)
     at_save["meta"]["global_steps"] = engine.global_steps
     persisted = wait_for_persistence(engine)
+    # DeepSpeed's own save of the same step: the memory checkpoint's files are its files, byte for byte
+    stock_dir = os.path.join(root, "stock")
+    engine.save_checkpoint(stock_dir, tag="s5", client_state=_client_state(cfg))
     engine.destroy()
-    folder = tier.folder()
+    vs_deepspeed = _same_files(os.path.join(stock_dir, "s5"), os.path.join(folder, "s5"))
     listing = {"memory": _listing(folder), "durable": _listing(durable)}
     differ = _same_files(os.path.join(durable, "s4"), os.path.join(folder, "s4"))
     mode = oct(os.stat(os.path.join(root, "mem")).st_mode & 0o777)
@@ -559,7 +567,8 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
     return {"results": _gather(results), "persisted": persisted, "listing": listing, "differ": differ,
             "mode": mode, "path": path, "log": _gather(log), "stock_path": str(stock_path),
             "vs_stock": compare_states(stock, resumed), "vs_save": compare_states(at_save, resumed),
-            "latest_durable": open(os.path.join(durable, "latest")).read()}
+            "latest_durable": open(os.path.join(durable, "latest")).read(), "inodes": inodes,
+            "vs_deepspeed": vs_deepspeed}
 
 
 def memory_refusals(task: dict, rank: int, ws: int) -> dict:
@@ -584,22 +593,28 @@ def memory_refusals(task: dict, rank: int, ws: int) -> dict:
         hostile = pd.save_checkpoint(engine, durable, tag="hostile", client_state=_client_state(cfg), memory=opened)
     finally:
         logging.getLogger("pyckpt").removeHandler(handler)
-    # Two asynchronous memory saves back to back while the first one's background write is slow: the
-    # second must join the first before its arrival (both wait on one store client otherwise: a deadlock)
-    # (rank 1's write slowed, rank 0's done and waiting for rank 1's outcome when its next save arrives)
+    # Two asynchronous memory saves back to back, rank 0 a step's worth ahead: each is whole when its
+    # call returns (one copy in the call, nothing in the background), keep=1 keeps the newest and the
+    # free slot the next save writes over (b1's files)
     tier = pd.MemoryTier(root=os.path.join(root, "mem2"), job="j", keep=1)
-    with _slow_background_write(2.0) if rank == 1 else contextlib.nullcontext():
-        first = pd.save_checkpoint(engine, durable, tag="b1", client_state=_client_state(cfg), memory=tier,
-                                   async_save=True)
-        if rank == 0:
-            time.sleep(0.5)  # a training step's worth: its background write is done, its agreement waiting
-        second = pd.save_checkpoint(engine, durable, tag="b2", client_state=_client_state(cfg), memory=tier,
-                                    async_save=True)
-        back_to_back = [first.wait(), second.wait()]
+    first = pd.save_checkpoint(engine, durable, tag="b1", client_state=_client_state(cfg), memory=tier,
+                               async_save=True)
+    first_done = first.done()
+    b1 = {n: os.stat(os.path.join(tier.folder(), "b1", n)).st_ino for n in os.listdir(os.path.join(tier.folder(), "b1"))
+          if n.endswith(".pt")}
+    if rank == 0:
+        time.sleep(0.5)
+    second = pd.save_checkpoint(engine, durable, tag="b2", client_state=_client_state(cfg), memory=tier,
+                                async_save=True)
+    back_to_back = [first.wait(), second.wait()]
+    slot = os.path.join(tier.folder(), ".pyckpt-slot")
+    in_slot = {n: os.stat(os.path.join(slot, n)).st_ino for n in os.listdir(slot) if n.endswith(".pt")} \
+        if os.path.isdir(slot) else {}
     engine.destroy()
     mem_files = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(os.path.join(root, "mem")) for f in fs]
     return {"ok": _gather([full, hostile]), "warned": _gather(warned), "durable": _listing(durable),
-            "back_to_back": _gather(back_to_back), "mem2": _listing(tier.folder()),
+            "back_to_back": _gather(back_to_back), "mem2": _listing(tier.folder()), "first_done": first_done,
+            "b1_in_slot": in_slot == b1 and bool(b1),
             "mem_files": mem_files, "open_listing": _listing(os.path.join(root, "open"))}
 
 

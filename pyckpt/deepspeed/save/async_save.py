@@ -3,9 +3,8 @@
 DeepSpeed's save runs as usual, but every file it hands its checkpoint engine is captured into host
 buffers (:mod:`.snapshot`) instead of written, and the call returns. A background thread per rank
 (:mod:`.background`) then writes the rank's files into the staging folder and posts its outcome in
-the store; rank 0 gathers every rank's and publishes (:mod:`.publication`), or, with node-local
-folders (a memory save), announces the outcome and each node's leader publishes its node's share
-(:mod:`.node_share`). The output lock and the staging folder pass from the call to that thread.
+the store; rank 0 gathers every rank's and publishes (:mod:`.publication`). (A memory save never
+comes here: its one copy runs in the call, :mod:`.slot_save`.) The output lock and the staging folder pass from the call to that thread.
 Conversions run at the join (:mod:`.conversions`), which the next save, ``wait()``,
 ``wait_for_saves()``, ``engine.destroy()`` (:mod:`.destroy_hook`) or the interpreter's exit makes.
 """
@@ -23,7 +22,6 @@ from .companions import write_companions
 from .conversions import convert_published
 from .destroy_hook import join_at_destroy
 from .guarded_io import WriteFailures, guarded
-from .outcome import failed_ranks
 from .preflight import Staged
 from .publication import prune_after, publish_checkpoint
 from .request import SaveRequest
@@ -35,7 +33,7 @@ log = logging.getLogger("pyckpt")
 
 def save_async(engine, request: SaveRequest, staged: Staged, t_call: float) -> AsyncSave:
     """Steps 3-6 of an asynchronous save: the snapshot now, the rest on a background thread."""
-    save_dir, tag, share, snapshot_limit = request.save_dir, request.tag, request.share, request.snapshot_limit
+    save_dir, tag, snapshot_limit = request.save_dir, request.tag, request.snapshot_limit
     group = staged.group
     rank = group.rank
     arena = getattr(engine, "_pyckpt_arena", None)
@@ -67,7 +65,6 @@ def save_async(engine, request: SaveRequest, staged: Staged, t_call: float) -> A
     held = staged.stack.pop_all()
     agreement = StoreAgreement(_default_store(), staged.staging_tag, rank, group.size, request.agree_timeout)
     sources = arena.sources()
-    step = engine.global_steps
     handle = AsyncSave(f"checkpoint {tag} in {save_dir}", request.on_error, rank)
     handle._t_call = t_call
 
@@ -81,8 +78,6 @@ def save_async(engine, request: SaveRequest, staged: Staged, t_call: float) -> A
                 outcome = f"writing into {staging}: {describe_failure(exc)}"
         h.written_s = time.perf_counter() - t_call
         agreement.post(outcome)
-        if share is not None:
-            return _publish_shares(h, agreement, request, staged, held, step)
         if rank == 0:
             # the other ranks wait for the result: it is posted whatever happens here
             result = (False, f"checkpoint {tag} was not saved in {save_dir}: publishing it failed on rank 0")
@@ -113,45 +108,3 @@ def save_async(engine, request: SaveRequest, staged: Staged, t_call: float) -> A
     engine._pyckpt_async_save = handle
     join_at_destroy(engine)
     return handle.start(body)
-
-
-def _publish_shares(h: AsyncSave, agreement: StoreAgreement, request: SaveRequest, staged: Staged, held,
-                    step: int) -> tuple:
-    """An asynchronous save's end with node-local folders: rank 0 gathers every rank's outcome and
-    announces it; each node's leader then publishes its node's folder (or lets its staging go) and
-    posts how that went; every rank returns what all the leaders posted."""
-    share, tag, rank = request.share, request.tag, staged.group.rank
-    if rank == 0:
-        try:
-            outcomes = agreement.gather()
-        except TimeoutError as exc:
-            outcomes = [f"{exc}"]
-        bad = failed_ranks(outcomes)
-        agreement.announce(not bad, bad or None)
-    try:
-        go, why = agreement.result()
-    except Exception as exc:
-        go, why = False, f"rank 0 announced no outcome: {describe_failure(exc)}"
-    nodes = StoreAgreement(agreement.store, agreement.prefix[len("pyckpt/async/"):] + "nodes", share.node,
-                           share.nodes, request.agree_timeout)
-    if share.leader:
-        result = (False, f"checkpoint {tag} was not saved in the memory tier: publishing failed on node {share.node}")
-        try:
-            with held:
-                if go:
-                    result = share.publish(staged.publisher, [None], tag, step)
-                else:
-                    result = (False, f"checkpoint {tag} was not saved in the memory tier: {why}. Nothing was "
-                                     "published; the partial files were removed")
-        finally:
-            nodes.post(list(result))
-    try:
-        results = nodes.gather()
-    except TimeoutError as exc:
-        results = [[False, f"checkpoint {tag}: {exc}"]]
-    agreement.forget()
-    h.published_s = time.perf_counter() - h._t_call
-    ok, message = share.outcome(results)
-    if ok and rank == 0:
-        log.info("pyckpt: saved %s in the memory tier (%.2f s after the call)", tag, h.published_s)
-    return ok, message

@@ -99,7 +99,9 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     ``engine.destroy()`` join also frees the snapshot.
 
     ``memory=MemoryTier(...)`` (:class:`pyckpt.deepspeed.MemoryTier`) saves into the job's node-local
-    memory folder (tmpfs) instead, by the same rules, keeping the tier's ``keep`` newest there; one that
+    memory folder (tmpfs) instead, by the same rules, keeping the tier's ``keep`` newest there: one copy
+    from the state into the files, made in the call with or without ``async_save`` (which then returns a
+    finished handle), over the files of a checkpoint that left the tier (:mod:`.slot_save`); one that
     does not fit the tier's budget goes to ``save_dir`` with a warning. Every ``persist_every``-th memory
     checkpoint, or one saved with ``persist=True``, is also copied to ``save_dir`` in the background
     (``keep_last`` then applies there). Under ``pyckpt.deepspeed.enable(memory=...)`` a resume reads the
@@ -161,6 +163,13 @@ def save_collectively(engine, request: SaveRequest):
     group = _process_group()
     rank = group.rank
     t_call = time.perf_counter()
+    if request.async_save and request.share is not None:
+        # A memory save is one copy from the state into the tier's files in either mode
+        # (:mod:`.slot_save`): nothing is left for a background thread, so it runs in the call.
+        ok = save_collectively(engine, dataclasses.replace(request, async_save=False, snapshot_limit=None))
+        handle = AsyncSave(f"checkpoint {tag}", on_error, rank).finished(ok, None)
+        handle.stall_s = time.perf_counter() - t_call
+        return handle
     if request.async_save:
         problem = capture_problem(ckpt_engine, engine)
         if problem:

@@ -5,8 +5,10 @@ The checkpoint goes to each node's own folder of the job's memory root (tmpfs) i
 ``save_dir``: the job folder of the job saving to ``save_dir`` (:mod:`..tiers.job_identity`: its own
 id, or, for a job that names none, a folder named after the save dir), recorded there as its run's
 (refused, and saved to ``save_dir`` with one line, where another save dir's job holds it), through the same save as a durable one (synchronous or asynchronous: DeepSpeed's own
-files, staged, agreed on every rank, published atomically with ``latest``), each node's leader
-publishing its node's share (:mod:`.node_share`); the newest ``keep`` stay there. With several
+files, staged, agreed on every rank, published atomically with ``latest``; written in place by one
+copy from the state, over the tier's free slot, :mod:`.slot_save`), each node's leader publishing its
+node's share (:mod:`.node_share`); the newest ``keep`` stay there, a node holding ``max(keep, 2)``
+checkpoints of the run at most (:mod:`..tiers.free_slot`). With several
 nodes each share is then copied to the next node's memory in the background (:mod:`..tiers.links`).
 Before anything is written the ranks agree on whether it fits, node by node: each node's tmpfs free
 space (less a spare share: its pages are the node's memory) and the tier's byte limit, against the
@@ -41,6 +43,7 @@ from ...errors import SaveError
 from ...execution.distributed import TorchRanks, describe_failure
 from ...execution.leftovers import remove_path
 from ...execution.publisher import Publisher
+from ..tiers import free_slot
 from ..tiers import node_manifest as nm
 from ..tiers.job_identity import agreed_run, bound, foreign, new_run, owns, read_record
 from ..tiers.links import nodes
@@ -92,6 +95,7 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
         mine["folder"] = memory.folder()
         mine["need"] = estimate_rank_bytes(engine)
         mine["budget"] = budget(memory.root_path, memory.job_name, memory.limit_bytes)
+        mine["reusable"] = free_slot.size(mine["folder"])  # the free slot's pages: the save writes over them
     except Exception as exc:
         mine["error"] = describe_failure(exc)
     pre = group.all_gather(mine)
@@ -123,6 +127,7 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
         restore = os.path.join(folder, nm.RESTORE)
         if os.path.lexists(restore):  # a recovery's assembly (links to the files): every rank has loaded since
             remove_path(restore)
+        _retire_before(folder, share, tag, memory.keep)
     count = getattr(engine, "_pyckpt_memory_saves", 0) + 1
     engine._pyckpt_memory_saves = count
     durable_keep = request.keep_last
@@ -136,13 +141,25 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
     return result
 
 
+def _retire_before(folder: str, share: NodeShare, tag: str, keep: int) -> None:
+    """Before a save (each node's leader): the run's oldest shares beyond what the node may hold with
+    the new one (``max(keep, 2)``) leave the tier now, the first as the free slot the save writes
+    over; never the newest complete one. A failure here only costs the reuse."""
+    try:
+        found = [(p, m) for p, m in nm.shares(folder) if share.mine(m) and m.model == share.model]
+        for path in free_slot.oldest_to_retire(found, keep, protect=tag):
+            free_slot.retire(folder, path)
+    except Exception as exc:
+        log.warning("pyckpt: the memory tier could not free a slot in %s: %s", folder, describe_failure(exc))
+
+
 def _fits_by_node(pre: list) -> Optional[str]:
     by_node: dict = {}
     for p in pre:
         by_node.setdefault(p["node"], []).append(p)
     for node in sorted(by_node):
         ranks = by_node[node]
-        problem = fits(sum(p["need"] for p in ranks), ranks[0]["budget"])
+        problem = fits(max(0, sum(p["need"] for p in ranks) - ranks[0].get("reusable", 0)), ranks[0]["budget"])
         if problem:
             return problem if len(by_node) == 1 else f"node {node}: {problem}"
     return None

@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 from ...execution.distributed import describe_failure
 from ...execution.leftovers import remove_path
 from ...execution.publisher import Publisher
+from ..tiers import free_slot
 from ..tiers import node_manifest as nm
 from ..tiers.job_identity import Identity, claim, owns
 from ..tiers.links import Nodes
@@ -81,8 +82,10 @@ class NodeShare:
                     f"own; choose another tag, or remove that folder")
         return None
 
-    def publish(self, publisher: Publisher, outcomes: List[Optional[str]], tag: str, step: int) -> Tuple[bool, Optional[str]]:
-        """This node's leader: the share described and published (or its staging let go)."""
+    def publish(self, publisher: Publisher, outcomes: List[Optional[str]], tag: str, step: int,
+                known: Optional[dict] = None) -> Tuple[bool, Optional[str]]:
+        """This node's leader: the share described and published (or its staging let go). ``known``:
+        {name: (size, CRC-32)} of the files written in place (their CRCs computed as they were written)."""
         bad = [(r, m) for r, m in enumerate(outcomes) if m]
         if bad:
             return False, (f"checkpoint {tag} was not saved in the memory tier: "
@@ -93,7 +96,7 @@ class NodeShare:
             first, count = self.links.ranks[self.node]
             os.chmod(publisher.staging, 0o700)  # a share's folder is as private as the folders above it
             manifest = nm.NodeManifest(self.save_id, self.job, tag, int(step), self.node, self.nodes, self.world_size,
-                                       (first, count), self.model, tuple(nm.describe(publisher.staging)), self.run,
+                                       (first, count), self.model, tuple(nm.describe(publisher.staging, known)), self.run,
                                        self.identity.save_dir)
             nm.write(publisher.staging, manifest)
             problem = self.replace_problem(publisher.output)
@@ -106,9 +109,12 @@ class NodeShare:
         self.published = publisher.output
         folder = os.path.dirname(publisher.output)
         try:
+            # what this save did not take from the free slot; the share the pruning retires is the next one
+            free_slot.discard(folder)
             # the run's shares here, read once for both prunings (each read stats every listed file)
             found = [(path, m) for path, m in nm.shares(folder) if self.mine(m) and m.model == self.model]
-            nm.prune(folder, self.keep, self.mine, self.model, protect=(tag, ), found=found)
+            nm.prune(folder, self.keep, self.mine, self.model, protect=(tag, ), found=found,
+                     remove=lambda path: free_slot.retire(folder, path))
             self._prune_stale(folder, found)
         except Exception as exc:  # the checkpoint is in place; say why older ones stay
             log.warning("pyckpt: the memory tier could not prune %s: %s", folder, describe_failure(exc))

@@ -279,28 +279,34 @@ def deferring_clones(clones: DeferredClones):
         clones.clear()
 
 
+def pickled_file(state_dict, path: str):
+    """(the file ``torch.save(state_dict, path)`` writes, its records but the storages' data; the
+    storages as (key, untyped storage) in key order): the records before the data in torch's order."""
+    import io
+
+    buffer = io.BytesIO()
+    pickler = _StoragePickler(buffer)
+    pickler.dump(state_dict)
+    file = TorchSaveFile(path)
+    file.add("data.pkl", buffer.getvalue())
+    file.add(".format_version", b"1")
+    file.add(".storage_alignment", str(ALIGN).encode())
+    file.add("byteorder", sys.byteorder.encode())
+    return file, pickler.storages
+
+
 def snapshot_file(state_dict, path: str, arena: SnapshotArena, copies: Optional[DeviceCopies] = None,
                   clones: Optional[DeferredClones] = None) -> TorchSaveFile:
     """The file ``torch.save(state_dict, path)`` would write, its storages copied into ``arena``
     (host storages now; device storages on a side stream, tracked in ``copies``); a deferred
     clone's storage (``clones``) is filled from its original tensor. Where a :mod:`.shared_copies` records,
     it learns where each host storage was copied."""
-    import io
-
     import torch
 
-    buffer = io.BytesIO()
-    pickler = _StoragePickler(buffer)
-    pickler.dump(state_dict)
-    file = TorchSaveFile(path)
-    # the records in the order torch.save writes them
-    file.add("data.pkl", buffer.getvalue())
-    file.add(".format_version", b"1")
-    file.add(".storage_alignment", str(ALIGN).encode())
-    file.add("byteorder", sys.byteorder.encode())
+    file, storages = pickled_file(state_dict, path)
     side = None
     shared = active_copies()
-    for key, storage in pickler.storages:
+    for key, storage in storages:
         nbytes = storage.nbytes()
         index, offset, view = arena.take(nbytes)
         deferred = clones.source_of(storage) if clones is not None else None

@@ -9,14 +9,18 @@ every rank gathers what the leaders did. Every rank returns the same (ok, messag
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from .companions import write_companions
 from .guarded_io import WriteFailures, guarded
 from .preflight import Staged
 from .publication import prune_after, publish_checkpoint
 from .request import SaveRequest
+from .slot_save import capturing, write_slot_files
+from .snapshot import capture_problem
 
 
 def save_now(engine, request: SaveRequest, staged: Staged) -> Tuple[bool, Optional[str], float]:
@@ -26,23 +30,40 @@ def save_now(engine, request: SaveRequest, staged: Staged) -> Tuple[bool, Option
     rank = group.rank
     failures = WriteFailures()
     t0 = time.perf_counter()
-    with guarded(engine, failures):
+    # a memory save writes its files in place from the state itself (:mod:`.slot_save`), where the
+    # checkpoint engine can be captured; otherwise DeepSpeed writes them into the node's folder
+    in_place = share is not None and capture_problem(engine.checkpoint_engine, engine) is None
+    described: List[tuple] = []
+    with contextlib.ExitStack() as stack:
+        captured = stack.enter_context(capturing(engine)) if in_place else None
+        stack.enter_context(guarded(engine, failures))
         try:
             engine.save_checkpoint(save_dir, tag=staged.staging_tag, client_state=request.client_state or {},
                                    save_latest=False, exclude_frozen_parameters=request.exclude_frozen_parameters)
         except Exception as exc:  # not a write (those are caught where they happen): report it all the same
             failures.record("DeepSpeed's save_checkpoint raised", None, exc)
+    staging = os.path.join(save_dir, staged.staging_tag)
+    if captured is not None and not failures:
+        try:
+            described = write_slot_files(*captured, staging, save_dir)
+        except Exception as exc:
+            failures.record("writing into", staging, exc)
+        captured = None  # the state's storages are no longer referenced
     if rank == 0 and not failures:
-        write_companions(engine, staged.publisher.staging, tag, group.size, request.tokenizer, request.model_config,
+        write_companions(engine, staging, tag, group.size, request.tokenizer, request.model_config,
                          failures, request.training_state)
-    outcomes = group.all_gather(failures.first())
 
     result = None
     if share is not None:
+        gathered = group.all_gather((failures.first(), described))
+        outcomes = [g[0] for g in gathered]
         if share.leader:
-            result = share.publish(staged.publisher, outcomes, tag, engine.global_steps)
+            known = {name: (size, crc) for r, g in enumerate(gathered) if share.links.node_of(r) == share.node
+                     for name, size, crc in g[1]}
+            result = share.publish(staged.publisher, outcomes, tag, engine.global_steps, known)
         ok, message = share.outcome(group.all_gather(result))
     else:
+        outcomes = group.all_gather(failures.first())
         if rank == 0:
             result = publish_checkpoint(staged.publisher, outcomes, save_dir, tag)
             if result[0] and request.keep_last:

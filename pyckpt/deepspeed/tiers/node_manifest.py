@@ -136,11 +136,15 @@ def crcs(paths: Sequence[Tuple[str, Optional[int]]]) -> List[Tuple[int, os.stat_
         return list(pool.map(lambda item: file_crc(*item), paths))
 
 
-def describe(folder: str) -> List[Tuple[str, int, int]]:
-    """(name, size, CRC-32) of every file :func:`list_files` lists in ``folder``: what a manifest records."""
+def describe(folder: str, known: Optional[dict] = None) -> List[Tuple[str, int, int]]:
+    """(name, size, CRC-32) of every file :func:`list_files` lists in ``folder``: what a manifest records.
+    ``known``: {name: (size, CRC-32)} of files whose writer computed the CRC as it wrote them; those
+    are taken as they are where the file has that size, the others read."""
+    known = known or {}
     listed = list_files(folder)
-    found = crcs([(os.path.join(folder, name), size) for name, size in listed])
-    return [(name, size, crc) for (name, size), (crc, _) in zip(listed, found)]
+    unread = [(name, size) for name, size in listed if known.get(name, (None, ))[0] != size]
+    found = dict(zip((name for name, _ in unread), crcs([(os.path.join(folder, n), size) for n, size in unread])))
+    return [(name, size, found[name][0] if name in found else known[name][1]) for name, size in listed]
 
 
 def list_files(folder: str) -> List[Tuple[str, int]]:
@@ -313,13 +317,16 @@ def replica_folders(node_folder: str) -> List[str]:
     return sorted(out)
 
 
-def prune(folder: str, keep: int, owner, model: str, protect: Sequence[str] = (), found=None) -> List[str]:
+def prune(folder: str, keep: int, owner, model: str, protect: Sequence[str] = (), found=None,
+          remove=None) -> List[str]:
     """Removes the shares of this job's run and this model in ``folder`` beyond the ``keep`` newest by
     step (``owner(manifest)``: whether a share is the run's; a share of another job, run or model, or a
     folder that is no share, stays), never one named in ``protect`` nor the one ``folder/latest``
     names. Returns the tag folders removed. ``found``: the folder's shares of this run and model, where
-    the caller has read them already."""
+    the caller has read them already. ``remove(path)`` takes a share out (default: removed)."""
     from ...execution.leftovers import remove_path
+
+    remove = remove or remove_path
 
     if found is None:
         found = [(path, m) for path, m in shares(folder) if owner(m) and m.model == model]
@@ -339,6 +346,6 @@ def prune(folder: str, keep: int, owner, model: str, protect: Sequence[str] = ()
     for _, path in sorted(mine, reverse=True)[keep:]:
         if os.path.basename(path) in keep_names:
             continue
-        remove_path(path)
+        remove(path)
         removed.append(path)
     return removed

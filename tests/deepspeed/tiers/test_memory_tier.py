@@ -60,6 +60,12 @@ def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     assert none == [] and line.startswith("pyckpt: resuming step ") and "from memory" in line
     assert "newer than step" in line
     assert res["vs_stock"] == [] and res["vs_save"] == []
+    # the memory files are DeepSpeed's own save of the same step, byte for byte (pyckpt's two files beside)
+    assert res["vs_deepspeed"] == ["pyckpt-node.json", "training_state.json"]
+    # keep=2: two slots, written over in turn (s3 over s1's files, s4 over s2's, s5 over s3's)
+    ino = res["inodes"]
+    assert ino[0] and ino[1] and set(ino[0].values()).isdisjoint(ino[1].values())
+    assert ino[2] == ino[0] and ino[3] == ino[1] and ino[4] == ino[0]
 
 
 def test_what_does_not_fit_or_is_not_safe_goes_to_save_dir_with_one_line(tmp_path):
@@ -73,9 +79,11 @@ def test_what_does_not_fit_or_is_not_safe_goes_to_save_dir_with_one_line(tmp_pat
     assert res["durable"] == ["full", "hostile", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
     assert [f for f in res["mem_files"] if "full" in f or "hostile" in f] == []
     assert res["open_listing"] == []  # nothing made inside a root that others can write
-    # asynchronous memory saves back to back, the first one's write slowed: no deadlock, keep=1 kept b2
-    assert res["back_to_back"] == [[True, True]] * 2
-    assert res["mem2"] == ["b2", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    # asynchronous memory saves back to back: each whole when its call returns; keep=1 kept b2, and b1's
+    # files (the same inodes) wait in the free slot for the next save to write over
+    assert res["back_to_back"] == [[True, True]] * 2 and res["first_done"] is True
+    assert res["mem2"] == [".pyckpt-slot", "b2", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
+    assert res["b1_in_slot"] is True
 
 
 @pytest.mark.parametrize("cfg", [h.Config(2, "fp32", 2), h.Config(3, "bf16", 2)], ids=["z2-fp32", "z3-bf16"])

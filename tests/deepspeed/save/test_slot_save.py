@@ -1,0 +1,176 @@
+"""A memory save's files written in place (pyckpt.deepspeed.save.slot_save) over the free slot's files
+(pyckpt.deepspeed.tiers.free_slot): torch.save's bytes, whole-file CRCs without a read back, the same
+inodes save after save, and nothing written through a link."""
+
+import os
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pyckpt.deepspeed.save import slot_save
+from pyckpt.deepspeed.save.snapshot import CLONE_NAME, CLONE_SITES
+from pyckpt.deepspeed.tiers import free_slot
+from pyckpt.deepspeed.tiers import node_manifest as nm
+
+
+class _Inner:
+    """DeepSpeed's checkpoint engine as the capture sees it: folders made, files never written by it."""
+
+    def makedirs(self, path, exist_ok=False):
+        os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict, path):  # pragma: no cover - the capture must never call it
+        raise AssertionError("the inner engine wrote a file")
+
+
+def _state(seed: int, n: int = 3000):
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randn(4 * n, generator=g)
+    return {
+        "module": {"w": torch.randn(n, 7, generator=g), "b": torch.arange(n, dtype=torch.int64)},
+        "flat_view": flat[n:3 * n],  # a view of a bigger storage: torch.save writes the whole storage
+        "bf16": torch.randn(n, generator=g).to(torch.bfloat16),
+        "empty": torch.empty(0),
+        "step": seed,
+        "strided": torch.randn(n, 6, generator=g).t(),  # not contiguous
+    }
+
+
+def _write(tmp, state, name="zero_pp_rank_0_mp_rank_00_optim_states.pt", node=None, clone=None):
+    """Captures ``torch.save(state)`` as DeepSpeed's save hands it over, writes it into tmp/staging;
+    returns (path, described)."""
+    staging = os.path.join(tmp, "staging")
+    os.makedirs(staging, exist_ok=True)
+    engine = SimpleNamespace(checkpoint_engine=_Inner())
+    path = os.path.join(staging, name)
+    with slot_save.capturing(engine) as (files, sources):
+        payload = state
+        if clone is not None:  # DeepSpeed's clone before a save, deferred while capturing
+            import sys
+
+            payload = getattr(sys.modules[CLONE_SITES[0]], CLONE_NAME)(state)
+        engine.checkpoint_engine.save(payload, path)
+        described = slot_save.write_slot_files(files, sources, staging, node)
+    return path, described
+
+
+def _torch_save(tmp, state, name):
+    ref = os.path.join(tmp, "ref")
+    os.makedirs(ref, exist_ok=True)
+    torch.save(state, os.path.join(ref, name))
+    return open(os.path.join(ref, name), "rb").read()
+
+
+def test_files_written_in_place_are_torch_saves_bytes_with_their_crc(tmp_path):
+    state = _state(1)
+    path, described = _write(str(tmp_path), state)
+    data = open(path, "rb").read()
+    assert data == _torch_save(str(tmp_path), state, os.path.basename(path))
+    assert described == [(os.path.basename(path), len(data), zlib.crc32(data))]
+
+
+def test_deferred_clones_are_written_from_their_originals(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    # a stand-in for the DeepSpeed module whose clone the capture defers (DeepSpeed's own: a detached clone)
+    site = types.ModuleType(CLONE_SITES[0])
+    setattr(site, CLONE_NAME, lambda item, device=None: {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                                                          for k, v in item.items()})
+    monkeypatch.setitem(sys.modules, CLONE_SITES[0], site)
+    state = {"dense": torch.randn(500), "view": torch.randn(40)[5:25], "t": torch.randn(30, 4).t(), "n": 3}
+    path, described = _write(str(tmp_path), state, clone=True)
+    cloned = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+    data = open(path, "rb").read()
+    assert data == _torch_save(str(tmp_path), cloned, os.path.basename(path))
+    assert described[0][2] == zlib.crc32(data)
+
+
+def test_a_save_writes_over_the_free_slots_file_in_place(tmp_path):
+    node = str(tmp_path / "node0")
+    share = os.path.join(node, "s1")
+    os.makedirs(share)
+    first = _state(1, 5000)
+    torch.save(first, os.path.join(share, "f.pt"))
+    open(os.path.join(share, nm.NAME), "w").write("{}")
+    inode = os.stat(os.path.join(share, "f.pt")).st_ino
+    free_slot.retire(node, share)
+    assert not os.path.exists(share) and sorted(os.listdir(free_slot.path(node))) == ["f.pt"]
+    # a smaller state, then a bigger one, over the same file
+    for seed, n in ((2, 1000), (3, 9000)):
+        staging = os.path.join(str(tmp_path), "staging")
+        state = _state(seed, n)
+        path, described = _write(str(tmp_path), state, name="f.pt", node=node)
+        data = open(path, "rb").read()
+        assert os.stat(path).st_ino == inode
+        assert data == _torch_save(str(tmp_path), state, "f.pt") and described[0][2] == zlib.crc32(data)
+        os.rename(path, os.path.join(free_slot.path(node), "f.pt"))  # back into the slot for the next round
+        os.rmdir(staging)
+    free_slot.discard(node)
+    assert not os.path.lexists(free_slot.path(node))
+
+
+def test_a_linked_file_in_the_slot_is_left_where_it_is_and_a_new_file_written(tmp_path):
+    node = str(tmp_path / "node0")
+    slot = free_slot.path(node)
+    os.makedirs(slot)
+    torch.save(_state(1, 100), os.path.join(slot, "f.pt"))
+    os.link(os.path.join(slot, "f.pt"), str(tmp_path / "restore-link.pt"))  # a recovery's assembly links it
+    os.symlink(str(tmp_path / "elsewhere.pt"), os.path.join(slot, "g.pt"))
+    before = open(tmp_path / "restore-link.pt", "rb").read()
+    for name in ("f.pt", "g.pt"):
+        path, _ = _write(str(tmp_path), _state(2, 100), name=name, node=node)
+        assert os.stat(path).st_nlink == 1 and not os.path.islink(path)
+    assert open(tmp_path / "restore-link.pt", "rb").read() == before
+    assert not os.path.exists(tmp_path / "elsewhere.pt")
+
+
+def test_the_native_writer_refuses_to_write_over_a_link(tmp_path):
+    from pyckpt.formats.torch_save_file import plan_files
+    from pyckpt.native import op_table, write_archives
+    from pyckpt.deepspeed.save.snapshot import SnapshotArena, snapshot_file
+
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    arena = SnapshotArena()
+    arena.begin()
+    for make in (lambda p: os.symlink(str(target), p), lambda p: os.link(str(target), p)):
+        path = str(out / "x.pt")
+        make(path)
+        f = snapshot_file(_state(1, 10), path, arena)
+        outputs, rows = plan_files([f])
+        with pytest.raises(OSError):
+            write_archives(arena.sources(), outputs, op_table(rows), root=str(out), reuse_outputs=True)
+        assert target.read_bytes() == b"keep"
+        os.unlink(path)
+
+
+def test_shares_leave_oldest_first_never_the_newest_and_at_most_max_keep_2_remain():
+    def found(*steps):
+        return [(f"/n/s{s}", SimpleNamespace(step=s)) for s in steps]
+
+    assert free_slot.oldest_to_retire(found(), 1) == []
+    assert free_slot.oldest_to_retire(found(1), 1) == []  # keep=1: the slot is the pruned one, after the save
+    assert free_slot.oldest_to_retire(found(2, 1), 2) == ["/n/s1"]
+    assert free_slot.oldest_to_retire(found(1), 2) == []
+    assert free_slot.oldest_to_retire(found(3, 1, 2), 2) == ["/n/s1", "/n/s2"]
+    assert free_slot.oldest_to_retire(found(1, 2, 3), 3) == ["/n/s1"]
+    assert free_slot.oldest_to_retire(found(1, 2), 2, protect="s1") == []
+
+
+def test_a_retired_share_is_no_share_and_a_second_one_is_removed(tmp_path):
+    node = str(tmp_path / "node0")
+    for tag in ("s1", "s2"):
+        os.makedirs(os.path.join(node, tag))
+        open(os.path.join(node, tag, "f.pt"), "wb").write(tag.encode())
+        open(os.path.join(node, tag, nm.NAME), "w").write("{}")
+    free_slot.retire(node, os.path.join(node, "s1"))
+    free_slot.retire(node, os.path.join(node, "s2"))
+    assert sorted(os.listdir(node)) == [free_slot.NAME]
+    assert sorted(os.listdir(free_slot.path(node))) == ["f.pt"]
+    assert open(os.path.join(free_slot.path(node), "f.pt"), "rb").read() == b"s1"
+    assert nm.shares(node) == [] and free_slot.size(node) > 0
