@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 from ...formats.torch_save_file import MemoryRange, TorchSaveFile, plan_files
 from ...native import op_table, write_archives
 from ..tiers import free_slot
-from .snapshot import DeferredClones, deferring_clones, pickled_file
+from .snapshot import CheckpointEngineStandIn, DeferredClones, deferring_clones, pickled_file
 
 
 def _bytes_of(tensor):
@@ -61,25 +61,16 @@ def _dense_bytes(original, stand_in):
     return flat.numpy(), nbytes
 
 
-class SlotCheckpointEngine:
+class SlotCheckpointEngine(CheckpointEngineStandIn):
     """Stands in for DeepSpeed's checkpoint engine during a memory save: folders are made as DeepSpeed
     asks; each file is pickled, its storages referenced in place (``sources`` keeps them alive), and
     left in ``files`` for :func:`write_slot_files`."""
 
     def __init__(self, inner, files: List[TorchSaveFile], sources: list, clones: DeferredClones):
-        self._inner = inner
+        super().__init__(inner)
         self._files = files
         self._sources = sources
         self._clones = clones
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def makedirs(self, path, exist_ok=False):
-        return self._inner.makedirs(path, exist_ok=exist_ok)
-
-    def create(self, info):
-        return self._inner.create(info)
 
     def save(self, state_dict, path):
         file, storages = pickled_file(state_dict, path)
@@ -100,9 +91,6 @@ class SlotCheckpointEngine:
                 file.add(f"data/{key}", b"")
         self._files.append(file)
         self._clones.clear()
-
-    def commit(self, info):
-        return True
 
 
 @contextlib.contextmanager

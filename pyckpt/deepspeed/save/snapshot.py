@@ -376,23 +376,14 @@ def storage_sizes(value) -> List[int]:
     return sizes
 
 
-class CaptureCheckpointEngine:
-    """Stands in for DeepSpeed's checkpoint engine during one save: folders are made as DeepSpeed
-    asks, files are snapshotted into ``files`` instead of written.
+class CheckpointEngineStandIn:
+    """What every stand-in for DeepSpeed's checkpoint engine during one save does alike: folders are
+    made as DeepSpeed asks, anything else it asks of the engine goes to the engine it configured, and
+    ``commit`` reports success (the files exist only once the stand-in's owner has written them, and
+    publication waits for that)."""
 
-    With ``limit`` (bytes), a file whose storages would take the snapshot's memory past it is written
-    at once by the engine DeepSpeed configured (torch.save, the same bytes), during the call: the
-    memory held never exceeds the limit, and the call blocks for that file's write."""
-
-    def __init__(self, inner, arena: SnapshotArena, files: List[TorchSaveFile], limit: Optional[int] = None,
-                 copies: Optional[DeviceCopies] = None, clones: Optional[DeferredClones] = None):
+    def __init__(self, inner):
         self._inner = inner
-        self._arena = arena
-        self._files = files
-        self._limit = limit
-        self._copies = copies
-        self._clones = clones
-        self.written_now: List[str] = []  # files written during the call (over the limit)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -402,6 +393,28 @@ class CaptureCheckpointEngine:
 
     def create(self, info):
         return self._inner.create(info)
+
+    def commit(self, info):
+        return True
+
+
+class CaptureCheckpointEngine(CheckpointEngineStandIn):
+    """Stands in for DeepSpeed's checkpoint engine during one save: folders are made as DeepSpeed
+    asks, files are snapshotted into ``files`` instead of written.
+
+    With ``limit`` (bytes), a file whose storages would take the snapshot's memory past it is written
+    at once by the engine DeepSpeed configured (torch.save, the same bytes), during the call: the
+    memory held never exceeds the limit, and the call blocks for that file's write."""
+
+    def __init__(self, inner, arena: SnapshotArena, files: List[TorchSaveFile], limit: Optional[int] = None,
+                 copies: Optional[DeviceCopies] = None, clones: Optional[DeferredClones] = None):
+        super().__init__(inner)
+        self._arena = arena
+        self._files = files
+        self._limit = limit
+        self._copies = copies
+        self._clones = clones
+        self.written_now: List[str] = []  # files written during the call (over the limit)
 
     def save(self, state_dict, path):
         if self._limit is not None and self._arena.held_after(storage_sizes(state_dict)) > self._limit:
@@ -413,7 +426,3 @@ class CaptureCheckpointEngine:
         self._files.append(snapshot_file(state_dict, path, self._arena, self._copies, self._clones))
         if self._clones is not None:
             self._clones.clear()  # this file's stand-ins are done with
-
-    def commit(self, info):
-        # the files exist only once the background write ends; publication waits for that
-        return True
