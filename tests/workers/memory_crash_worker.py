@@ -43,16 +43,11 @@ def main() -> int:
     with open(sys.argv[1]) as f:
         job = json.load(f)
     W.skip_shm_comm_op()
-    import deepspeed
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    # The workers share torchrun's agent store across restarts; gloo's own keys in it carry no attempt
-    # number, so a restarted rank 0 connected to the killed rank 1's old address (torch 2.13, CPU:
-    # "Gloo connectFullMesh failed ... Connection refused"). A prefix per attempt keeps the rounds apart.
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{restart}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    deepspeed.init_distributed(dist_backend="gloo")
+    # DeepSpeed's init_distributed with the group keyed by torchrun's attempt: the restarted workers would
+    # otherwise read the killed rank's old address from the agent's store (pyckpt/deepspeed/elastic_group.py)
+    pd.init_distributed(dist_backend="gloo")
     cfg, root = job["cfg"], job["root"]
     rank, ws = dist.get_rank(), dist.get_world_size()
     durable = os.path.join(root, "durable")

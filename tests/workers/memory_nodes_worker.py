@@ -11,9 +11,9 @@ the save dir (default root/durable),
 "steps": N, "persist_every": P, "job": the memory tier's job id}.
 
 train: steps 1..N, each saved asynchronously to memory as s<step> (every P-th persisted to
-root/durable); after the last, every leader's replication is flushed (durable reference saves of
-the last two steps went to root/ref), and each rank writes root/ready-<rank>.json (its node, its root)
-and waits to be killed.
+root/durable); after the last, pyckpt.deepspeed.wait_for_replication (durable reference saves of
+the last two steps went to root/ref), and each rank writes root/ready-<rank>.json (its node, its root,
+what the wait returned) and waits to be killed.
 resume: engine.load_checkpoint(root/durable) under enable(memory=...); rank 0 writes
 root/resumed-<world size>.pt (the gathered state, global_steps, what pyckpt logged); then one more
 step is trained and saved to memory, and the job ends normally.
@@ -38,7 +38,6 @@ import torch.distributed as dist  # noqa: E402
 import worker as W  # noqa: E402
 
 import pyckpt.deepspeed as pd  # noqa: E402
-from pyckpt.deepspeed.tiers import links  # noqa: E402
 
 
 # what ds_to_universal asks of a checkpoint it converts (tests/dsharness/worker.py:run_save)
@@ -87,15 +86,13 @@ def main() -> int:
                            client_state=UC_INFO)
         if step >= job["steps"] - 1:  # durable references of the last two steps, for the test's comparisons
             pd.save_checkpoint(engine, os.path.join(root, "ref"), tag=f"s{engine.global_steps}", client_state=UC_INFO)
-    pd.wait_for_saves()
-    flushed = None
-    for found in links._NODES.values():
-        if found.sender is not None:
-            flushed = found.sender.flush(120)
+    # every node's newest share (s<N>) verified on its peer, agreed by every rank (the test then compares
+    # the peers' replica folders with the shares)
+    replicated = pd.wait_for_replication(timeout=120)
     dist.barrier()
     with open(os.path.join(root, f"ready-{rank}.json"), "w") as f:
         json.dump({"rank": rank, "node": int(os.environ["GROUP_RANK"]), "memory_root": os.environ["PYCKPT_MEMORY_ROOT"],
-                   "flushed": flushed, "pid": os.getpid()}, f)
+                   "replicated": replicated, "pid": os.getpid()}, f)
     time.sleep(600)  # killed by the test
     return 1
 

@@ -74,6 +74,23 @@ def _wait_all(procs: list, tmp: Path, pattern: str) -> None:
         assert rc == 0, _tail(tmp, pattern)
 
 
+def _files(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _check_replicas(ready: list) -> None:
+    """Once wait_for_replication returned True, each node's newest share is on the other node: the
+    replica published there, every file equal to the share's own (its manifest with their CRC-32s among
+    them)."""
+    roots = {r["node"]: Path(r["memory_root"]) / "nodes" for r in ready}
+    for node, peer in ((0, 1), (1, 0)):
+        share = roots[node] / f"node{node}" / f"s{STEPS}"
+        replica = roots[peer] / f"node{peer}" / f"replica-of-node{node}" / f"s{STEPS}"
+        assert replica.is_dir(), sorted(os.listdir(replica.parent)) if replica.parent.exists() else replica
+        own = _files(share)
+        assert "pyckpt-node.json" in own and _files(replica) == own, (share, replica)
+
+
 @pytest.fixture(scope="module", params=[h.Config(2, "fp32", 4), h.Config(3, "bf16", 4)], ids=["z2-fp32", "z3-bf16"])
 def trained(request, tmp_path_factory, ds_environ):
     """The training phase on two nodes, then node 1 lost: its tree killed, its memory root deleted;
@@ -94,8 +111,8 @@ def trained(request, tmp_path_factory, ds_environ):
             time.sleep(0.2)
         time.sleep(0.5)  # every ready file complete
         ready = [json.loads(p.read_text()) for p in sorted(tmp.glob("ready-*.json"))]
-        assert all(r["flushed"] in (True, None) for r in ready), ready
-        assert sorted(r["flushed"] is True for r in ready) == [False, False, True, True]  # one leader per node
+        assert [r["replicated"] for r in ready] == [True] * 4, ready  # wait_for_replication, on every rank
+        _check_replicas(ready)
         by_root = dict(zip(map(str, roots), procs))
         lost_root = next(r["memory_root"] for r in ready if r["node"] == 1)
         kept_root = next(r["memory_root"] for r in ready if r["node"] == 0)
