@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 
 from . import accelerate_save, lightning_save, load, trainer_save
-from .save import engine_hook
+from .save import engine_hook, memory_save
+from .tiers import resume_events
 
 log = logging.getLogger("pyckpt")
 
@@ -54,6 +55,8 @@ def enable(trust_pickles: bool = False, *, reshard: bool = True, memory=None, sa
     exit). ``save=None`` (default) leaves saves to DeepSpeed."""
     mode = engine_hook.check_mode(save)
     loaded = load.enable(trust_pickles, reshard=reshard, memory=memory)
+    if memory is not None:  # a job that resumes from memory persists it at its end, as one that saved does
+        resume_events.listen(memory_save.after_resume)
     installed = False
     before = engine_hook.mode()
     if mode is not None and loaded:

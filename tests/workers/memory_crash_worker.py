@@ -53,7 +53,9 @@ def main() -> int:
     durable = os.path.join(root, "durable")
     # kept at the end when the test compares it with DeepSpeed's own load afterwards
     tier = pd.MemoryTier(root=os.path.join(root, "mem"), job=job.get("job", "crash"), keep=2,
-                         persist_every=job["persist_every"], keep_at_exit=job["kill_at"] is not None)
+                         persist_every=job["persist_every"],
+                         # the killed attempt leaves its memory for the restart; the restart ends normally
+                         keep_at_exit=job["kill_at"] is not None and restart == 0)
     lines = pyckpt_warnings()
     other = job.get("other_job")
     if other:

@@ -29,6 +29,7 @@ from ...errors import MemoryRootError, RankLoadError, printable
 from ...execution.distributed import describe_failure
 from ...execution.publisher import Publisher
 from ..tiers import node_manifest as nm
+from ..tiers import resume_events
 from ..tiers.job_identity import agreed_run, bound, foreign, read_record
 from ..tiers.links import nodes
 from ..tiers.memory_root import default_root, level, this_node
@@ -143,6 +144,8 @@ def recover(tier, load_dir: str, ranks=None, save_dir: Optional[str] = None) -> 
         log.warning("pyckpt: resuming step %d from memory (%s)%s, %s%s", plan.step, plan.story(links.count), size, why,
                     passed_over)
     last_recovery.update(seconds=time.perf_counter() - t0, step=plan.step, sent=len(fetches))
+    if links.leader:  # at a normal end the job persists what it resumed, as a job that saved does
+        resume_events.resumed(tier, links, folder, identity, run)
     return os.path.join(folder, nm.RESTORE), plan.tag
 
 

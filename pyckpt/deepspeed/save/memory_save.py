@@ -171,6 +171,14 @@ _AT_EXIT: dict = {}
 _CRASHED = []
 
 
+def after_resume(memory: MemoryTier, links, folder: str, identity, run: str) -> None:
+    """A job that resumed from memory ends as one that saved there does: at a normal end the newest
+    memory checkpoint of its run is persisted where its save dir holds an older one, then the job's
+    memory folder is removed (each node's leader; :mod:`..tiers.resume_events`)."""
+    if links.leader and folder not in _AT_EXIT:
+        _leave_at_exit(memory, links, folder, identity.save_dir, False, identity, run)
+
+
 def _leave_at_exit(memory: MemoryTier, links, folder: str, save_dir: str, fsync: bool, identity, run: str) -> None:
     if not _AT_EXIT:
         previous = sys.excepthook

@@ -91,7 +91,8 @@ def test_a_rank_killed_mid_run_resumes_from_memory_when_torchrun_restarts_it(tmp
     """A job saving to memory after every step (every 3rd persisted) loses rank 1 to SIGKILL after step
     4's save is published; torchrun restarts the workers (--max-restarts 1), and engine.load_checkpoint
     (save_dir) under enable(memory=...) resumes step 4 from memory, not the older step 3 on disk, equal
-    bit for bit to DeepSpeed's own load of that checkpoint."""
+    bit for bit to DeepSpeed's own load of that checkpoint; the restarted job, saving nothing more and
+    ending normally, persists step 4 to save_dir and removes its memory folder."""
 
     import torch
 
@@ -100,9 +101,12 @@ def test_a_rank_killed_mid_run_resumes_from_memory_when_torchrun_restarts_it(tmp
     assert resumed["restart"] == 1 and resumed["global_steps"] == 4
     (line, ) = resumed["log"]
     assert line.startswith("pyckpt: resuming step 4 from memory (") and "newer than step 3" in line, line
-    memory = tmp_path / "mem" / "crash" / "node0"
-    (res, ) = _launch(2, [_call("stock_equals", cfg, memory, tag="s4", resumed=str(tmp_path / "resumed.pt"))],
-                      None, "stock load of the memory checkpoint", TIMEOUT_S)
+    # the restarted job saved nothing and ended normally: what it resumed is persisted, its memory gone,
+    # and that copy is the state it resumed, by DeepSpeed's own load of it
+    durable = tmp_path / "durable"
+    assert (durable / "latest").read_text() == "s4" and not (tmp_path / "mem" / "crash").exists()
+    (res, ) = _launch(2, [_call("stock_equals", cfg, durable, tag="s4", resumed=str(tmp_path / "resumed.pt"))],
+                      None, "stock load of the persisted memory checkpoint", TIMEOUT_S)
     assert res["global_steps"] == 4 and res["problems"] == []
 
 
