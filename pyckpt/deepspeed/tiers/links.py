@@ -29,7 +29,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ...execution.distributed import describe_failure
 from .memory_root import this_node
-from .node_manifest import prune
+from . import free_slot
+from .node_manifest import prune, shares
 from .replication import ReplicaReceiver, send_folder
 
 log = logging.getLogger("pyckpt")
@@ -143,8 +144,9 @@ def nodes(group, node_folder, keep: int, job: str, replicate: bool = True) -> No
                 bind, shown = _listen_host()
                 folder = node_folder()
                 out.receiver = ReplicaReceiver(folder, token, host=bind, port=0,
-                                               on_published=lambda replica_dir: _prune_replicas(replica_dir, keep, out)
-                                               ).start()
+                                               on_published=lambda replica_dir: _prune_replicas(replica_dir, keep, out),
+                                               before_receive=lambda replica_dir: _retire_replicas(replica_dir, keep,
+                                                                                                    out)).start()
                 address = (shown, out.receiver.address[1])
             except Exception as exc:
                 error = describe_failure(exc)
@@ -186,7 +188,17 @@ def forget_all() -> None:
 def _prune_replicas(replica_dir: str, keep: int, links: Nodes) -> None:
     # nothing is removed before this process's first save has said whose shares are the job's
     if links.model is not None and links.owner is not None:
-        prune(replica_dir, keep, links.owner, links.model)
+        free_slot.discard(replica_dir)  # what the replica just received did not take from it
+        prune(replica_dir, keep, links.owner, links.model, remove=lambda path: free_slot.retire(replica_dir, path))
+
+
+def _retire_replicas(replica_dir: str, keep: int, links: Nodes) -> None:
+    """Before a replica is received: the oldest replicas beyond what the folder may hold with it
+    (``max(keep, 2)``, as a node's own folder) leave, the first as the free slot it is written over."""
+    if links.model is not None and links.owner is not None:
+        found = [(p, m) for p, m in shares(replica_dir) if links.owner(m) and m.model == links.model]
+        for path in free_slot.oldest_to_retire(found, keep):
+            free_slot.retire(replica_dir, path)
 
 
 class Sender:

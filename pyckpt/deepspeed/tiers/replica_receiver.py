@@ -24,6 +24,7 @@ from ...errors import check_number, printable
 from ...execution.leftovers import clean_orphans
 from ...execution.publisher import Publisher
 from ...native import _core
+from . import free_slot
 from .memory_root import MODE, Budget, _check, _open_level, fits
 from .replica_protocol import (_DIR_FLAGS, CHUNK, CRC, END, ENTRY, FIELDS, HELLO, LABEL_RECEIVER, LABEL_SENDER,
                                MAGIC_RECEIVER, MAGIC_SENDER, MAX_FILES, MAX_NODE, MAX_RESULTS, NAME_MAX, NONCE, OK,
@@ -31,6 +32,8 @@ from .replica_protocol import (_DIR_FLAGS, CHUNK, CRC, END, ENTRY, FIELDS, HELLO
                                _reason, _recv_exact, _Refusal, _shown, _verdict, name_problem, tag_problem)
 
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# a free slot's file, moved into the staging folder (a regular file with one link, checked there)
+_REUSE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _free_bytes(fd: int) -> int:
@@ -62,13 +65,17 @@ class ReplicaReceiver:
 
     The protocol, and what is checked, are in :mod:`.replica_protocol`'s docstring. Use it as a context manager, or
     call :meth:`start` and :meth:`close`. ``on_published(replica folder)`` runs after each replica
-    is published (the owner's retention); what it raises is ignored.
+    is published (the owner's retention), ``before_receive(replica folder)`` before its data flows (the
+    owner's retention before it: a replica that leaves the tier may become the folder's free slot); what
+    either raises is ignored. A file of the replica folder's free slot with the name of one received
+    is written over in place (:mod:`.free_slot`: the same tmpfs pages every replica).
     """
 
     def __init__(self, job_folder: str, token: bytes, host: str = "127.0.0.1", port: int = 0,
                  max_bytes: Optional[int] = None, *, timeout: float = 60.0, max_connections: int = 8,
                  hello_timeout: float = 5.0, max_waiting: int = 64,
-                 on_published: Optional[Callable[[str], None]] = None):
+                 on_published: Optional[Callable[[str], None]] = None,
+                 before_receive: Optional[Callable[[str], None]] = None):
         self._token = _check_token(token)
         if max_bytes is not None:
             check_number("max_bytes", max_bytes, integer=True, low=0)
@@ -82,6 +89,7 @@ class ReplicaReceiver:
         self.hello_timeout = float(hello_timeout)
         self.max_waiting = max_waiting
         self.on_published = on_published
+        self.before_receive = before_receive
         self.job_folder = os.path.abspath(os.fspath(job_folder))
         self._job_fd = _open_job_folder(self.job_folder)
         try:
@@ -340,6 +348,11 @@ class ReplicaReceiver:
                 raise _Refusal(f"the replica cannot be staged here: {exc.strerror or exc}") from None
             try:
                 os.fchmod(staging_fd, MODE)
+                if self.before_receive is not None:
+                    try:
+                        self.before_receive(path)
+                    except Exception:  # noqa: BLE001
+                        pass
                 # the data flows only once there is a private place for it
                 conn.sendall(_verdict(OK, b""))
                 state.stage = "during the data"
@@ -351,7 +364,8 @@ class ReplicaReceiver:
                         raise _Refusal(f"file {fname!r}: the rest of the replica no longer fits this node's memory "
                                        f"tier: {too_big}")
                     state.stage = f"during file {fname!r}"
-                    got = _receive_file(conn, staging_fd, fname, size, writer)
+                    reused = free_slot.take(path, out.staging, os.path.join(out.staging, fname))
+                    got = _receive_file(conn, staging_fd, fname, size, writer, reused)
                     left -= size
                     (crc,) = CRC.unpack(_recv_exact(conn, CRC.size))
                     if got != crc:
@@ -502,10 +516,12 @@ def _write_all(fd: int, buf: bytearray, n: int) -> None:
         view = view[os.write(fd, view):]
 
 
-def _receive_file(conn: socket.socket, dir_fd: int, name: str, size: int, writer: _Writer) -> int:
-    """Receives ``size`` bytes into the new file ``name`` in ``dir_fd``; returns their CRC-32, taken
-    from the very bytes handed to write(2)."""
-    fd = os.open(name, _FILE_FLAGS, 0o600, dir_fd=dir_fd)
+def _receive_file(conn: socket.socket, dir_fd: int, name: str, size: int, writer: _Writer,
+                  reused: bool = False) -> int:
+    """Receives ``size`` bytes into the new file ``name`` in ``dir_fd`` (``reused``: the free slot's file
+    moved there, written over and cut to size); returns their CRC-32, taken from the very bytes handed
+    to write(2)."""
+    fd = os.open(name, _REUSE_FLAGS if reused else _FILE_FLAGS, 0o600, dir_fd=dir_fd)
     crc = 0
     done = 0
     try:
@@ -526,6 +542,8 @@ def _receive_file(conn: socket.socket, dir_fd: int, name: str, size: int, writer
             done += n
         try:
             writer.flush()
+            if reused:
+                os.ftruncate(fd, size)
         except OSError as exc:
             raise _Refusal(f"file {name!r}: writing it failed ({exc.strerror or exc})") from None
     finally:

@@ -140,6 +140,30 @@ def test_a_folder_is_replicated_byte_for_byte_and_published_with_latest(job, tok
     assert hidden_entries(job) == []
 
 
+def test_a_replica_writes_over_the_free_slots_files_in_place_and_before_receive_runs_first(job, token, tmp_path):
+    """The replica folder's free slot (a retired replica's files): a file of the same name is written
+    over in place (the same inode, cut to the new size), a linked one is left alone; ``before_receive``
+    (the owner's retention) runs before the data flows."""
+    from pyckpt.deepspeed.tiers import free_slot
+
+    folder = job / "replica-of-node1"
+    slot = folder / free_slot.NAME
+    slot.mkdir(parents=True, mode=0o700)
+    (slot / "f").write_bytes(b"x" * 100_000)  # bigger than what comes
+    (slot / "g").write_bytes(b"old g")
+    os.link(slot / "g", tmp_path / "g-elsewhere")  # linked: stays where it is
+    inode = os.stat(slot / "f").st_ino
+    source = make_folder(tmp_path / "src", {"f": b"new f", "g": b"new g"})
+    seen = []
+    with receiving(job, token, before_receive=lambda path: seen.append(sorted(os.listdir(os.path.join(path, ".pyckpt-slot"))))) as r:
+        send_folder(str(source), 1, "s2", r.address, token)
+    replica = folder / "s2"
+    assert tree(replica) == {"f": b"new f", "g": b"new g"}
+    assert os.stat(replica / "f").st_ino == inode
+    assert os.stat(replica / "g").st_nlink == 1 and (tmp_path / "g-elsewhere").read_bytes() == b"old g"
+    assert seen == [["f", "g"]]
+
+
 def test_two_tags_in_a_row_then_the_same_tag_again_replaced_atomically(job, token, tmp_path, monkeypatch):
     a = make_folder(tmp_path / "a", {"f": b"first"})
     b = make_folder(tmp_path / "b", {"f": b"second"})
