@@ -47,7 +47,8 @@ step save-check 200 save_check.log python3 scripts/gpu_save_check.py
 PATTERN="passed|failed|SKIPPED|FAILED|Error"
 cd /tmp
 step unit-tests 150 unit_tests.log python3 -m pytest -q -p no:cacheprovider -n 8 -m "not slow" -rs \
-    "$REPO/tests/deepspeed/save/test_async_units.py" "$REPO/tests/deepspeed/load/test_gather_staging.py"
+    "$REPO/tests/deepspeed/save/test_async_units.py" "$REPO/tests/deepspeed/save/test_slot_save.py" \
+    "$REPO/tests/deepspeed/load/test_gather_staging.py"
 cd "$REPO"
 
 PATTERN="^(async round|snapshot copies|\{)"

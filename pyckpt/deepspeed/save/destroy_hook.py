@@ -23,6 +23,7 @@ def join_at_destroy(engine) -> None:
                 pending.wait()
         finally:
             engine._pyckpt_arena = None
+            engine._pyckpt_slot_host = None  # a memory save's pinned copies of device storages
             del engine.destroy  # the class's own again
             engine._pyckpt_joins_at_destroy = False
             original(*args, **kwargs)

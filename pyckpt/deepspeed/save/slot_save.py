@@ -14,9 +14,9 @@ node manifest records come from those same CRCs, combined with the framing's; no
 So a memory save costs one copy of the rank's state, synchronous or asynchronous alike, and holds
 no host memory of its own between saves (no snapshot arena): the tier's slots are the memory.
 
-A device storage is copied to the host first (one device-to-host copy into pageable memory, then
-the write); a deferred clone whose original is not one dense run is filled first (DeepSpeed's own
-clone, then the write).
+A device storage is copied to the host first (one device-to-host copy into pinned memory kept for
+the next save, then the write); a deferred clone whose original is not one dense run is filled first
+(DeepSpeed's own clone, then the write).
 """
 
 from __future__ import annotations
@@ -28,49 +28,53 @@ from typing import List, Optional, Tuple
 from ...formats.torch_save_file import MemoryRange, TorchSaveFile, plan_files
 from ...native import op_table, write_archives
 from ..tiers import free_slot
-from .snapshot import CheckpointEngineStandIn, DeferredClones, deferring_clones, pickled_file
+from .destroy_hook import join_at_destroy
+from .snapshot import CheckpointEngineStandIn, DeferredClones, SnapshotArena, deferring_clones, pickled_file
 
 
-def _bytes_of(tensor):
-    """A uint8 host view of ``tensor``'s storage bytes, or of a host copy of them for a device tensor
-    (the source the writer reads), and its byte count."""
+def _storage_bytes(storage):
+    """``storage``'s bytes as a flat uint8 tensor on its device (no copy)."""
     import torch
 
-    storage = tensor.untyped_storage() if torch.is_tensor(tensor) else tensor
-    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.numpy(), flat.numel()
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _dense_bytes(original, stand_in):
-    """The bytes of ``original`` laid out as ``stand_in`` (its clone's layout), without a copy where
-    they already are so (a dense tensor with the same strides from its storage's start), else None."""
+    """The bytes of ``original`` laid out as ``stand_in`` (its clone's layout) as a flat uint8 tensor on
+    ``original``'s device, without a copy where they already are so (a dense tensor with the same
+    strides from its storage's start), else None."""
     import torch
 
-    if original.device.type != "cpu" or stand_in.device.type != "cpu":
-        return None
     if original.dtype != stand_in.dtype or original.shape != stand_in.shape or original.stride() != stand_in.stride():
         return None
     if not original.is_contiguous() or stand_in.storage_offset() != 0:
         return None
-    nbytes = stand_in.untyped_storage().nbytes()
-    if original.numel() * original.element_size() != nbytes:
+    if original.numel() * original.element_size() != stand_in.untyped_storage().nbytes():
         return None
-    flat = original.reshape(-1).view(torch.uint8)
-    return flat.numpy(), nbytes
+    return original.reshape(-1).view(torch.uint8)
 
 
 class SlotCheckpointEngine(CheckpointEngineStandIn):
     """Stands in for DeepSpeed's checkpoint engine during a memory save: folders are made as DeepSpeed
     asks; each file is pickled, its storages referenced in place (``sources`` keeps them alive), and
-    left in ``files`` for :func:`write_slot_files`."""
+    left in ``files`` for :func:`write_slot_files`. A device storage is first copied into ``host`` (a
+    :class:`~.snapshot.SnapshotArena`, pinned where CUDA is available, reused save after save): the
+    writer reads host memory."""
 
-    def __init__(self, inner, files: List[TorchSaveFile], sources: list, clones: DeferredClones):
+    def __init__(self, inner, files: List[TorchSaveFile], sources: list, clones: DeferredClones, host=None):
         super().__init__(inner)
         self._files = files
         self._sources = sources
         self._clones = clones
+        self._host = host
+
+    def _source(self, flat):
+        """What the writer reads for the flat uint8 tensor ``flat``: itself, or its host copy."""
+        if flat.device.type == "cpu":
+            return flat.numpy()
+        _, _, view = self._host.take(flat.numel())
+        view.copy_(flat)  # into pinned memory: the device's copy engine at full speed
+        return view.numpy()
 
     def save(self, state_dict, path):
         file, storages = pickled_file(state_dict, path)
@@ -78,14 +82,13 @@ class SlotCheckpointEngine(CheckpointEngineStandIn):
             nbytes = storage.nbytes()
             if nbytes:
                 deferred = self._clones.source_of(storage)
-                found = None
+                flat = None
                 if deferred is not None:
                     stand_in, original = deferred
-                    found = _dense_bytes(original, stand_in)
-                    if found is None:
+                    flat = _dense_bytes(original, stand_in)
+                    if flat is None:
                         stand_in.copy_(original)  # DeepSpeed's clone, made now: its bytes are the source
-                source, _ = found if found is not None else _bytes_of(storage)
-                self._sources.append(source)
+                self._sources.append(self._source(flat if flat is not None else _storage_bytes(storage)))
                 file.add(f"data/{key}", MemoryRange(len(self._sources) - 1, 0, nbytes))
             else:
                 file.add(f"data/{key}", b"")
@@ -101,8 +104,13 @@ def capturing(engine):
     files: List[TorchSaveFile] = []
     sources: list = []
     clones = DeferredClones()
+    host = getattr(engine, "_pyckpt_slot_host", None)
+    if host is None:
+        host = engine._pyckpt_slot_host = SnapshotArena()  # allocated only if a device storage comes
+        join_at_destroy(engine)  # which lets it go
+    host.begin()
     inner = engine.checkpoint_engine
-    engine.checkpoint_engine = SlotCheckpointEngine(inner, files, sources, clones)
+    engine.checkpoint_engine = SlotCheckpointEngine(inner, files, sources, clones, host)
     try:
         with deferring_clones(clones):
             yield files, sources

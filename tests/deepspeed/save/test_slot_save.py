@@ -43,7 +43,7 @@ def _write(tmp, state, name="zero_pp_rank_0_mp_rank_00_optim_states.pt", node=No
     returns (path, described)."""
     staging = os.path.join(tmp, "staging")
     os.makedirs(staging, exist_ok=True)
-    engine = SimpleNamespace(checkpoint_engine=_Inner())
+    engine = SimpleNamespace(checkpoint_engine=_Inner(), destroy=lambda: None)
     path = os.path.join(staging, name)
     with slot_save.capturing(engine) as (files, sources):
         payload = state
@@ -174,3 +174,12 @@ def test_a_retired_share_is_no_share_and_a_second_one_is_removed(tmp_path):
     assert sorted(os.listdir(free_slot.path(node))) == ["f.pt"]
     assert open(os.path.join(free_slot.path(node), "f.pt"), "rb").read() == b"s1"
     assert nm.shares(node) == [] and free_slot.size(node) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_storages_are_copied_through_pinned_memory_into_torch_saves_bytes(tmp_path):
+    state = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in _state(5).items()}
+    path, described = _write(str(tmp_path), state)
+    data = open(path, "rb").read()
+    assert data == _torch_save(str(tmp_path), state, os.path.basename(path))
+    assert described[0][2] == zlib.crc32(data)
