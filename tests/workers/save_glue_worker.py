@@ -69,8 +69,33 @@ def _state_after_load(engine) -> dict:
         opt._lazy_init_hp_params_optimizer_state()
     state = W.gather_state(engine)
     state["meta"]["global_steps"] = engine.global_steps
+    state["engine"] = _engine_extras(engine)
     engine.destroy()
     return state
+
+
+def _engine_extras(engine) -> dict:
+    """What a load sets beyond the masters and moments, on this rank: the low-precision weights the
+    module holds (ZeRO-3: this rank's partition), the loss scaler's and lr scheduler's state and the
+    engine's counters."""
+    opt = engine.optimizer
+    scaler = getattr(opt, "loss_scaler", None)
+    plain = (bool, int, float, str, type(None))
+    return {
+        "lp": {n: getattr(p, "ds_tensor", p).detach().cpu().clone() for n, p in engine.module.named_parameters()},
+        "scaler": {k: v for k, v in vars(scaler).items() if isinstance(v, plain)} if scaler is not None else None,
+        "lr": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "counters": [engine.global_steps, engine.global_samples, engine.skipped_steps],
+    }
+
+
+def _extras_differ(a: dict, b: dict) -> list:
+    """What differs between two _engine_extras (tensors exactly, dtype included)."""
+    out = [k for k in ("scaler", "lr", "counters") if a[k] != b[k]]
+    if a["lp"].keys() != b["lp"].keys():
+        return out + ["lp names"]
+    return out + [f"lp/{n}" for n in a["lp"] if a["lp"][n].dtype != b["lp"][n].dtype
+                  or not torch.equal(a["lp"][n], b["lp"][n])]
 
 
 def equal(task: dict, rank: int, ws: int) -> dict:
@@ -510,12 +535,18 @@ def _resume(cfg: dict, ws: int, root: str, memory):
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("pyckpt").addHandler(handler)
+    from pyckpt.deepspeed.load import hooks
+
     try:
         with pd.enable(memory=memory):
-            path, _ = engine.load_checkpoint(root)
+            path, client = engine.load_checkpoint(root)
     finally:
         logging.getLogger("pyckpt").removeHandler(handler)
-    return _state_after_load(engine), str(path), lines
+    state = _state_after_load(engine)
+    # which load read it: pyckpt's direct one (no DeepSpeed load of the optimizer shards) or DeepSpeed's
+    state["load"] = {"backend": hooks.last_load.get("backend"), "direct": bool(hooks.last_load.get("direct")),
+                     "client": client}
+    return state, str(path), lines
 
 
 def _same_files(a: str, b: str) -> list:
@@ -563,8 +594,11 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
     differ = _same_files(os.path.join(durable, "s4"), os.path.join(folder, "s4"))
     mode = oct(os.stat(os.path.join(root, "mem")).st_mode & 0o777)
     resumed, path, log = _resume(cfg, ws, durable, tier)
-    stock, stock_path, _ = _reload(cfg, ws, folder, tag="s5")
-    return {"results": _gather(results), "persisted": persisted, "listing": listing, "differ": differ,
+    stock, stock_path, stock_client = _reload(cfg, ws, folder, tag="s5")
+    return {"loaded_by": _gather([resumed["load"]["backend"], resumed["load"]["direct"]]),
+            "extras_vs_stock": _gather(_extras_differ(stock["engine"], resumed["engine"])),
+            "client_vs_stock": _gather(repr(resumed["load"]["client"]) == repr(stock_client)),
+            "results": _gather(results), "persisted": persisted, "listing": listing, "differ": differ,
             "mode": mode, "path": path, "log": _gather(log), "stock_path": str(stock_path),
             "vs_stock": compare_states(stock, resumed), "vs_save": compare_states(at_save, resumed),
             "latest_durable": open(os.path.join(durable, "latest")).read(), "inodes": inodes,

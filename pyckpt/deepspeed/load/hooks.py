@@ -83,16 +83,16 @@ def memory_tier(value=False):
 
 
 def _newest_tier(engine, load_dir, tag):
-    """(load_dir, tag) of the newest checkpoint across every node's memory tier and ``load_dir``
-    (durable), agreed by every rank before any state changes (:mod:`.memory_recovery`); unchanged
-    where no tier is set, a tag was named, or the durable one is the newest."""
+    """(load_dir, tag, from_memory) of the newest checkpoint across every node's memory tier and
+    ``load_dir`` (durable), agreed by every rank before any state changes (:mod:`.memory_recovery`);
+    unchanged (and False) where no tier is set, a tag was named, or the durable one is the newest."""
     from . import memory_recovery
 
     tier = _settings["memory"]
     if tier is None or tag is not None:
-        return load_dir, tag
+        return load_dir, tag, False
     found = memory_recovery.recover(tier, os.fspath(load_dir), _ranks())
-    return found if found is not None else (load_dir, tag)
+    return (*found, True) if found is not None else (load_dir, tag, False)
 
 
 def _ranks() -> Optional[TorchRanks]:
@@ -231,12 +231,14 @@ def _engine_load(original: Callable):
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         agree_arguments(tag, args, kwargs)
-        load_dir, tag = _newest_tier(self, load_dir, tag)
+        load_dir, tag, from_memory = _newest_tier(self, load_dir, tag)
         if not self.load_universal_checkpoint():
             if not _settings["reshard"] or kwargs.get("load_module_only"):
                 return _deepspeed_load(original, self, load_dir, tag, *args, **kwargs)
             found = agreed_step("comparing the checkpoint's topology with the engine's",
                                 lambda: resume.reshard_target(self, load_dir, tag, _settings["trust_pickles"]))
+            if found is None and from_memory:
+                return _memory_load(self, load_dir, tag, mapped, original, args, kwargs)
             if found is None:  # the topology it was saved at: DeepSpeed's own load
                 return _deepspeed_load(original, self, load_dir, tag, *args, **kwargs)
             folder, tag_found, was, now = found
@@ -254,6 +256,53 @@ def _engine_load(original: Callable):
     load_checkpoint.__wrapped__ = original
     load_checkpoint.__pyckpt__ = True
     return load_checkpoint
+
+
+def _memory_load(engine, load_dir, tag, mapped: Callable, original: Callable, args: tuple, kwargs: dict):
+    """A memory checkpoint at the topology it was saved at, read by the direct resume: each rank copies
+    its own byte ranges of the mapped tmpfs shards into its flat fp32 partition and moments (nothing
+    of the optimizer shards is unpickled but their small pickles, and nothing is copied twice), where
+    DeepSpeed's own load unpickles every shard whole and copies it in. A layout the direct resume does
+    not know is planned as such on every rank before any state changes: the load is then DeepSpeed's
+    own, said in one line."""
+    target = agreed_step("finding the memory checkpoint", lambda: _memory_target(engine, load_dir, tag))
+    ranks = _ranks()
+    if isinstance(target, str):
+        why = target
+    else:
+        out, failure = None, None
+        try:
+            out = resume.load_zero(engine, *target, mapped, *args, **kwargs)
+        except Exception as exc:
+            failure = exc
+        # The direct plan is agreed before any optimizer state changes: a rank that met a layout it does not
+        # know raises UnsupportedCheckpointError, the others RankLoadError naming it, and the model-state
+        # counters and schedulers were put back by the mapped load. Every rank learns what each met, so all
+        # fall back together, or all raise (any other failure), never one alone.
+        kind = ("ok" if failure is None else "unsupported" if isinstance(failure, UnsupportedCheckpointError)
+                else "echo" if isinstance(failure, RankLoadError) else "other")
+        kinds = [kind] if ranks is None else ranks.all_gather(kind)
+        if "other" in kinds or ("unsupported" not in kinds and failure is not None):
+            if failure is None:
+                raise RankLoadError("the direct load of the memory checkpoint",
+                                    {r: "failed" for r, k in enumerate(kinds) if k != "ok"}, len(kinds))
+            raise failure
+        if "unsupported" not in kinds:
+            return out
+        why = str(failure) if kind == "unsupported" else "another rank met a layout the direct load does not know"
+    if ranks is None or ranks.rank == 0:
+        logger.warning("pyckpt: DeepSpeed's own load reads the memory checkpoint %s (%s)",
+                       printable(os.path.join(os.fspath(load_dir), str(tag))), printable_line(why))
+    return _deepspeed_load(original, engine, load_dir, tag, *args, **kwargs)
+
+
+def _memory_target(engine, load_dir, tag):
+    """(load_dir, tag) for the direct resume, or why it cannot take this checkpoint (a line)."""
+    try:
+        target = resume.resumable_target(engine, load_dir, tag)
+    except UnsupportedCheckpointError as exc:
+        return str(exc)
+    return target if target is not None else f"{printable(load_dir)} names no ZeRO checkpoint"
 
 
 def _deepspeed_load(original: Callable, engine, load_dir, tag, *args, **kwargs):

@@ -60,6 +60,11 @@ def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     assert none == [] and line.startswith("pyckpt: resuming step ") and "from memory" in line
     assert "newer than step" in line
     assert res["vs_stock"] == [] and res["vs_save"] == []
+    # read by pyckpt's direct load (each rank's byte ranges of the tmpfs shards), not DeepSpeed's, and
+    # equal to DeepSpeed's load beyond the masters and moments too: low-precision weights, loss scaler,
+    # lr scheduler, counters and client state
+    assert res["loaded_by"] == [["pyckpt", True]] * 2
+    assert res["extras_vs_stock"] == [[], []] and res["client_vs_stock"] == [True, True]
     # the memory files are DeepSpeed's own save of the same step, byte for byte (pyckpt's two files beside)
     assert res["vs_deepspeed"] == ["pyckpt-node.json", "training_state.json"]
     # keep=2: two slots, written over in turn (s3 over s1's files, s4 over s2's, s5 over s3's)
