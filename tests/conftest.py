@@ -27,6 +27,10 @@ import dsharness  # noqa: E402
 from dsharness import Config  # noqa: E402
 
 def pytest_configure(config):
+    # pytest-xdist (3.x) orders files by their number of tests unless told not to, which put the long files
+    # with few tests (FIRST) last; this suite orders its files itself (pytest_collection_modifyitems).
+    if getattr(config.option, "loadscopereorder", None) is not None:
+        config.option.loadscopereorder = False
     # scripts/sanitize.sh: refuse to report a pass for a run that did not load the instrumented module.
     if os.environ.get("PYCKPT_EXPECT_SANITIZED"):
         from pyckpt import _core
@@ -46,13 +50,31 @@ SLOW_TESTS = {"test_failing_rank_fails_the_launch_fast", "test_structure_matches
               "test_run_quick", "test_run_quick_export"}
 
 
-# Files whose fixtures train or load with DeepSpeed on their own, longest first: run first, they keep
-# every pytest-xdist worker busy while one of them builds the shared checkpoints (built_once), and a
-# long file started last would leave the other workers idle at the end.
-FIRST = ("test_load_backend.py", "test_enable_save.py", "test_reshard_clients.py", "test_hf_client.py",
-         "test_dcp_import.py", "test_dcp_to_universal.py", "test_dsharness.py",
-         "test_save_glue.py", "test_async_save.py", "test_benchmarks_quick.py", "test_demo.py",
-         "test_make_checkpoint.py", "test_docs.py")
+# The longest files first (their seconds in a 3-process run on 2 cores, 2026-11), so that none of them starts
+# while the other processes are finishing: a file runs on one process from start to end (--dist loadfile), and
+# one started last (a compile, a benchmark) was the run's whole tail. The others keep collection order and fill
+# in behind them; they also keep every process busy while one of them builds the shared checkpoints (built_once).
+FIRST = ("test_enable_save.py",        # ~1150 s
+         "test_load_backend.py",       # ~940
+         "test_build_options.py",      # ~770: a release build of the native module from scratch
+         "test_benchmarks_quick.py",   # ~500
+         "test_memory_nodes.py",       # ~500
+         "test_docs.py",               # ~400
+         "test_memory_tier.py",        # ~390
+         "test_hf_client.py",          # ~360
+         "test_dcp_import.py",         # ~290
+         "test_reshard_clients.py",    # ~270
+         "test_save_glue.py",          # ~250
+         "test_fuzz.py",               # ~190
+         "test_memory_trainer.py",     # ~190
+         "test_dsharness.py",          # ~175
+         "test_async_save.py",         # ~170
+         "test_distributed_convert.py",  # ~150
+         "test_device_scripts.py",     # ~140
+         "test_torch_save_file.py",    # ~120
+         "test_properties.py",         # ~110
+         "test_native_faults.py",      # ~100
+         "test_demo.py", "test_dcp_to_universal.py", "test_make_checkpoint.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -135,16 +157,30 @@ def ds_environ(ds_root) -> dict:
     return dsharness.ds_env(ds_root)
 
 
+# built_once names whose folders only DeepSpeed's training and its ds_to_universal write: no pyckpt code
+# runs in making them, so a run under another build of pyckpt may read them (PYCKPT_TEST_REFERENCE_DIR).
+REFERENCE_DATA = {"ckpt", "ds_universal"}
+
+
 def built_once(tmp_path_factory, name: str, build):
     """``build(folder)``'s result, built once per test run. Under pytest-xdist every worker process has
     a session of its own, and each would train the same checkpoints again on the same two cores: the
     first worker to ask builds them into the run's shared temporary folder under a file lock, the
-    others wait for it and read its result. Tests never change these folders (they damage copies)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    others wait for it and read its result. Tests never change these folders (they damage copies).
+
+    With PYCKPT_TEST_REFERENCE_DIR set (.ci/run sets it for both of its runs), what DeepSpeed alone makes
+    (REFERENCE_DATA) is built once for every run given that folder: scripts/sanitize.sh then reads the
+    suite's checkpoints instead of training them again (DeepSpeed's processes run uninstrumented there
+    anyway, dsharness.ds_env); what pyckpt makes is always made by the run's own build."""
+    reference = os.environ.get("PYCKPT_TEST_REFERENCE_DIR")
+    if reference and name in REFERENCE_DATA:
+        shared = Path(reference) / name
+    elif "PYTEST_XDIST_WORKER" not in os.environ:
         return build(tmp_path_factory.mktemp(name))
+    else:
+        shared = tmp_path_factory.getbasetemp().parent / f"shared-{name}"
     import torch
 
-    shared = tmp_path_factory.getbasetemp().parent / f"shared-{name}"
     with open(f"{shared}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = shared.with_name(shared.name + ".pt")
