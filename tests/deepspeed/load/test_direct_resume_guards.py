@@ -51,3 +51,49 @@ def test_which_loads_name_a_plain_zero_checkpoint(tag):
     assert zero_target(str(tag), None) is None, "DeepSpeed's latest_universal wins"
     (tag / "global_step3" / "zero").mkdir()
     assert zero_target(str(tag), "global_step3") is None, "a folder with zero/ is universal"
+
+
+def _memory_load(monkeypatch, engine, tag, direct):
+    """hooks._memory_load alone (one rank): ``direct`` stands in for the direct resume; what DeepSpeed's own
+    load was asked, and the lines said, come back."""
+    import logging
+
+    from pyckpt.deepspeed.load import hooks
+
+    asked, lines = [], []
+    monkeypatch.setattr(hooks.resume, "load_zero", direct)
+    monkeypatch.setattr(hooks, "_check_pickles", lambda *a, **k: None)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("pyckpt").addHandler(handler)
+    try:
+        out = hooks._memory_load(engine, str(tag), "global_step3", None,
+                                 lambda e, d, t, *a, **k: asked.append((d, t)) or "deepspeed", (), {})
+    finally:
+        logging.getLogger("pyckpt").removeHandler(handler)
+    return out, asked, lines
+
+
+def test_a_memory_checkpoint_at_its_own_topology_is_read_by_the_direct_resume(tag, monkeypatch):
+    out, asked, lines = _memory_load(monkeypatch, _Engine(zero=True), tag, lambda e, d, t, *a, **k: ("direct", d, t))
+    assert out == ("direct", str(tag), "global_step3") and asked == [] and lines == []
+
+
+def test_a_layout_the_direct_resume_does_not_know_goes_to_deepspeed_s_load_with_one_line(tag, monkeypatch):
+    def unknown(*a, **k):
+        raise UnsupportedCheckpointError("zero/x: a layout pyckpt does not know")
+
+    out, asked, (line, *more) = _memory_load(monkeypatch, _Engine(zero=True), tag, unknown)
+    assert out == "deepspeed" and asked == [(str(tag), "global_step3")] and more == []
+    assert line.startswith("pyckpt: DeepSpeed's own load reads the memory checkpoint ") and "does not know" in line
+    # an engine the direct resume cannot serve (NVMe optimizer offload) is told the same way
+    out, asked, (line, *more) = _memory_load(monkeypatch, _Engine(zero=True, nvme=True), tag, unknown)
+    assert out == "deepspeed" and len(asked) == 1 and more == [] and "NVMe" in line
+
+
+def test_any_other_failure_of_the_direct_resume_raises_and_nothing_falls_back(tag, monkeypatch):
+    def broken(*a, **k):
+        raise CheckpointFormatError("global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt: truncated")
+
+    with pytest.raises(CheckpointFormatError, match="truncated"):
+        _memory_load(monkeypatch, _Engine(zero=True), tag, broken)
