@@ -123,6 +123,35 @@ def _call(function: str, cfg: h.Config, **extra) -> dict:
     return {"kind": "call", "module": WORKER, "function": function, "cfg": dataclasses.asdict(cfg), **extra}
 
 
+# Most refusal and small-load cases cost less than their launch's start (every rank importing DeepSpeed and
+# joining the process group): each such test prepares its tasks in a function registered here, the `batched`
+# fixture runs every prepared task in one launch per world size (the tasks already run one after another in
+# the same ranks, catching their own failures), and each test checks its own results.
+BATCHED = {}
+
+
+def _batched(prepare):
+    """Registers ``prepare(universal, tmp) -> ([(key, world size, task), ...], context)``."""
+    BATCHED[prepare.__name__] = prepare
+    return prepare
+
+
+@pytest.fixture(scope="module")
+def batched(universal, tmp_path_factory):
+    """name -> ({key: rank 0's result}, context) for every function in BATCHED."""
+    by_ws, out = {}, {}
+    for name, prepare in BATCHED.items():
+        items, context = prepare(universal, tmp_path_factory.mktemp(name.strip("_")))
+        out[name] = ({}, context)
+        for key, ws, task in items:
+            by_ws.setdefault(ws, []).append((name, key, task))
+    for ws, items in sorted(by_ws.items()):
+        for (name, key, _), res in zip(items, _launch(ws, [t for _, _, t in items], None, f"batched ws{ws}",
+                                                      120 * len(items))):
+            out[name][0][key] = res
+    return out
+
+
 @pytest.fixture(scope="session")
 def universal(tmp_path_factory):
     """Every case's checkpoint, saved by DeepSpeed and converted by DeepSpeed's ds_to_universal."""
@@ -265,17 +294,22 @@ def test_fixed_fields_match_a_run_without_checkpoint(universal, name):
             _launch(cfg.world_size, [_call("run", cfg, root=root, tag=TAG)], None, f"{name} stock", 300)
 
 
-def test_a_rank_that_cannot_plan_fails_every_rank_and_changes_nothing(universal, tmp_path):
-    """A state file only rank 2's partition needs is cut short: rank 2 names it, ranks 0 and 1 name
-    rank 2, and no rank's optimizer state changed (none waits in DeepSpeed's later collectives)."""
+@_batched
+def _cannot_plan(universal, tmp):
     name = "z1-fp32"
-    root = tmp_path / name
+    root = tmp / name
     shutil.copytree(universal[name].root, root)
     damaged = root / TAG / "zero" / "l1.bias" / "exp_avg.pt"
     damaged.write_bytes(damaged.read_bytes()[:200])
     cfg = dataclasses.replace(CASES[name][0], world_size=3)
-    (res, ) = _launch(3, [_call("failing", cfg, root=str(root), tag=TAG)], None, "load backend failure", 300)
-    ranks = res["ranks"]
+    return [(0, 3, _call("failing", cfg, root=str(root), tag=TAG))], damaged
+
+
+def test_a_rank_that_cannot_plan_fails_every_rank_and_changes_nothing(batched):
+    """A state file only rank 2's partition needs is cut short: rank 2 names it, ranks 0 and 1 name
+    rank 2, and no rank's optimizer state changed (none waits in DeepSpeed's later collectives)."""
+    results, damaged = batched["_cannot_plan"]
+    ranks = results[0]["ranks"]
     owners = [r for r, x in enumerate(ranks) if x["error"][0] == "CheckpointFormatError"]
     assert owners == [2], ranks
     assert ranks[2]["error"][1].startswith(os.fspath(damaged)), ranks[2]["error"]
@@ -291,21 +325,27 @@ MISSING = [("z1-fp32", "l0.weight", "exp_avg"), ("z1-fp32", "l1.weight", "fp32")
            ("bf16_optimizer", "l0.weight", "exp_avg_sq"), ("z2-bf16", "l1.bias", "exp_avg")]
 
 
-def test_a_missing_state_file_fails_every_rank_and_changes_nothing(universal, tmp_path):
-    """One parameter's exp_avg.pt (exp_avg_sq.pt, fp32.pt) removed while the other parameters keep
-    theirs: the ranks whose partition holds it name the missing file (DeepSpeed's own message for a
-    moment, as its map_to_flat_opt_states raises it), the others name those ranks, and no rank's state
-    changed. Before, the load succeeded with that parameter's moment zero on every rank."""
-    tasks, removed = [], []
+@_batched
+def _missing_state_file(universal, tmp):
+    items, removed = [], []
     for i, (name, param, key) in enumerate(MISSING):
-        root = tmp_path / f"{i}-{name}"
+        root = tmp / f"{i}-{name}"
         shutil.copytree(universal[name].root, root)
         path = root / TAG / "zero" / param / f"{key}.pt"
         path.unlink()
         removed.append(path)
-        tasks.append(_call("failing", _target(CASES[name][0], 3), root=str(root), tag=TAG))
-    for (name, param, key), path, res in zip(MISSING, removed, _launch(3, tasks, None, "missing state file", 300)):
-        ranks = res["ranks"]
+        items.append((i, 3, _call("failing", _target(CASES[name][0], 3), root=str(root), tag=TAG)))
+    return items, removed
+
+
+def test_a_missing_state_file_fails_every_rank_and_changes_nothing(batched):
+    """One parameter's exp_avg.pt (exp_avg_sq.pt, fp32.pt) removed while the other parameters keep
+    theirs: the ranks whose partition holds it name the missing file (DeepSpeed's own message for a
+    moment, as its map_to_flat_opt_states raises it), the others name those ranks, and no rank's state
+    changed. Before, the load succeeded with that parameter's moment zero on every rank."""
+    results, removed = batched["_missing_state_file"]
+    for i, ((name, param, key), path) in enumerate(zip(MISSING, removed)):
+        ranks = results[i]["ranks"]
         owners = [r for r, x in enumerate(ranks) if x["error"] and x["error"][0] != "RankLoadError"]
         assert owners, (name, key, ranks)
         for rank, x in enumerate(ranks):
@@ -521,31 +561,42 @@ def test_resuming_from_the_zero_checkpoint_equals_convert_then_load(direct_loads
             assert "/global_step3/" in x["info"]["path"] and "universal" not in x["info"]["path"], x["info"]["path"]
 
 
-def test_a_plain_load_at_the_saved_topology_stays_deepspeeds_own(universal):
+@_batched
+def _plain_same(universal, tmp):
+    return [(name, 2, _call("plain_same", CASES[name][0], root=str(universal[name].root), tag=None))
+            for name in ("z2-bf16", "z3-bf16")], None
+
+
+def test_a_plain_load_at_the_saved_topology_stays_deepspeeds_own(batched):
     """Under enable(), a plain engine.load_checkpoint(dir) at the topology the checkpoint was saved at is
     DeepSpeed's own load: the same state before and after one more step as without pyckpt, no load of
     pyckpt's recorded, nothing logged."""
-    cases = ["z2-bf16", "z3-bf16"]
-    tasks = [_call("plain_same", CASES[name][0], root=str(universal[name].root), tag=None) for name in cases]
-    for name, res in zip(cases, _launch(2, tasks, None, "plain load at the saved topology", 300)):
+    results, _ = batched["_plain_same"]
+    assert sorted(results) == ["z2-bf16", "z3-bf16"]
+    for name, res in results.items():
         for rank, x in enumerate(res["ranks"]):
             assert x["before"] == [] and x["after"] == [], (name, rank, x["before"], x["after"])
             assert x["loss"][0] == x["loss"][1], (name, rank, x["loss"])
             assert "backend" not in x["info"] and x["info"]["log"] == [], (name, rank, x["info"])
 
 
-def test_a_topology_change_that_cannot_be_served_fails_every_rank_naming_both(universal):
-    """A plain load under enable() of a ZeRO-2 checkpoint (saved at data-parallel 2) into a ZeRO-3
-    engine at 3 ranks: every rank raises UnsupportedCheckpointError naming the saved and the current
-    topology and what would serve it, before any state changed. With enable(reshard=False) the same
-    load at ZeRO-2 is DeepSpeed's own, which refuses the new data-parallel size itself."""
+@_batched
+def _topology_change(universal, tmp):
     name = "z2-bf16"
     root = str(universal[name].root)
     z3 = dataclasses.replace(CASES[name][0], stage=3, world_size=3)
     z2 = dataclasses.replace(CASES[name][0], world_size=3)
-    tasks = [_call("failing_each_way", z3, root=root, tag=None, ways=["plain"]),
-             _call("failing_each_way", z2, root=root, tag=None, ways=["plain_off"])]
-    stage_change, opted_out = _launch(3, tasks, None, "topology refusals", 300)
+    return [("stage", 3, _call("failing_each_way", z3, root=root, tag=None, ways=["plain"])),
+            ("off", 3, _call("failing_each_way", z2, root=root, tag=None, ways=["plain_off"]))], None
+
+
+def test_a_topology_change_that_cannot_be_served_fails_every_rank_naming_both(batched):
+    """A plain load under enable() of a ZeRO-2 checkpoint (saved at data-parallel 2) into a ZeRO-3
+    engine at 3 ranks: every rank raises UnsupportedCheckpointError naming the saved and the current
+    topology and what would serve it, before any state changed. With enable(reshard=False) the same
+    load at ZeRO-2 is DeepSpeed's own, which refuses the new data-parallel size itself."""
+    results, _ = batched["_topology_change"]
+    stage_change, opted_out = results["stage"], results["off"]
     for rank, x in enumerate(stage_change["ranks"]):
         kind, message = x["plain"]["error"]
         assert kind == "UnsupportedCheckpointError", (rank, x)
@@ -574,31 +625,43 @@ def _resave(path: Path, change) -> None:
     torch.save(saved, path)
 
 
-def test_under_enable_a_file_pyckpt_refuses_is_refused_by_every_load(universal, tmp_path):
+UNSAFE = {  # name: (the file made hostile, world size loaded at, way)
+    "reshard": ("global_step3/mp_rank_00_model_states.pt", 3, "plain"),
+    "saved-topology": ("global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", 2, "plain"),
+    "reshard-off": ("global_step3/mp_rank_00_model_states.pt", 2, "plain_off"),
+}
+
+
+@_batched
+def _unsafe_pickle(universal, tmp):
+    src = universal["z2-bf16"].root
+    cfg = CASES["z2-bf16"][0]
+    items = []
+    for name, (victim, ws, way) in UNSAFE.items():
+        root = tmp / name
+        shutil.copytree(src, root)
+        marker = tmp / f"{name}.ran"
+        if victim.endswith("optim_states.pt"):
+            _resave(root / victim, lambda saved: saved["optimizer_state_dict"].update(hook=_Marker(marker)))
+        else:
+            _resave(root / victim, lambda saved: saved.update(hook=_Marker(marker)))
+        items.append((name, ws, _call("failing_each_way", dataclasses.replace(cfg, world_size=ws), root=str(root),
+                                      tag=None, ways=[way])))
+    return items, tmp
+
+
+def test_under_enable_a_file_pyckpt_refuses_is_refused_by_every_load(batched):
     """A checkpoint file whose pickle would run code (here: create a marker file) is refused on every
     rank with UnsafePickleError before DeepSpeed's unpickler sees it, whichever road the plain
     engine.load_checkpoint(dir) under enable() takes: a reshard (the model-state file, which the
     topology is read from), DeepSpeed's own load at the saved topology (a ZeRO shard), and
     enable(reshard=False). No marker appears and no rank's state changes."""
-    src = universal["z2-bf16"].root
-    cfg = CASES["z2-bf16"][0]
-    cases = {  # name: (the file made hostile, world size loaded at, way)
-        "reshard": ("global_step3/mp_rank_00_model_states.pt", 3, "plain"),
-        "saved-topology": ("global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", 2, "plain"),
-        "reshard-off": ("global_step3/mp_rank_00_model_states.pt", 2, "plain_off"),
-    }
-    for name, (victim, ws, way) in cases.items():
-        root = tmp_path / name
-        shutil.copytree(src, root)
-        marker = tmp_path / f"{name}.ran"
-        if victim.endswith("optim_states.pt"):
-            _resave(root / victim, lambda saved: saved["optimizer_state_dict"].update(hook=_Marker(marker)))
-        else:
-            _resave(root / victim, lambda saved: saved.update(hook=_Marker(marker)))
-        task = _call("failing_each_way", dataclasses.replace(cfg, world_size=ws), root=str(root), tag=None,
-                     ways=[way])
-        (res, ) = _launch(ws, [task], None, f"unsafe pickle: {name}", 300)
-        assert not marker.exists(), name
+    results, tmp = batched["_unsafe_pickle"]
+    assert sorted(results) == sorted(UNSAFE)
+    for name, (victim, ws, way) in UNSAFE.items():
+        res = results[name]
+        assert len(res["ranks"]) == ws
+        assert not (tmp / f"{name}.ran").exists(), name
         for rank, x in enumerate(res["ranks"]):
             kind, message = x[way]["error"]
             assert kind == "UnsafePickleError", (name, rank, x)
@@ -607,24 +670,31 @@ def test_under_enable_a_file_pyckpt_refuses_is_refused_by_every_load(universal, 
             assert x[way]["changed"] == [], (name, rank, x[way]["changed"])
 
 
-def test_a_model_state_file_whose_topology_lies_is_refused_before_anything_loads(universal, tmp_path):
+@_batched
+def _lying_topology(universal, tmp):
+    items, roots = [], {}
+    for name in ("z2-fp32-groups", "z3-bf16-frozen_tied"):
+        cfg = CASES[name][0]
+        assert cfg.world_size == 4
+        root = tmp / name
+        shutil.copytree(universal[name].root, root)
+        for path in (root / "global_step3").glob("*model_states.pt"):
+            _resave(path, lambda saved: saved.update(dp_world_size=2))
+        roots[name] = root
+        items.append((name, 2, _call("failing_each_way", dataclasses.replace(cfg, world_size=2), root=str(root),
+                                     tag=None, ways=["plain"])))
+    return items, roots
+
+
+def test_a_model_state_file_whose_topology_lies_is_refused_before_anything_loads(batched):
     """A checkpoint saved at data-parallel 4 whose model-state files say 2, loaded at 2 under enable():
     by its metadata it is at the engine's topology and DeepSpeed's own load would take it, reading
     half the shards into the wrong slices without a word. The shards are counted and their
     partition_count read first: every rank refuses, naming dp_world_size and the shards, and no
     state changes (ZeRO-2 and ZeRO-3)."""
-    tasks, roots = [], {}
-    for name in ("z2-fp32-groups", "z3-bf16-frozen_tied"):
-        cfg = CASES[name][0]
-        assert cfg.world_size == 4
-        root = tmp_path / name
-        shutil.copytree(universal[name].root, root)
-        for path in (root / "global_step3").glob("*model_states.pt"):
-            _resave(path, lambda saved: saved.update(dp_world_size=2))
-        roots[name] = root
-        tasks.append(_call("failing_each_way", dataclasses.replace(cfg, world_size=2), root=str(root), tag=None,
-                           ways=["plain"]))
-    for name, res in zip(roots, _launch(2, tasks, None, "lying topology", 300)):
+    results, roots = batched["_lying_topology"]
+    assert sorted(results) == sorted(roots)
+    for name, res in results.items():
         for rank, x in enumerate(res["ranks"]):
             kind, message = x["plain"]["error"]
             assert kind == "CheckpointFormatError", (name, rank, x)
@@ -633,13 +703,19 @@ def test_a_model_state_file_whose_topology_lies_is_refused_before_anything_loads
             assert x["plain"]["changed"] == [], (name, rank, x["plain"]["changed"])
 
 
-def test_ranks_that_pass_different_load_options_are_refused_together(universal):
+@_batched
+def _different_options(universal, tmp):
+    name = "z2-bf16"
+    return [(0, 2, _call("failing_each_way", CASES[name][0], root=str(universal[name].root), tag=None,
+                         ways=["plain_mixed"]))], None
+
+
+def test_ranks_that_pass_different_load_options_are_refused_together(batched):
     """engine.load_checkpoint is collective: ranks passing different options (optimizer states on rank
     0 only) would read different things or part ways in DeepSpeed's collectives. Under enable() they
     are compared first: every rank raises RankLoadError naming the values, nothing changed."""
-    name = "z2-bf16"
-    task = _call("failing_each_way", CASES[name][0], root=str(universal[name].root), tag=None, ways=["plain_mixed"])
-    (res, ) = _launch(2, [task], None, "different load options", 300)
+    res = batched["_different_options"][0][0]
+    assert len(res["ranks"]) == 2
     for rank, x in enumerate(res["ranks"]):
         kind, message = x["plain_mixed"]["error"]
         assert kind == "RankLoadError" and "the ranks disagree" in message, (rank, x)
@@ -647,16 +723,23 @@ def test_ranks_that_pass_different_load_options_are_refused_together(universal):
         assert x["plain_mixed"]["changed"] == [], (rank, x["plain_mixed"]["changed"])
 
 
-def test_a_broken_zero_checkpoint_fails_every_rank_and_changes_nothing(universal, tmp_path):
-    """Resuming straight from a ZeRO checkpoint with a cut-short shard: every rank reads every shard's
-    metadata to build the view, so every rank names the file, and no rank's optimizer state changed."""
+@_batched
+def _broken_zero(universal, tmp):
     name = "z1-fp32"
-    root = tmp_path / name
+    root = tmp / name
     shutil.copytree(universal[name].root, root, ignore=shutil.ignore_patterns(TAG))
     damaged = root / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     damaged.write_bytes(damaged.read_bytes()[:200])
     cfg = dataclasses.replace(CASES[name][0], world_size=3)
-    (res, ) = _launch(3, [_call("failing", cfg, root=str(root), tag="global_step3")], None, "direct failure", 300)
+    return [(0, 3, _call("failing", cfg, root=str(root), tag="global_step3"))], damaged
+
+
+def test_a_broken_zero_checkpoint_fails_every_rank_and_changes_nothing(batched):
+    """Resuming straight from a ZeRO checkpoint with a cut-short shard: every rank reads every shard's
+    metadata to build the view, so every rank names the file, and no rank's optimizer state changed."""
+    results, damaged = batched["_broken_zero"]
+    res = results[0]
+    assert len(res["ranks"]) == 3
     for rank, x in enumerate(res["ranks"]):
         assert x["error"][0] == "CheckpointFormatError" and os.fspath(damaged) in x["error"][1], (rank, x["error"])
         assert x["changed"] == [], (rank, x["changed"])
@@ -673,16 +756,27 @@ def wide(tmp_path_factory):
     return {name: ck for name, ck in zip(PAGE_CASES, cks)}
 
 
-@pytest.mark.parametrize("how", ["universal", "direct"])
+PAGE_HOWS = ("universal", "direct")
+
+
+@pytest.fixture(scope="module")
+def page_counts(wide):
+    """Every (case, how) counted in one launch: each task evicts the files it reads before every rank's turn."""
+    keys = [(name, how) for name in PAGE_CASES for how in PAGE_HOWS]
+    tasks = [_call("pages", dataclasses.replace(PAGE_CASES[name], world_size=3), root=str(wide[name].root), tag=TAG,
+                   how=how) for name, how in keys]
+    return dict(zip(keys, _launch(3, tasks, None, "pages", 300 * len(tasks))))
+
+
+@pytest.mark.parametrize("how", PAGE_HOWS)
 @pytest.mark.parametrize("name", list(PAGE_CASES))
-def test_each_rank_brings_only_its_share_into_the_page_cache(wide, name, how):
+def test_each_rank_brings_only_its_share_into_the_page_cache(page_counts, name, how):
     """Ranks gather in turn from evicted files; mincore counts what each one's gather brought in: its
     own share (12 bytes per element its partitions hold), give or take page rounding at the ends of
     each run (DeepSpeed's loader brings in every file it opens whole: all of them under ZeRO-3, 3x
     the share here)."""
-    cfg = dataclasses.replace(PAGE_CASES[name], world_size=3)
-    (res, ) = _launch(3, [_call("pages", cfg, root=str(wide[name].root), tag=TAG, how=how)], None,
-                      f"pages {name} {how}", 300)
+    res = page_counts[name, how]
+    assert len(res["ranks"]) == 3
     for rank, r in enumerate(res["ranks"]):
         assert r["baseline"] < r["file_bytes"] // 20, ("the page cache kept the files: the count would mean nothing", r)
         assert r["gathered"] == r["own_bytes"], r
@@ -691,19 +785,25 @@ def test_each_rank_brings_only_its_share_into_the_page_cache(wide, name, how):
         assert r["own_bytes"] * 0.98 <= r["touched"] <= r["own_bytes"] * 1.05, (rank, r)
 
 
-def test_an_expert_count_mismatch_fails_with_deepspeeds_error(universal, tmp_path):
-    """A universal expert state whose ep_num_experts disagrees with the target model's experts: every
-    rank raises DeepSpeed's own ValueError (its resolver checks the metadata first), none changed its
-    state."""
+@_batched
+def _expert_count_mismatch(universal, tmp):
     name = "z1-fp32-autoep"
-    root = tmp_path / name
+    root = tmp / name
     shutil.copytree(universal[name].root, root)
     state = root / TAG / "zero" / "model.layers.0.mlp.experts.w1" / "fp32.pt"
     saved = torch.load(state, weights_only=False)  # the test's own file
     saved["ep_num_experts"] = 6
     torch.save(saved, state)
     cfg = _target(CASES[name][0], {"world_size": 4, "ep_size": 4})
-    (res, ) = _launch(4, [_call("failing", cfg, root=str(root), tag=TAG)], None, "autoep mismatch", 300)
+    return [(0, 4, _call("failing", cfg, root=str(root), tag=TAG))], None
+
+
+def test_an_expert_count_mismatch_fails_with_deepspeeds_error(batched):
+    """A universal expert state whose ep_num_experts disagrees with the target model's experts: every
+    rank raises DeepSpeed's own ValueError (its resolver checks the metadata first), none changed its
+    state."""
+    res = batched["_expert_count_mismatch"][0][0]
+    assert len(res["ranks"]) == 4
     for rank, x in enumerate(res["ranks"]):
         assert x["error"] == ("ValueError", "AutoEP universal checkpoint expert count disagrees with target logical "
                               "shape: checkpoint=6, target=(8, 6, 10)."), (rank, x["error"])
@@ -724,21 +824,33 @@ def _with_experts(src: Path, dst: Path, n: int) -> None:
         torch.save(saved, f)
 
 
+EXPERT_SPLITS = (4, 2)  # autoep_size of the target
+
+
+@_batched
+def _expert_split(universal, tmp):
+    items = []
+    for name in ("z1-fp32-autoep", "z3-fp32-autoep"):
+        root = tmp / name
+        _with_experts(universal[name].root, root, 6)
+        cfg = CASES[name][0]
+        items += [((name, ep), 4, _call("failing_each_way", _target(cfg, {"world_size": 4, "ep_size": ep}),
+                                        root=str(root), tag=TAG, ways=("stock", "pyckpt"))) for ep in EXPERT_SPLITS]
+    return items, None
+
+
 @pytest.mark.parametrize("name", ["z1-fp32-autoep", "z3-fp32-autoep"])
-def test_an_expert_split_the_target_cannot_take_fails_as_deepspeeds_load_does(universal, tmp_path, name):
+def test_an_expert_split_the_target_cannot_take_fails_as_deepspeeds_load_does(batched, name):
     """A universal checkpoint of 6 experts loaded by the 8-expert model: at autoep_size 4 the 6 do
     not divide among the EP ranks, at autoep_size 2 they give 3 per rank where the model holds 4.
     pyckpt's load raises on every rank what DeepSpeed's own load raises in the same ranks (type and
     message), and changes no optimizer state."""
-    root = tmp_path / name
-    _with_experts(universal[name].root, root, 6)
-    cfg = CASES[name][0]
-    eps = (4, 2)
-    tasks = [_call("failing_each_way", _target(cfg, {"world_size": 4, "ep_size": ep}), root=str(root), tag=TAG,
-                   ways=("stock", "pyckpt")) for ep in eps]
+    results = batched["_expert_split"][0]
     # what DeepSpeed's resolver says in each case: the count, or the per-rank count, that does not fit
     says = {4: "checkpoint=6, target=(8, ", 2: "target_local_experts=4, checkpoint_local_experts=3"}
-    for ep, res in zip(eps, _launch(4, tasks, None, f"{name} expert split", 300)):
+    for ep in EXPERT_SPLITS:
+        res = results[name, ep]
+        assert len(res["ranks"]) == 4
         for rank, x in enumerate(res["ranks"]):
             stock, got = x["stock"]["error"], x["pyckpt"]["error"]
             assert stock is not None and says[ep] in stock[1], (ep, rank, stock)
@@ -746,14 +858,20 @@ def test_an_expert_split_the_target_cannot_take_fails_as_deepspeeds_load_does(un
             assert x["pyckpt"]["changed"] == [], (ep, rank, x["pyckpt"]["changed"])
 
 
-def test_a_zero3_module_only_load_equals_deepspeeds(universal):
+@_batched
+def _module_only(universal, tmp):
+    name, ws = "z3-bf16", 3
+    cfg = _target(CASES[name][0], ws)
+    return [(0, ws, _call("run", cfg, root=str(universal[name].root), tag=TAG,
+                          load_kwargs={"load_optimizer_states": False}))], None
+
+
+def test_a_zero3_module_only_load_equals_deepspeeds(batched):
     """``load_optimizer_states=False`` on ZeRO-3 (DeepSpeed's module-only universal load: fp32 masters
     into the parameter partitions, the optimizer's moments left as they are) at another world size:
     the same state as DeepSpeed's, before and after one more step."""
-    name, ws = "z3-bf16", 3
-    cfg = _target(CASES[name][0], ws)
-    task = _call("run", cfg, root=str(universal[name].root), tag=TAG, load_kwargs={"load_optimizer_states": False})
-    (res, ) = _launch(ws, [task], None, "load backend z3 module-only", 300)
+    res = batched["_module_only"][0][0]
+    assert len(res["ranks"]) == 3
     for rank, r in enumerate(res["ranks"]):
         assert r["info"]["backend"] == "pyckpt", (rank, r["info"])
         assert r["keys"] > 5 and r["before"] == [] and r["after"] == [], (rank, r["before"], r["after"])
