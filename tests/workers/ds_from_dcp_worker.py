@@ -14,8 +14,12 @@ hyper-parameters, the step) and the losses of three more steps on the FSDP2 job'
 """
 
 import argparse
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: dsharness
 
 
 def groups(model, lr: float) -> list:
@@ -25,6 +29,11 @@ def groups(model, lr: float) -> list:
 
 
 def main() -> None:
+    from dsharness.worker import skip_shm_comm_op
+
+    # deepspeed.initialize would otherwise JIT-compile DeepSpeed's shared-memory comm op on the CPU
+    # accelerator in every launch (a fresh TORCH_EXTENSIONS_DIR each): minutes of compiling on 2 cores.
+    skip_shm_comm_op()
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
