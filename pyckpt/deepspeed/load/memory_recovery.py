@@ -10,9 +10,10 @@ share that another node lacks send it there through the replica protocol (verifi
 counts), then each leader links the shares into ``<node folder>/restore/<tag>`` (hard links: no second
 copy of the bytes; ``restore`` checked as the root is, never followed) with a ``latest`` beside it,
 reads every linked file once for its CRC-32 against the one recorded at the save, and every rank loads
-from its own node's folder: DeepSpeed's own load at the topology it was saved at, or the direct
-reshard at another. A checkpoint that cannot be put together (a share that cannot be sent, a file whose
-bytes changed in memory) is passed over on every rank for the next newest, or ``save_dir``'s, with one
+from its own node's folder through the direct resume (each rank's byte ranges of the shards copied
+into its partitions and moments), at the topology it was saved at (:func:`.hooks._memory_load`:
+DeepSpeed's own load where that cannot serve it, said in one line) as at another. A checkpoint that
+cannot be put together (a share that cannot be sent, a file whose bytes changed in memory) is passed over on every rank for the next newest, or ``save_dir``'s, with one
 line saying why; any other failure stops every rank before any state changes. The assembly is removed
 by the next memory save.
 """
