@@ -82,11 +82,22 @@ def _engine_extras(engine) -> dict:
     scaler = getattr(opt, "loss_scaler", None)
     plain = (bool, int, float, str, type(None))
     return {
-        "lp": {n: getattr(p, "ds_tensor", p).detach().cpu().clone() for n, p in engine.module.named_parameters()},
+        "lp": {n: _lp_elements(p) for n, p in engine.module.named_parameters()},
         "scaler": {k: v for k, v in vars(scaler).items() if isinstance(v, plain)} if scaler is not None else None,
         "lr": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "counters": [engine.global_steps, engine.global_samples, engine.skipped_steps],
     }
+
+
+def _lp_elements(p):
+    """The low-precision weights this rank holds of ``p``: all of it, or under ZeRO-3 its partition's
+    elements of the parameter (a last partition's padding is not the parameter's: DeepSpeed's own load
+    leaves whatever the allocator gave it there)."""
+    part = getattr(p, "ds_tensor", None)
+    if part is None:
+        return p.detach().cpu().clone()
+    start = tdist.get_rank() * part.numel()
+    return part.detach().cpu().flatten()[:max(0, min(part.numel(), p.ds_numel - start))].clone()
 
 
 def _extras_differ(a: dict, b: dict) -> list:
