@@ -146,9 +146,7 @@ def _retire_before(folder: str, share: NodeShare, tag: str, keep: int) -> None:
     the new one (``max(keep, 2)``) leave the tier now, the first as the free slot the save writes
     over; never the newest complete one. A failure here only costs the reuse."""
     try:
-        found = [(p, m) for p, m in nm.shares(folder) if share.mine(m) and m.model == share.model]
-        for path in free_slot.oldest_to_retire(found, keep, protect=tag):
-            free_slot.retire(folder, path)
+        free_slot.retire_before_save(folder, share.mine, share.model, keep, protect=tag)
     except Exception as exc:
         log.warning("pyckpt: the memory tier could not free a slot in %s: %s", folder, describe_failure(exc))
 

@@ -108,3 +108,14 @@ def oldest_to_retire(found, keep: int, protect: Optional[str] = None) -> list:
     room = len(ranked) + 1 - max(keep, 2)
     out = [p for p, _ in ranked[:max(0, min(room, len(ranked) - 1))]]
     return [p for p in out if os.path.basename(p) != protect]
+
+
+def retire_before_save(folder: str, owner, model: str, keep: int, protect: Optional[str] = None) -> None:
+    """Before a save into ``folder`` (a node's folder or a replica folder): the run's oldest shares
+    (``owner(manifest)``, this ``model``) beyond what it may hold with the new one leave, the first as
+    the free slot the save writes over (:func:`oldest_to_retire`)."""
+    from .node_manifest import shares
+
+    found = [(p, m) for p, m in shares(folder) if owner(m) and m.model == model]
+    for share in oldest_to_retire(found, keep, protect):
+        retire(folder, share)

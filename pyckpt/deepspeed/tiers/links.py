@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from ...execution.distributed import describe_failure
 from .memory_root import this_node
 from . import free_slot
-from .node_manifest import prune, shares
+from .node_manifest import prune
 from .replication import ReplicaReceiver, send_folder
 
 log = logging.getLogger("pyckpt")
@@ -196,9 +196,7 @@ def _retire_replicas(replica_dir: str, keep: int, links: Nodes) -> None:
     """Before a replica is received: the oldest replicas beyond what the folder may hold with it
     (``max(keep, 2)``, as a node's own folder) leave, the first as the free slot it is written over."""
     if links.model is not None and links.owner is not None:
-        found = [(p, m) for p, m in shares(replica_dir) if links.owner(m) and m.model == links.model]
-        for path in free_slot.oldest_to_retire(found, keep):
-            free_slot.retire(replica_dir, path)
+        free_slot.retire_before_save(replica_dir, links.owner, links.model, keep)
 
 
 class Sender:
