@@ -21,7 +21,7 @@ _LAZY = {
     "VerifyReport": "universal.verify",
     "read_expert_slice": "universal.expert_slice",
     "check_load_topology": "universal.expert_slice",
-    "export_hf": "dcp.to_hf",  # any input: a DCP folder there, a DeepSpeed checkpoint through huggingface.export
+    "export_hf": "inputs.export",  # any input: a DCP folder, or a DeepSpeed checkpoint
     "export_hf_from_dcp": "dcp.to_hf",
     "read_dcp": "dcp.read",
     "ExportReport": "huggingface.export",

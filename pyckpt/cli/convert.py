@@ -118,8 +118,8 @@ def run(args) -> int:
         workers = max(args.num_extract_workers or 0, args.num_merge_workers or 0)
     from ..execution.distributed import default_workers
     from ..universal.convert import convert_to_universal
-    from ..dcp.read import is_dcp_folder
-    if is_dcp_folder(src):
+    from ..inputs.dispatch import DCP, open_checkpoint
+    if open_checkpoint(src).kind == DCP:
         if args.inject_missing_state or not args.strict or args.dense_only:
             raise UsageError("--inject_missing_state, --no_strict and --dense-only are for a DeepSpeed INPUT, not a "
                              "DCP one")

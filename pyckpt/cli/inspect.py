@@ -25,9 +25,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..dcp.read import is_dcp_folder
     from ..errors import bounded_line, clipped, printable, printable_line
-    if is_dcp_folder(args.checkpoint):
+    from ..inputs.dispatch import DCP, open_checkpoint
+    if open_checkpoint(args.checkpoint).kind == DCP:
         from ..dcp.describe import describe_dcp
         info = describe_dcp(args.checkpoint)
         if args.json:

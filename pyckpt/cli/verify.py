@@ -71,15 +71,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..dcp.read import is_dcp_folder as is_dcp_input
-    from ..dcp.verify import is_dcp_folder, verify_dcp
+    from ..inputs.dispatch import DCP, open_checkpoint
     from ..universal.verify import verify_universal
-    if not args.against and is_dcp_input(args.output):  # any DCP folder, checked on its own
-        from ..dcp.check import check_dcp
-        return _print(args, check_dcp(args.output))
-    if is_dcp_folder(args.output):
-        report = verify_dcp(args.output, against=args.against, content=args.content)
-        return _print(args, report)
+    if open_checkpoint(args.output).kind == DCP:
+        if not args.against:  # any DCP folder, checked on its own
+            from ..dcp.check import check_dcp
+            return _print(args, check_dcp(args.output))
+        # only pyckpt's own export can be planned again; verify_dcp refuses any other, naming the rule
+        from ..dcp.verify import verify_dcp
+        return _print(args, verify_dcp(args.output, against=args.against, content=args.content))
     # The byte counter draws only on a terminal; elsewhere making one would only cost a walk of the
     # folder and a tqdm whose half-made instance prints a traceback if a Ctrl-C lands in its making.
     progress = not args.quiet and not args.json and getattr(sys.stderr, "isatty", lambda: False)()

@@ -29,7 +29,7 @@ from ..huggingface.export import export_hf as export_zero_hf
 from ..huggingface.files import COMPANION_FILES, CONFIG_NAME
 from ..planning.collector import pauses_collector
 from ..tensors import NewTensor
-from .read import DcpCheckpoint, is_dcp_folder, read_dcp
+from .read import DcpCheckpoint, read_dcp
 from .torchtitan import Heads, from_torchtitan_model
 
 AUTO = "auto"
@@ -152,12 +152,3 @@ def export_hf_from_dcp(input, output, *, model_key: str = AUTO, dtype: str = "fp
                       make_report, pointer=None, overwrite=overwrite, dry_run=dry_run, workers=workers,
                       progress=progress, fsync=fsync, notify=notify, ranks=ranks)
 
-
-def export_hf(input, output, **options) -> ExportReport:
-    """``pyckpt.export_hf``: Hugging Face model files in the new folder ``output`` from any checkpoint pyckpt
-    reads: a DCP folder (:func:`export_hf_from_dcp`: ``model_key``, ``config``, ``from_torchtitan`` besides the
-    common options), or a DeepSpeed ZeRO or Universal Checkpoint (:func:`pyckpt.huggingface.export.export_hf`,
-    whose options apply)."""
-    if is_dcp_folder(input):
-        return export_hf_from_dcp(input, output, **options)
-    return export_zero_hf(input, output, **options)

@@ -31,10 +31,6 @@ _OPTIONS = {"dtype": str, "optimizer": bool, "model_key": str, "optim_key": str,
             "exclude_frozen": bool, "data_files": int, "save_id": str}
 
 
-def is_dcp_folder(path) -> bool:
-    return os.path.isdir(path) and os.path.lexists(os.path.join(path, METADATA_NAME))
-
-
 class _Slice(io.RawIOBase):
     """Bytes [start, start + length) of an open file, as a file of their own (what DCP's reader hands
     torch.load for each chunk)."""

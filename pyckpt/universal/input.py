@@ -29,6 +29,14 @@ def tagged(input, tag: Optional[str]):
     return os.path.join(os.fspath(input), tag)
 
 
+def discover_input(path):
+    """The files of the DeepSpeed checkpoint at ``path``, discovered and checked (no tensor read): a
+    Universal Checkpoint (its folder, or the folder whose ``latest_universal`` names it), else a ZeRO
+    checkpoint (a tag folder, or the folder holding ``latest``), whose discovery refuses what is neither."""
+    universal = find_universal_folder(path)
+    return discover_universal(universal) if universal else discover(path)
+
+
 def read_consolidated(input, tag: Optional[str] = None, exclude_frozen: bool = False, dense_only: bool = False,
                       optimizer: bool = False):
     """(checkpoint, zero_to_fp32's state dict as byte pieces) of INPUT: a ZeRO checkpoint (tag folder, or the
@@ -37,10 +45,9 @@ def read_consolidated(input, tag: Optional[str] = None, exclude_frozen: bool = F
     a ZeRO checkpoint's Adam moments and steps are read in the same pass, for :func:`optimizer_states`."""
     path = tagged(input, tag)
     with metadata_errors(input):
-        universal = find_universal_folder(path)
-        ck = discover_universal(universal) if universal else discover(path)
+        ck = discover_input(path)
     with metadata_errors(ck.folder):
-        if universal:
+        if isinstance(ck, UniversalCheckpoint):
             return ck, consolidate_universal(ck, exclude_frozen=exclude_frozen, dense_only=dense_only)
         return ck, consolidate(ck, exclude_frozen=exclude_frozen, dense_only=dense_only, optimizer=optimizer)
 

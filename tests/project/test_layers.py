@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "pyckpt"
 VOCABULARY = ["errors", "tensors", "native"]
-FOLDERS = ["formats", "planning", "execution", "zero", "universal", "huggingface", "dcp", "deepspeed",
+FOLDERS = ["formats", "planning", "execution", "zero", "universal", "huggingface", "dcp", "inputs", "deepspeed",
            "testing"]  # synthetic checkpoints for tests and benchmarks: nothing in the library imports them
 LAYERS = VOCABULARY + FOLDERS  # then the front ends
 # What a user runs: `python -m pyckpt.NAME` (argparse, then one library call) and the `pyckpt` console
