@@ -20,7 +20,7 @@ import pyckpt
 import pyckpt.testing as mc
 from pyckpt.errors import CheckpointFormatError, PyckptError
 
-from edit import rewrite
+from edit import copy_checkpoint, rewrite
 
 TIMEOUT = 120  # the old code took hours (or forever) where these take well under a second
 
@@ -41,17 +41,11 @@ def _python(code: str, timeout=TIMEOUT):
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """Small checkpoints, made once; tests edit copies."""
+    """Small checkpoints (their tag folders), made once; tests edit copies."""
     root = tmp_path_factory.mktemp("made")
-    return {"dense": mc.make_checkpoint(root / "dense", dp=2, stage=2, layers=1, hidden=8).parent,
-            "moe2": mc.make_checkpoint(root / "moe2", dp=2, stage=2, layers=2, hidden=8, experts=4, ep=2).parent,
-            "moe3": mc.make_checkpoint(root / "moe3", dp=2, stage=3, layers=2, hidden=8, experts=4, ep=2).parent}
-
-
-def _copy(made, name, tmp_path):
-    dst = tmp_path / name
-    shutil.copytree(made[name], dst, symlinks=True)
-    return dst, dst / "global_step1"
+    return {"dense": mc.make_checkpoint(root / "dense", dp=2, stage=2, layers=1, hidden=8),
+            "moe2": mc.make_checkpoint(root / "moe2", dp=2, stage=2, layers=2, hidden=8, experts=4, ep=2),
+            "moe3": mc.make_checkpoint(root / "moe3", dp=2, stage=3, layers=2, hidden=8, experts=4, ep=2)}
 
 
 def _model_files(tag):
@@ -124,7 +118,7 @@ def test_load_side_messages_about_absurd_counts_stay_short():
 
 @pytest.mark.parametrize("count,more", [(10**12, 145), (2**61 - 1, 0)])
 def test_inspect_of_an_absurd_expert_count_finishes(made, tmp_path, count, more):
-    root, tag = _copy(made, "moe2", tmp_path)
+    root, tag = copy_checkpoint(made["moe2"], tmp_path)
     _edit_layers(tag, lambda layer: layer.update(num_experts=count))
     proc = _run("pyckpt.describe", root)
     assert proc.returncode == 0, proc.stderr
@@ -142,7 +136,7 @@ def test_inspect_of_an_absurd_expert_count_finishes(made, tmp_path, count, more)
 def test_zero3_expert_placement_with_an_absurd_count_is_refused_quickly(made, tmp_path, edit):
     """A placement descriptor promising 10**12 experts (its coverage was a set of every id), or a
     uniform placement over 10**12 EP ranks (a tuple per rank, then a list of every missing rank)."""
-    root, tag = _copy(made, "moe3", tmp_path)
+    root, tag = copy_checkpoint(made["moe3"], tmp_path)
 
     def change(layer):
         if edit == "placement":
@@ -212,7 +206,7 @@ LIBRARY = ([(pyckpt.convert_to_universal, "workers", v) for v in (-1, 10**30, 1.
                          ids=[f"{f.__name__}-{k}-{i}" for i, (f, k, v) in enumerate(LIBRARY)])
 def test_a_numeric_keyword_of_the_library_is_refused_by_name(made, tmp_path, function, keyword, value):
     with pytest.raises(ValueError, match=keyword) as info:
-        function(made["dense"], tmp_path / "out", dry_run=True, **{keyword: value})
+        function(made["dense"].parent, tmp_path / "out", dry_run=True, **{keyword: value})
     assert len(str(info.value)) < 300 and not (tmp_path / "out").exists()
 
 
@@ -248,7 +242,7 @@ def _plant(path, kind):
 
 @pytest.mark.parametrize("kind", ["dangling", "loop", "fifo", "folder", "socket"])
 def test_inspect_skips_what_is_not_a_checkpoint_file(made, tmp_path, kind):
-    root, tag = _copy(made, "dense", tmp_path)
+    root, tag = copy_checkpoint(made["dense"], tmp_path)
     _plant(tag / "notes.txt", kind)
     proc = _run("pyckpt.describe", root)
     assert proc.returncode == 0, proc.stderr
@@ -260,7 +254,7 @@ def test_inspect_skips_what_is_not_a_checkpoint_file(made, tmp_path, kind):
 @pytest.mark.parametrize("command", ["describe", "convert", "export"])
 @pytest.mark.parametrize("kind", ["loop", "dangling", "fifo", "folder"])
 def test_a_non_file_named_like_a_model_state_file_is_named_with_the_rule(made, tmp_path, command, kind):
-    root, tag = _copy(made, "dense", tmp_path)
+    root, tag = copy_checkpoint(made["dense"], tmp_path)
     victim = tag / "mp_rank_01_model_states.pt"
     _plant(victim, kind)
     args = [root] if command == "describe" else [root, tmp_path / "out", "--dry-run"]
@@ -274,7 +268,7 @@ def test_a_non_file_named_like_a_model_state_file_is_named_with_the_rule(made, t
 
 @pytest.mark.parametrize("kind", ["dangling", "loop"])
 def test_verify_against_names_a_copied_file_that_is_no_file(made, tmp_path, kind):
-    root, _ = _copy(made, "dense", tmp_path)
+    root, _ = copy_checkpoint(made["dense"], tmp_path)
     out = tmp_path / "universal"
     pyckpt.convert_to_universal(root, out)
     victim = out / "mp_rank_00_model_states.pt"
@@ -311,7 +305,7 @@ def test_printable_escapes_what_could_drive_a_terminal_or_forge_a_line():
 
 
 def test_inspect_escapes_a_hostile_ds_version(made, tmp_path):
-    root, tag = _copy(made, "dense", tmp_path)
+    root, tag = copy_checkpoint(made["dense"], tmp_path)
     rewrite(tag / "mp_rank_00_model_states.pt", lambda obj: obj.__setitem__("ds_version", HOSTILE + "\u202e"))
     proc = _run("pyckpt.describe", root)
     assert proc.returncode == 0, proc.stderr
@@ -322,7 +316,7 @@ def test_inspect_escapes_a_hostile_ds_version(made, tmp_path):
 
 
 def test_inspect_escapes_a_hostile_tag_and_file_names(made, tmp_path):
-    root, tag = _copy(made, "dense", tmp_path)
+    root, tag = copy_checkpoint(made["dense"], tmp_path)
     hostile_tag = "global_step1\x1b]0;owned\x07\u2028zero_stage: 9"
     tag = tag.rename(root / hostile_tag)
     (root / "latest").write_text(hostile_tag)
@@ -339,7 +333,7 @@ def test_inspect_escapes_a_hostile_tag_and_file_names(made, tmp_path):
 def test_export_dry_run_escapes_a_hostile_parameter_name(made, tmp_path):
     """A tied alias (shared_params key) may hold a line separator or a bidi override and still be a name
     torch allows; the dry run's note listing it shows them escaped."""
-    root, tag = _copy(made, "dense", tmp_path)
+    root, tag = copy_checkpoint(made["dense"], tmp_path)
     alias = "head.weight\u2028global_steps: 999\u202e"
     rewrite(tag / "mp_rank_00_model_states.pt",
             lambda obj: obj["shared_params"].__setitem__(alias, next(iter(obj["param_shapes"][0]))))
@@ -351,7 +345,7 @@ def test_export_dry_run_escapes_a_hostile_parameter_name(made, tmp_path):
 
 def test_a_parameter_name_with_a_c1_control_is_refused(made, tmp_path):
     """C1 controls (\\x9b is CSI on an 8-bit terminal) are control characters like C0: never a name."""
-    root, tag = _copy(made, "dense", tmp_path)
+    root, tag = copy_checkpoint(made["dense"], tmp_path)
     rewrite(tag / "mp_rank_00_model_states.pt",
             lambda obj: obj["shared_params"].__setitem__("head.weight\x9b2J", next(iter(obj["param_shapes"][0]))))
     with pytest.raises(CheckpointFormatError, match=r"shared_params key 'head.weight\\x9b2J' contains") as info:
@@ -360,7 +354,7 @@ def test_a_parameter_name_with_a_c1_control_is_refused(made, tmp_path):
 
 
 def test_verify_escapes_a_hostile_parameter_folder_name(made, tmp_path):
-    root, _ = _copy(made, "dense", tmp_path)
+    root, _ = copy_checkpoint(made["dense"], tmp_path)
     out = tmp_path / "universal"
     pyckpt.convert_to_universal(root, out)
     (out / "zero" / f"evil{HOSTILE}").mkdir()
@@ -378,7 +372,7 @@ def test_a_file_that_only_starts_like_a_model_state_file_is_refused_not_copied(m
     """DeepSpeed's converter takes every mp_rank_* name as a model-state file; pyckpt copies model-state
     files into its output by name, so a name that only starts like one (a trailing newline, a backup)
     is refused naming it, escaped, and nothing is written."""
-    root, tag = _copy(made, "dense", tmp_path)
+    root, tag = copy_checkpoint(made["dense"], tmp_path)
     shutil.copyfile(tag / "mp_rank_00_model_states.pt", tag / name)
     proc = _run("pyckpt.convert", root, tmp_path / "out")
     assert proc.returncode == 1, proc.stderr
@@ -418,7 +412,7 @@ def _lines(proc) -> list:
 
 
 def test_inspect_cuts_a_megabyte_ds_version(made, tmp_path):
-    root, tag = _copy(made, "dense", tmp_path)
+    root, tag = copy_checkpoint(made["dense"], tmp_path)
     rewrite(tag / "mp_rank_00_model_states.pt", lambda obj: obj.__setitem__("ds_version", MEGA))
     proc = _run("pyckpt.describe", root)
     assert proc.returncode == 0, proc.stderr[:2000]
@@ -445,7 +439,7 @@ def test_a_megabyte_value_in_zero_metadata_gives_one_short_line(made, tmp_path, 
     parameters' name prefix) quoted in an error: the line names the file and the rule, cut with the
     length, from convert and the Hugging Face export alike."""
     name, pattern, edit, rule = ZERO_EDITS[case]
-    root, tag = _copy(made, name, tmp_path)
+    root, tag = copy_checkpoint(made[name], tmp_path)
     for path in sorted(tag.glob(pattern)):
         if "expert" not in path.name:
             rewrite(path, edit)
@@ -463,7 +457,7 @@ def test_a_megabyte_global_in_a_refused_pickle_gives_one_short_line(made, tmp_pa
     import io
     import zipfile
 
-    root, tag = _copy(made, "dense", tmp_path)
+    root, tag = copy_checkpoint(made["dense"], tmp_path)
     path = tag / "mp_rank_00_model_states.pt"
     out = io.BytesIO()
     with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w") as dst:

@@ -20,7 +20,7 @@ import torch
 from dsharness import models
 
 import pyckpt
-from edit import rewrite
+from edit import copy_checkpoint, rewrite
 from pyckpt.dcp.layout import chunk_tensor, narrow_bytes
 from pyckpt.errors import CheckpointFormatError, UnsafePickleError
 from pyckpt.formats.pickle_read import GlobalName
@@ -450,12 +450,6 @@ def test_chunks_are_near_equal_runs_of_whole_rows():
 
 # -- hostile input: what a DCP export reads beyond the other exports --------------------------------
 
-def _copy(ck, tmp_path) -> Path:
-    root = tmp_path / "input"
-    shutil.copytree(ck.root, root)
-    return root / ck.tag
-
-
 def _first_optim_file(tag: Path) -> Path:
     return sorted(tag.glob("*optim_states.pt"))[0]
 
@@ -476,7 +470,7 @@ def test_param_group_values_that_are_not_plain_data_are_refused(checkpoints, tmp
     is not plain data (an allowlisted global such as a dtype, a tensor, a deep nest) is refused, naming
     the checkpoint, and one that pyckpt's reader does not allow is never unpickled; nothing is written
     and the input is unchanged."""
-    tag = _copy(checkpoints["s2_fp32_dp3"], tmp_path)
+    _, tag = copy_checkpoint(checkpoints["s2_fp32_dp3"].tag_dir, tmp_path)
     path = _first_optim_file(tag)
 
     def edit(obj):
@@ -493,7 +487,7 @@ def test_param_group_values_that_are_not_plain_data_are_refused(checkpoints, tmp
 @pytest.mark.parametrize("params,problem", [([7], "holds flat partition 7"), (["0"], "no list of flat partition"),
                                             ([-1], "no list of flat partition"), (None, "no list of flat partition")])
 def test_param_group_indices_out_of_range_are_refused(checkpoints, tmp_path, params, problem):
-    tag = _copy(checkpoints["s2_fp32_dp3"], tmp_path)
+    _, tag = copy_checkpoint(checkpoints["s2_fp32_dp3"].tag_dir, tmp_path)
 
     def edit(obj):
         _groups_of(obj)[0]["params"] = params
@@ -505,7 +499,7 @@ def test_param_group_indices_out_of_range_are_refused(checkpoints, tmp_path, par
 
 
 def test_zero3_ranks_that_disagree_on_the_step_are_refused(checkpoints, tmp_path):
-    tag = _copy(checkpoints["s3_fp32_dp2_subgroups"], tmp_path)
+    _, tag = copy_checkpoint(checkpoints["s3_fp32_dp2_subgroups"].tag_dir, tmp_path)
     path = sorted(tag.glob("*optim_states.pt"))[1]
 
     def edit(obj):
@@ -714,7 +708,7 @@ def test_torchtitan_names_refuse_what_torchtitan_has_no_place_for(checkpoints, t
     """Without a Llama config beside the checkpoint, or with a parameter torchtitan's Llama3 has no
     name for, the export is refused naming why, before anything is written; the layout options cannot
     be mixed with it."""
-    root = _copy(checkpoints["z2_groups_dp2"], tmp_path).parent
+    root, _ = copy_checkpoint(checkpoints["z2_groups_dp2"].tag_dir, tmp_path)
     out = tmp_path / "tt"
     with pytest.raises(pyckpt.UnsupportedCheckpointError, match="no config.json beside it"):
         pyckpt.export_dcp(root, out, torchtitan=True, initial_lr=1.0)

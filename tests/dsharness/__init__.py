@@ -30,7 +30,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -54,7 +53,6 @@ __all__ = [
     "load_universal_many",
     "ds_env",
     "compare_states",
-    "copy_checkpoint",
     "LAUNCH_LOG",
 ]
 
@@ -452,10 +450,3 @@ def compare_states(reference: dict, loaded: dict, keys: Sequence[str] = ("fp32",
                 diff = (x.double() - y.double()).abs().max().item()
                 problems.append(f"{key}/{name}: values differ (max abs diff {diff:g})")
     return problems
-
-
-def copy_checkpoint(ckpt: Checkpoint, dest: Path) -> Checkpoint:
-    """A private copy of a (session-shared) checkpoint, for tests that modify files."""
-    dest = Path(dest)
-    shutil.copytree(ckpt.root, dest)
-    return dataclasses.replace(ckpt, root=dest, tag_dir=dest / ckpt.tag)

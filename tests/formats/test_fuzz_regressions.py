@@ -5,7 +5,6 @@ Each is now refused where the data enters, naming the file and the rule."""
 
 import io
 import pickletools
-import shutil
 import struct
 import zipfile
 
@@ -19,14 +18,7 @@ from pyckpt.errors import AutoEPError, PyckptError
 from pyckpt.formats.pickle_read import loads
 
 from compare import digest
-from edit import rewrite
-
-
-def _copy(checkpoints, name, tmp_path):
-    src = checkpoints[name]
-    dst = tmp_path / "ckpt"
-    shutil.copytree(src.root, dst)
-    return dst, dst / src.tag
+from edit import copy_checkpoint, rewrite
 
 
 def _refused(root, tmp_path, *expected):
@@ -62,7 +54,7 @@ def _edit_affine(tag, param, edit):
 
 def test_affine_piece_moved_off_its_place_leaves_a_gap(checkpoints, tmp_path):
     # Found: source offset 1 -> 2 left element 1 unwritten; only the executor noticed ("gap").
-    root, tag = _copy(checkpoints, "tp_s1_fp32", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["tp_s1_fp32"].tag_dir, tmp_path)
 
     def shift(amap):
         pc = amap["ranks"][0]["pieces"][0]
@@ -74,7 +66,7 @@ def test_affine_piece_moved_off_its_place_leaves_a_gap(checkpoints, tmp_path):
 
 def test_affine_piece_with_negative_stride_is_refused(checkpoints, tmp_path):
     # Found: a stride of -63 became a negative destination offset in the op table.
-    root, tag = _copy(checkpoints, "tp_s1_fp32", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["tp_s1_fp32"].tag_dir, tmp_path)
 
     def negative(amap):
         pc = amap["ranks"][0]["pieces"][0]
@@ -86,13 +78,13 @@ def test_affine_piece_with_negative_stride_is_refused(checkpoints, tmp_path):
 
 def test_affine_logical_shape_larger_than_its_pieces_is_refused(checkpoints, tmp_path):
     # Found: logical_shape [16, 2**31 - 1] asked the executor for a 128 GiB record with one piece.
-    root, tag = _copy(checkpoints, "tp_s1_fp32", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["tp_s1_fp32"].tag_dir, tmp_path)
     _edit_affine(tag, Q_WEIGHT, lambda amap: amap["logical_shape"].__setitem__(1, 2**31 - 1))
     _refused(root, tmp_path, "mp_rank_00_model_states.pt", Q_WEIGHT)
 
 
 def test_affine_piece_reaching_past_the_shard_is_refused(checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "tp_s1_fp32", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["tp_s1_fp32"].tag_dir, tmp_path)
 
     def past(amap):
         pc = amap["ranks"][1]["pieces"][0]
@@ -103,7 +95,7 @@ def test_affine_piece_reaching_past_the_shard_is_refused(checkpoints, tmp_path):
 
 
 def test_affine_pattern_that_is_not_a_regex_is_refused(checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "tp_s1_fp32", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["tp_s1_fp32"].tag_dir, tmp_path)
 
     def bad_pattern(obj):
         params = obj["universal_checkpoint_info"]["affine_map"]["params"]
@@ -151,7 +143,7 @@ def _with_pickle(path, transform):
 def test_model_states_with_an_opcode_torch_refuses_is_not_copied(checkpoints, tmp_path):
     # Found: an int in ds_config replaced by SHORT_BINBYTES b'x'. CPython's unpickler reads it, so
     # the file passed and was copied verbatim; torch.load(weights_only=True) then refused the copy.
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     model = sorted(tag.glob("*model_states.pt"))[0]
 
     def swap(pkl):
@@ -172,7 +164,6 @@ def test_real_model_states_pass_the_opcode_check(checkpoints):
     for name in ("s2_bf16_dp2", "s3_fp32_dp2_subgroups", "tp_s1_fp32", "ep_s3_fp32"):
         for model in checkpoints[name].tag_dir.glob("*model_states.pt"):
             SourceFile(model).check_copyable()
-
 
 
 def _le8(n):
@@ -278,7 +269,7 @@ def test_autoep_dp_not_divisible_by_ep_names_the_file():
 def test_autoep_fragment_size_mismatch_names_the_shards(checkpoints, tmp_path):
     # Found: "AutoEP exp_avg fragment size mismatch ...: got 19, expected 240." with no file in it,
     # from a fragment_address whose numel was edited.
-    root, tag = _copy(checkpoints, "ep_s1_fp32", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["ep_s1_fp32"].tag_dir, tmp_path)
     shard = sorted(tag.glob("*zero_pp_rank_0_*optim_states.pt"))[0]
 
     def shrink(obj):

@@ -3,6 +3,18 @@ and writer: the file keeps every tensor record, only the edited metadata changes
 
 import os
 import shutil
+from pathlib import Path
+
+
+def copy_checkpoint(folder, tmp_path) -> tuple[Path, Path]:
+    """(root, root / folder.name): a copy under ``tmp_path / "ckpt"`` of the checkpoint folder holding
+    ``folder`` (a tag folder beside ``latest``, or a conversion beside ``latest_universal``), for a test that
+    damages files. The session's checkpoints are read by every test of the run, so none is edited in place;
+    links are copied as links, so a copy never writes through one into the original."""
+    folder = Path(folder)
+    root = Path(tmp_path) / "ckpt"
+    shutil.copytree(folder.parent, root, symlinks=True)
+    return root, root / folder.name
 
 
 def rewrite(path, edit) -> None:

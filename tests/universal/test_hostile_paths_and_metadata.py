@@ -18,16 +18,7 @@ from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.planning.plan import Plan
 
 from compare import digest
-from edit import rewrite
-
-
-def _copy(checkpoints, name, tmp_path):
-    src = checkpoints[name]
-    dst = tmp_path / "ckpt"
-    shutil.copytree(src.root, dst)
-    return dst, dst / src.tag
-
-
+from edit import copy_checkpoint, rewrite
 
 
 def _tree(root):
@@ -55,7 +46,7 @@ BAD_NAMES = ["../../../../x", "/tmp/abs", "a/b", "x/../l0.weight", "", "a\x00b",
 @pytest.mark.parametrize("bad", BAD_NAMES, ids=[repr(b)[:20] for b in BAD_NAMES])
 def test_module_key_that_is_not_a_parameter_name_is_refused(bad, checkpoints, tmp_path):
     # The fallback writes zero/<module key>/fp32.pt for module entries without optimizer state.
-    root, tag = _copy(checkpoints, "s1_frozen_tied", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s1_frozen_tied"].tag_dir, tmp_path)
     model = _model_file(tag)
 
     def edit(obj):
@@ -76,7 +67,7 @@ def test_module_key_that_is_not_a_parameter_name_is_refused(bad, checkpoints, tm
 
 @pytest.mark.parametrize("bad", ["../escape", "sub/dir", "a..b"])
 def test_zero3_param_shapes_name_is_refused(bad, checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s3_fp32_dp2_subgroups", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s3_fp32_dp2_subgroups"].tag_dir, tmp_path)
     model = _model_file(tag)
 
     def edit(obj):
@@ -90,7 +81,7 @@ def test_zero3_param_shapes_name_is_refused(bad, checkpoints, tmp_path):
 
 
 def test_slice_mapping_name_is_refused(checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     optim = _optim_file(tag, 1)
 
     def edit(obj):
@@ -105,7 +96,7 @@ def test_slice_mapping_name_is_refused(checkpoints, tmp_path):
 def test_two_parameters_on_one_path_are_refused(checkpoints, tmp_path):
     # A ZeRO-3 model listing one name in two sub-groups would write its file twice, the second
     # replacing the first.
-    root, tag = _copy(checkpoints, "s3_fp32_dp2_subgroups", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s3_fp32_dp2_subgroups"].tag_dir, tmp_path)
 
     def edit(obj):
         groups = obj["param_shapes"]
@@ -144,7 +135,7 @@ def _first_fp32(obj):
     (lambda t: setattr(t, "shape", (2, t.shape[0])), "differ in length"),
 ], ids=["negative-offset", "offset-past-end", "shape-past-end", "negative-stride", "rank-mismatch"])
 def test_tensor_view_outside_its_storage_is_refused(change, message, checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     optim = _optim_file(tag, 1)
     rewrite(optim, lambda obj: change(_first_fp32(obj)))
     with pytest.raises(CheckpointFormatError, match=f"{optim}: .*{message}"):
@@ -165,7 +156,7 @@ def _repack(path, edit_members):
 
 
 def test_storage_larger_than_its_record_is_refused(checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     optim = _optim_file(tag, 0)
     key = _first_fp32(SourceFile(str(optim)).load()).storage.key
     _repack(optim, lambda ms: [(n, d[:-4] if n.endswith(f"/data/{key}") else d) for n, d in ms])
@@ -176,7 +167,7 @@ def test_storage_larger_than_its_record_is_refused(checkpoints, tmp_path):
 def test_copied_model_file_with_corrupt_tensor_sizes_is_refused(checkpoints, tmp_path):
     # Model-state files are copied into the output whole; they must pass the same checks as the
     # files pyckpt reads, or DeepSpeed only finds out when it resumes.
-    root, tag = _copy(checkpoints, "s3_fp32_dp2_subgroups", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s3_fp32_dp2_subgroups"].tag_dir, tmp_path)
     model = sorted(tag.glob("*model_states.pt"))[-1]  # a rank the plan itself never reads
 
     def edit(obj):
@@ -204,7 +195,7 @@ def _any_tensor(obj):
 
 
 def test_partition_count_zero_is_a_format_error(checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     optim = _optim_file(tag, 0)
     rewrite(optim, lambda obj: obj["optimizer_state_dict"].__setitem__("partition_count", [0]))
     with pytest.raises(CheckpointFormatError, match=f"{optim}: partition_count\\[0\\] is 0"):
@@ -212,7 +203,7 @@ def test_partition_count_zero_is_a_format_error(checkpoints, tmp_path):
 
 
 def test_fragment_without_start_is_a_format_error(checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     optim = _optim_file(tag, 1)
 
     def edit(obj):
@@ -226,7 +217,7 @@ def test_fragment_without_start_is_a_format_error(checkpoints, tmp_path):
 
 def test_missing_optimizer_group_state_is_a_format_error(checkpoints, tmp_path):
     # Was a bare `pyckpt: error: 0` (KeyError) from the ZeRO-3 planner.
-    root, tag = _copy(checkpoints, "s3_fp32_dp2_subgroups", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s3_fp32_dp2_subgroups"].tag_dir, tmp_path)
     optim = _optim_file(tag, 1)
     rewrite(optim, lambda obj: obj["optimizer_state_dict"]["optimizer_state_dict"]["state"].pop(0))
     with pytest.raises(CheckpointFormatError, match=f"{optim}: optimizer state of sub-group 0 is missing"):
@@ -234,7 +225,7 @@ def test_missing_optimizer_group_state_is_a_format_error(checkpoints, tmp_path):
 
 
 def test_oversized_pickle_is_refused_before_reading(checkpoints, tmp_path, monkeypatch):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     monkeypatch.setenv("PYCKPT_MAX_PICKLE_BYTES", "100")
     with pytest.raises(CheckpointFormatError, match="data.pkl is .* bytes, more than the 100-byte cap"):
         pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
@@ -248,7 +239,7 @@ def _run_cli(*args, timeout=60):
 
 
 def test_fifo_named_like_a_shard_is_refused_not_waited_on(checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     optim = _optim_file(tag, 1)
     os.remove(optim)
     os.mkfifo(optim)
@@ -258,7 +249,7 @@ def test_fifo_named_like_a_shard_is_refused_not_waited_on(checkpoints, tmp_path)
 
 
 def test_fifo_named_latest_is_refused(checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     os.remove(root / "latest")
     os.mkfifo(root / "latest")
     proc = _run_cli(root, tmp_path / "out" / "u", timeout=60)
@@ -267,7 +258,7 @@ def test_fifo_named_latest_is_refused(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("tag_text", ["../../elsewhere", "/etc", "a/b", ".."])
 def test_latest_naming_a_folder_outside_is_refused(tag_text, checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     (root / "latest").write_text(tag_text)
     with pytest.raises(CheckpointFormatError, match="not a folder name beside it"):
         pyckpt.convert_to_universal(root, tmp_path / "out" / "u")
@@ -277,7 +268,7 @@ def test_latest_naming_a_folder_outside_is_refused(tag_text, checkpoints, tmp_pa
 
 @pytest.mark.parametrize("where", ["tag", "root-is-input", "inside-tag", "ancestor", "symlink-to-tag"])
 def test_output_overlapping_the_input_is_refused_even_with_overwrite(where, checkpoints, tmp_path):
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     given = {"root-is-input": root}.get(where, tag)
     out = {"tag": tag, "root-is-input": root, "inside-tag": tag / "u", "ancestor": tmp_path,
            "symlink-to-tag": tmp_path / "link"}[where]
@@ -293,7 +284,7 @@ def test_output_overlapping_the_input_is_refused_even_with_overwrite(where, chec
 
 def test_output_beside_the_tag_inside_the_save_dir_is_allowed(checkpoints, tmp_path):
     # DeepSpeed's own layout: ckpt/global_stepN_universal next to ckpt/global_stepN.
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     before = digest(tag)
     pyckpt.convert_to_universal(root, root / f"{tag.name}_universal")
     assert (root / "latest_universal").read_text() == f"{tag.name}_universal"
@@ -517,7 +508,7 @@ def test_an_export_companion_linking_out_of_the_checkpoint_is_refused(companion,
                                                                        tmp_path):
     from pyckpt.huggingface.export import export_hf
 
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     where = root if layout == "trainer" else tag  # beside the tag (HF Trainer) or in it (save glue)
     (where / "tokenizer.json").write_text('{"version": "1.0"}')  # a good companion beside the bad one
     link = where / companion
@@ -538,7 +529,7 @@ def test_an_export_companion_linking_out_of_the_checkpoint_is_refused(companion,
 def test_export_companions_linked_inside_the_checkpoint_are_copied(checkpoints, tmp_path):
     from pyckpt.huggingface.export import export_hf
 
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     (root / "tok").mkdir()
     (root / "tok" / "tokenizer.json").write_text('{"version": "1.0"}')
     os.symlink("tok/tokenizer.json", root / "tokenizer.json")
@@ -554,7 +545,7 @@ def test_a_checkpoint_file_linking_out_of_the_checkpoint_is_refused(victim, chec
     """The shards and model states are copied or gathered into the output: one that links to a
     torch.save file elsewhere (another run's checkpoint) is refused, as is a pointer or tag folder
     that leads out of the folder the user named."""
-    root, tag = _copy(checkpoints, "s2_bf16_dp2", tmp_path)
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(tag, elsewhere)
     if victim == "shard":

@@ -15,7 +15,7 @@ from pyckpt.formats.torch_zip import SourceFile
 from pyckpt.universal.verify import VerifyInputError, verify_universal
 
 from conftest import ALL_CONFIGS
-from edit import rewrite
+from edit import copy_checkpoint, rewrite
 
 # Every stage, bf16, frozen/tied/buffers, BF16_Optimizer, AutoTP, AutoEP (ZeRO-1/2 and ZeRO-3).
 DS_CONFIGS = ["s1_fp32_dp2", "s2_bf16_dp2", "s3_fp32_dp2_subgroups", "s3_bf16_dp3", "s1_frozen_tied",
@@ -29,14 +29,6 @@ def run(*args):
     # shadow the installed package.
     return subprocess.run([sys.executable, "-m", "pyckpt.verify", *map(str, args)], capture_output=True, text=True,
                           cwd=tempfile.gettempdir())
-
-
-def _copy(universal, name, tmp_path):
-    """A copy of one converter output: (parent holding latest_universal, the universal folder)."""
-    src = universal[name]
-    parent = tmp_path / "out"
-    shutil.copytree(src.parent, parent)
-    return parent, parent / src.name
 
 
 def _problems(report):
@@ -111,14 +103,14 @@ def test_unreadable_against_is_input_error(pyckpt_universal, tmp_path):
 # -- damage --------------------------------------------------------------------------------------
 
 def test_missing_exp_avg(pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, "s1_fp32_dp2", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["s1_fp32_dp2"], tmp_path)
     victim = _trainable(u) / "exp_avg.pt"
     victim.unlink()
     assert _problems(verify_universal(u)) == [f"{victim}: missing, although the other trainable parameters have it"]
 
 
 def test_truncated_fp32(pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, "s2_bf16_dp2", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["s2_bf16_dp2"], tmp_path)
     victim = _trainable(u) / "fp32.pt"
     os.truncate(victim, victim.stat().st_size // 2)
     problems = _problems(verify_universal(u))
@@ -127,7 +119,7 @@ def test_truncated_fp32(pyckpt_universal, tmp_path):
 
 @pytest.mark.parametrize("member", ["data/0", "data.pkl"])
 def test_flipped_byte_fails_crc(member, pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, "s3_fp32_dp2_subgroups", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["s3_fp32_dp2_subgroups"], tmp_path)
     victim = next(p for p in sorted((u / "zero").iterdir()) if p.is_dir()) / "exp_avg_sq.pt"
     sf = SourceFile(victim)
     off, size, _ = sf.members[f"{sf.prefix}/{member}"]
@@ -143,7 +135,7 @@ def test_flipped_byte_fails_crc(member, pyckpt_universal, tmp_path):
 
 
 def test_shape_changed(pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, "s1_frozen_tied", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["s1_frozen_tied"], tmp_path)
     param = _trainable(u)
     victim = param / "fp32.pt"
 
@@ -160,7 +152,7 @@ def test_shape_changed(pyckpt_universal, tmp_path):
 
 def test_shape_changed_in_every_state_of_a_tp_param(pyckpt_universal, tmp_path):
     # Equal shapes across the states are not enough: the full shape must fit the per-tp-rank shapes.
-    _, u = _copy(pyckpt_universal, "tp_s1_fp32", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["tp_s1_fp32"], tmp_path)
     param = u / "zero" / "model.layers.0.mlp.gate_proj.weight"
     for f in ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"):
         rewrite(param / f, lambda obj: setattr(obj["param"], "shape", (16, 24)))
@@ -169,7 +161,7 @@ def test_shape_changed_in_every_state_of_a_tp_param(pyckpt_universal, tmp_path):
 
 
 def test_extra_parameter_folder(pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, "s2_bf16_frozen_tied", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["s2_bf16_frozen_tied"], tmp_path)
     shutil.copytree(_trainable(u), u / "zero" / "ghost.weight")
     problems = _problems(verify_universal(u))
     assert problems == [f"{u / 'zero' / 'ghost.weight'}: extra parameter: no copied model-state file names it in "
@@ -177,7 +169,7 @@ def test_extra_parameter_folder(pyckpt_universal, tmp_path):
 
 
 def test_folder_that_is_not_a_parameter_name(pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, "s1_fp32_dp2", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["s1_fp32_dp2"], tmp_path)
     (u / "zero" / "a..b").mkdir()
     assert _problems(verify_universal(u)) == [f"{u / 'zero' / 'a..b'}: folder name has an empty '.'-separated "
                                               "part: not a parameter name"]
@@ -185,7 +177,7 @@ def test_folder_that_is_not_a_parameter_name(pyckpt_universal, tmp_path):
 
 @pytest.mark.parametrize("name", ["s1_frozen_tied", "s3_fp32_dp4", "ep_s3_fp32"])
 def test_missing_parameter_folder(name, pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, name, tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal[name], tmp_path)
     victim = sorted(p for p in (u / "zero").iterdir() if p.is_dir())[-1]
     shutil.rmtree(victim)
     problems = _problems(verify_universal(u))
@@ -196,7 +188,7 @@ def test_missing_parameter_folder(name, pyckpt_universal, tmp_path):
                                          ("s3_fp32_dp4", "zero_pp_rank_2_mp_rank_00_model_states.pt"),
                                          ("s2_fp32_dp4", "mp_rank_00_model_states.pt")])
 def test_missing_model_states_file(name, victim, pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, name, tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal[name], tmp_path)
     (u / victim).unlink()
     problems = _problems(verify_universal(u))
     named = str(u) if victim == "mp_rank_00_model_states.pt" else str(u / victim)
@@ -204,7 +196,7 @@ def test_missing_model_states_file(name, victim, pyckpt_universal, tmp_path):
 
 
 def test_latest_universal_naming_nothing(pyckpt_universal, tmp_path):
-    parent, u = _copy(pyckpt_universal, "s1_fp32_dp2", tmp_path)
+    parent, u = copy_checkpoint(pyckpt_universal["s1_fp32_dp2"], tmp_path)
     (parent / "latest_universal").write_text("global_step9_universal")
     proc = run(parent)
     assert proc.returncode == 1
@@ -216,7 +208,7 @@ def test_latest_universal_naming_nothing(pyckpt_universal, tmp_path):
 
 
 def test_damage_report_lists_every_problem_and_cli_exits_1(pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, "ep_s2_bf16", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["ep_s2_bf16"], tmp_path)
     expert = u / "zero" / "model.layers.0.mlp.experts.w1"
     (expert / "step.pt").unlink()
     rewrite(expert / "fp32.pt", lambda obj: obj.pop("ep_num_experts"))
@@ -230,7 +222,7 @@ def test_damage_report_lists_every_problem_and_cli_exits_1(pyckpt_universal, tmp
 
 
 def test_hostile_file_is_reported_not_run(pyckpt_universal, tmp_path):
-    _, u = _copy(pyckpt_universal, "s1_fp32_dp2", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["s1_fp32_dp2"], tmp_path)
     victim = _trainable(u) / "exp_avg.pt"
     marker = tmp_path / "ran"
 
@@ -276,7 +268,7 @@ def test_against_other_model(pyckpt_universal, checkpoints):
 
 def test_against_planned_file_missing(pyckpt_universal, checkpoints, tmp_path):
     # A model-states file removed: found by the layout check and by the plan.
-    _, u = _copy(pyckpt_universal, "tp_s2_bf16", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["tp_s2_bf16"], tmp_path)
     (u / "mp_rank_01_model_states.pt").unlink()
     problems = _problems(verify_universal(u, against=checkpoints["tp_s2_bf16"].tag_dir))
     assert f"{u / 'mp_rank_01_model_states.pt'}: missing: converting {checkpoints['tp_s2_bf16'].tag_dir} writes it" \
@@ -289,7 +281,7 @@ def test_lazy_export():
 
 def test_against_missing_parameter_is_one_line_per_source(pyckpt_universal, checkpoints, tmp_path):
     # The layout check and the plan both name the folder; its four state files are not listed again.
-    _, u = _copy(pyckpt_universal, "s2_bf16_dp2", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["s2_bf16_dp2"], tmp_path)
     victim = _trainable(u)
     shutil.rmtree(victim)
     problems = _problems(verify_universal(u, against=checkpoints["s2_bf16_dp2"].root))
@@ -299,7 +291,7 @@ def test_against_missing_parameter_is_one_line_per_source(pyckpt_universal, chec
 
 def test_corrupt_model_states_is_one_problem(pyckpt_universal, tmp_path):
     # The parameter set comes from this file: its corruption is reported once, not as N extra folders.
-    _, u = _copy(pyckpt_universal, "s2_bf16_frozen_tied", tmp_path)
+    _, u = copy_checkpoint(pyckpt_universal["s2_bf16_frozen_tied"], tmp_path)
     victim = u / "mp_rank_00_model_states.pt"
     os.truncate(victim, 100)
     problems = _problems(verify_universal(u))

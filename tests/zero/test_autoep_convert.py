@@ -9,16 +9,9 @@ import torch
 import dsharness
 import pyckpt
 from compare import diff_folders
-from edit import rewrite
+from edit import copy_checkpoint, rewrite
 from pyckpt import CheckpointFormatError
 from pyckpt.universal.expert_slice import read_expert_slice
-
-
-def _copy(checkpoints, name, tmp_path):
-    ck = checkpoints[name]
-    root = tmp_path / "ckpt"
-    shutil.copytree(ck.root, root)
-    return root, root / ck.tag
 
 
 def _out(tmp_path):
@@ -33,7 +26,7 @@ def _assert_no_output(out):
 
 
 def test_missing_per_expert_file_is_file_not_found(checkpoints, tmp_path):
-    root, tag_dir = _copy(checkpoints, "ep_s1_fp32", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s1_fp32"].tag_dir, tmp_path)
     os.remove(tag_dir / "layer_1_expert_5_mp_rank_00_model_states.pt")
     out = _out(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"layer_1 expert_5 in .*global_step3") as err:
@@ -43,7 +36,7 @@ def test_missing_per_expert_file_is_file_not_found(checkpoints, tmp_path):
 
 
 def test_two_mp_rank_files_for_one_expert_are_refused(checkpoints, tmp_path):
-    root, tag_dir = _copy(checkpoints, "ep_s2_bf16", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s2_bf16"].tag_dir, tmp_path)
     shutil.copy(tag_dir / "layer_0_expert_3_mp_rank_00_model_states.pt",
                 tag_dir / "layer_0_expert_3_mp_rank_01_model_states.pt")
     out = _out(tmp_path)
@@ -61,7 +54,7 @@ def _strip_autoep_metadata(state):
 
 
 def test_expert_files_without_metadata_need_a_migration(checkpoints, deepspeed_universal, tmp_path):
-    root, tag_dir = _copy(checkpoints, "ep_s1_fp32", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s1_fp32"].tag_dir, tmp_path)
     rewrite(tag_dir / "mp_rank_00_model_states.pt", _strip_autoep_metadata)
     out = _out(tmp_path)
     with pytest.raises(RuntimeError, match=r"native DeepSpeed-MoE.*migration.*--dense-only") as err:
@@ -80,7 +73,7 @@ def test_expert_files_without_metadata_need_a_migration(checkpoints, deepspeed_u
 
 
 def test_zero3_autoep_must_be_partition_native(checkpoints, tmp_path):
-    root, tag_dir = _copy(checkpoints, "ep_s3_fp32", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s3_fp32"].tag_dir, tmp_path)
 
     def older_format(state):
         for entry in state["ds_autoep_layers"]:
@@ -95,7 +88,7 @@ def test_zero3_autoep_must_be_partition_native(checkpoints, tmp_path):
 
 
 def test_autoep_with_tensor_parallel_files_is_refused(checkpoints, tmp_path):
-    root, tag_dir = _copy(checkpoints, "ep_s3_fp32", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s3_fp32"].tag_dir, tmp_path)
     for f in list(tag_dir.glob("zero_pp_rank_*_mp_rank_00_*_states.pt")):
         shutil.copy(f, f.with_name(f.name.replace("_mp_rank_00_", "_mp_rank_01_")))
     out = _out(tmp_path)
@@ -116,7 +109,7 @@ def test_autoep_with_tensor_parallel_files_is_refused(checkpoints, tmp_path):
 ],
                          ids=["count", "entry-type", "list-type", "conflict", "bool-size", "missing-field", "ordering"])
 def test_zero12_metadata_rules(checkpoints, tmp_path, edit, message):
-    root, tag_dir = _copy(checkpoints, "ep_s2_bf16", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s2_bf16"].tag_dir, tmp_path)
     rewrite(tag_dir / "mp_rank_00_model_states.pt", edit)
     out = _out(tmp_path)
     with pytest.raises(RuntimeError, match=message):
@@ -132,7 +125,7 @@ def test_zero12_metadata_rules(checkpoints, tmp_path, edit, message):
 ],
                          ids=["local-count", "version", "duplicate-layer"])
 def test_zero3_metadata_rules(checkpoints, tmp_path, edit, message):
-    root, tag_dir = _copy(checkpoints, "ep_s3_fp32", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s3_fp32"].tag_dir, tmp_path)
     rewrite(tag_dir / "zero_pp_rank_2_mp_rank_00_model_states.pt", edit)
     out = _out(tmp_path)
     with pytest.raises(RuntimeError, match=r"zero_pp_rank_2.*" + message):
@@ -141,7 +134,7 @@ def test_zero3_metadata_rules(checkpoints, tmp_path, edit, message):
 
 
 def test_legacy_metadata_key_converts_like_deepspeed(checkpoints, ds_environ, tmp_path):
-    root, tag_dir = _copy(checkpoints, "ep_s2_bf16", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s2_bf16"].tag_dir, tmp_path)
 
     def legacy(state):
         state["autoep_layers"] = state.pop("ds_autoep_layers")
@@ -156,7 +149,7 @@ def test_legacy_metadata_key_converts_like_deepspeed(checkpoints, ds_environ, tm
 
 
 def test_expert_optimizer_state_is_best_effort(checkpoints, deepspeed_universal, tmp_path):
-    root, tag_dir = _copy(checkpoints, "ep_s2_bf16", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s2_bf16"].tag_dir, tmp_path)
     victim = next(tag_dir.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))
 
     def drop_expert_moment(obj):
@@ -233,7 +226,7 @@ def test_deepspeed_resumes_pyckpt_autoep_output_at_another_ep_size(load, checkpo
 
 
 def test_zero3_expert_partitions_must_each_be_present_once(checkpoints, tmp_path):
-    root, tag_dir = _copy(checkpoints, "ep_s3_fp32", tmp_path)
+    root, tag_dir = copy_checkpoint(checkpoints["ep_s3_fp32"].tag_dir, tmp_path)
     seen = {}
 
     def duplicate_partition_rank(obj):
