@@ -97,6 +97,19 @@ def number_flag(*, integer: bool = False, low=None, high=None, low_open: bool = 
     return parse
 
 
+def shard_size_flag(text: str) -> int:
+    """The ``type`` of --max_shard_size: bytes, as huggingface_hub reads a size ("5GB" is 5e9 bytes, as
+    :func:`pyckpt.huggingface.shards.parse_size` says); anything else is a usage error naming the flag
+    (exit 2), made once, however the command goes on to use it."""
+    import argparse
+
+    from ..huggingface.shards import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def workers_flag(text: str) -> int:
     """The ``type`` of --workers/-j: 0 (one per core) up to pyckpt.errors.WORKERS_MAX."""
     from ..errors import WORKERS_MAX

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from . import common as cli_common
-from .common import UsageError, add_common_flags, note, number_flag, report_done, workers_flag
+from .common import UsageError, add_common_flags, note, number_flag, report_done, shard_size_flag, workers_flag
 
 DESCRIPTION = """\
 Export a DeepSpeed ZeRO (stage 1, 2 or 3) checkpoint as Hugging Face model files: model.safetensors,
@@ -84,6 +84,8 @@ IMPORTS = ("pyckpt.huggingface.export",)  # numpy and the native module: loaded 
 WRITES_OUTPUT = True
 
 
+# What zero_to_fp32.py and save_pretrained split at; parsed (to bytes) by the flag's type like a given value.
+SHARD_SIZE_DEFAULT = "5GB"
 # A chunk of 4 EiB is more than any file holds: beyond it --chunk-mb is a typo, not a size.
 CHUNK_MB_MAX = 1 << 42
 
@@ -98,7 +100,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16", "auto"),
                    help="dtype of the floating tensors (integer buffers keep theirs); auto: the dtype of the "
                    "config.json beside the checkpoint, else fp32 (default: fp32, as zero_to_fp32.py)")
-    p.add_argument("--max_shard_size", "--max-shard-size", default="5GB",
+    p.add_argument("--max_shard_size", "--max-shard-size", type=shard_size_flag, default=SHARD_SIZE_DEFAULT,
                    help="largest file before the weights are split, as huggingface_hub reads it: 5GB = 5e9 bytes "
                    "(default: 5GB)")
     p.add_argument("--safe_serialization", "--safe-serialization", action="store_true",
@@ -158,8 +160,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..execution.distributed import default_workers
     from ..huggingface.export import export_hf
-    from ..dcp.read import is_dcp_folder
-    if is_dcp_folder(args.input):
+    from ..inputs.dispatch import DCP, open_checkpoint
+    if open_checkpoint(args.input).kind == DCP:
         return _run_from_dcp(args)
     if args.config is not None or args.from_torchtitan:
         raise UsageError("--config and --from-torchtitan are for a DCP INPUT (a folder with .metadata); "
@@ -169,13 +171,8 @@ def run(args) -> int:
     if args.torch_bin and args.safe_serialization:
         raise UsageError("--torch-bin and --safe_serialization ask for different formats: choose one")
     dcp = args.format == "dcp"
-    if not dcp:
-        from ..huggingface.shards import parse_size
-        try:
-            parse_size(args.max_shard_size)
-        except ValueError as exc:
-            raise UsageError(f"argument --max_shard_size/--max-shard-size: {exc}") from None
-    if dcp and (args.torch_bin or args.safe_serialization or args.max_shard_size != "5GB"):
+    shard_size_given = args.max_shard_size != shard_size_flag(SHARD_SIZE_DEFAULT)
+    if dcp and (args.torch_bin or args.safe_serialization or shard_size_given):
         raise UsageError("--max_shard_size, --torch-bin and --safe_serialization are for Hugging Face files, not "
                          "--format dcp")
     if dcp and args.dtype == "auto":
@@ -224,11 +221,6 @@ def _run_from_dcp(args) -> int:
                          "--initial-lr and --exclude_frozen_parameters are for a DeepSpeed INPUT, not a DCP one")
     if args.torch_bin and args.safe_serialization:
         raise UsageError("--torch-bin and --safe_serialization ask for different formats: choose one")
-    from ..huggingface.shards import parse_size
-    try:
-        parse_size(args.max_shard_size)
-    except ValueError as exc:
-        raise UsageError(f"argument --max_shard_size/--max-shard-size: {exc}") from None
     with cli_common.among_processes() as (ranks, lead):
         workers = args.workers if args.workers is not None or ranks is None else default_workers()
         report = export_hf_from_dcp(args.input, args.output, model_key=AUTO if args.model_key is None else
