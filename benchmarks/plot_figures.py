@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -69,6 +70,10 @@ def _load(results: Path, name: str) -> dict:
         raise SystemExit(f"plot_figures: {path}: cannot read a results file ({exc})")
 
 
+def _dtype(data: dict) -> str:
+    return f" {data['dtype']}" if data.get("dtype") else ""
+
+
 def _slowest_median(per_rank: list, way: str) -> Tuple[float, int]:
     """load.py's rounds are per rank; a round's time is its slowest rank's, the figure their median."""
     rounds = len(per_rank[0])
@@ -106,7 +111,7 @@ def save_stall(results: Path) -> Figure:
               Series("pyckpt save_checkpoint(async_save=True)", [r["async_stall"] for r in rounds], PYCKPT),
               Series("plain copy of the snapshot's bytes (floor)", [r["memcpy"] for r in rounds], COPY)]
     med = data["async"]["medians"]
-    notes = [f"{data['params'] / 1e6:.0f}M parameters, ZeRO-{data['stage']} fp32, {data['world_size']} ranks, "
+    notes = [f"{data['params'] / 1e6:.0f}M parameters, ZeRO-{data['stage']}{_dtype(data)}, {data['world_size']} ranks, "
              f"{data['cores']} CPU cores; the slowest rank's seconds in the call.",
              f"One run of {len(rounds)} rounds, order alternating. Median stall ratio DeepSpeed / pyckpt async: "
              f"{med['sync_over_async_stall']:.1f}x; pyckpt / plain copy: {med['async_stall_over_memcpy']:.2f}x."]
@@ -143,9 +148,12 @@ def memory_stall(results: Path) -> Figure:
     series = [Series(label, [_median(data, way, "stall") for _, data in runs], colour)
               for way, label, colour in MEMORY_WAYS]
     first = runs[0][1]
-    notes = [f"{first.get('params_arg', '?')} parameters (width {first.get('width', '?')}), ZeRO-2 fp32, "
-             f"{first.get('nproc', '?')} ranks, {first.get('cores', '?')} CPU cores, other work on the machine.",
-             "Each group is one run; a bar is the median over its rounds of the median of 3 steps' save calls,",
+    stage = re.search(r"_z(\d)_", runs[0][0])
+    notes = [f"{first.get('params_arg', '?')} parameters (width {first.get('width', '?')})"
+             f"{', ZeRO-' + stage.group(1) if stage else ''}{_dtype(first)}, "
+             f"{first.get('nproc', '?')} ranks, {first.get('cores', '?')} CPU cores.",
+             f"Each group is one run; a bar is the median over its rounds of the median of {first.get('steps', '?')} "
+             "steps' save calls,",
              "slowest rank. Runs on a shared machine: compare bars within a group, not across groups."]
     return Figure("memory_vs_dlrover_stall", "Stall per save: memory tier vs DLRover vs DeepSpeed's disk save", notes,
                   categories, series, "seconds training waits per save", [name for name, _ in runs],
@@ -183,10 +191,12 @@ def load_into_deepspeed(results: Path) -> Figure:
             values[way].append(median)
             counts.add(rounds)
     first = runs[0][1]
-    notes = [f"A {first['params']}-parameter model, {first['world_size']} ranks, gloo, CPU; the slowest "
-             "rank's seconds from a barrier to the load's return.",
+    warmups = sorted({data.get("warmup", 0) for _, data in runs})
+    notes = [f"A {first['params']}-parameter model, {first['world_size']} ranks; the slowest rank's seconds from a "
+             "barrier to the load's return.",
              f"One run of {'-'.join(map(str, sorted(counts)))} rotating rounds per group; a bar is the median of "
-             "the rounds, after one untimed warm-up load of each way."]
+             "the rounds" + (f", after {'-'.join(map(str, warmups))} untimed warm-up load(s) of each way."
+                             if warmups != [0] else ".")]
     return Figure("load_into_deepspeed", "Loading into a running DeepSpeed job", notes, categories,
                   [Series(label, values[way], colour) for way, label, colour in ways], "seconds", files)
 
