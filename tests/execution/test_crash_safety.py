@@ -20,6 +20,7 @@ import pytest
 
 from child_signals import default_signals
 from compare import diff_folders, digest
+from edit import copy_checkpoint
 from pyckpt.execution.leftovers import stale_entries
 from pyckpt.execution.output_lock import OutputLock
 
@@ -28,9 +29,7 @@ NAME = "s1_fp32_dp2"
 
 @pytest.fixture
 def ckpt(checkpoints, tmp_path):
-    src = checkpoints[NAME]
-    root = tmp_path / "ckpt"
-    shutil.copytree(src.root, root)
+    root, _ = copy_checkpoint(checkpoints[NAME].tag_dir, tmp_path)
     return root
 
 

@@ -27,6 +27,7 @@ from pyckpt.errors import CheckpointFormatError
 from pyckpt.execution.leftovers import stale_entries
 
 from compare import diff_folders, digest
+from edit import copy_checkpoint
 from native_hooks import hooks
 
 
@@ -363,9 +364,7 @@ E2E = [(c, e, a) for c, e in CALLS for a in (0, 7)]
 @pytest.mark.parametrize("call,err,after", E2E, ids=[f"{c}-{errno.errorcode[e]}-{a}" for c, e, a in E2E])
 def test_conversion_survives_injected_fault(call, err, after, existing, faults, checkpoints, deepspeed_universal,
                                             tmp_path):
-    src = checkpoints[NAME]
-    root = tmp_path / "ckpt"
-    shutil.copytree(src.root, root)
+    root, _ = copy_checkpoint(checkpoints[NAME].tag_dir, tmp_path)
     before = digest(root)
     out = tmp_path / "out" / "u"
     if existing:

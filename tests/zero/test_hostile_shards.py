@@ -1,7 +1,6 @@
 """Broken and hostile input: one clear error naming the file, nothing run, no complete-looking output."""
 
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -10,6 +9,8 @@ import torch
 import pyckpt
 from pyckpt import CheckpointFormatError, UnsafePickleError
 from pyckpt import _core
+
+from edit import copy_checkpoint
 
 
 class _RunsCode:
@@ -24,10 +25,8 @@ class _RunsCode:
 @pytest.fixture
 def ckpt_copy(tmp_path, checkpoints):
     """A private copy of a real ZeRO-2 dp=2 checkpoint that a test may damage."""
-    src = checkpoints["s2_bf16_dp2"]
-    dst = tmp_path / "ckpt"
-    shutil.copytree(src.root, dst)
-    return dst, src.tag
+    root, tag = copy_checkpoint(checkpoints["s2_bf16_dp2"].tag_dir, tmp_path)
+    return root, tag.name
 
 
 def _optim(root, tag, rank):
