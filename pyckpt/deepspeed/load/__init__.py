@@ -63,9 +63,10 @@ def enable(trust_pickles: bool = False, *, reshard: bool = True, memory=None) ->
     ``trust_pickles=True`` gives those files to DeepSpeed's own readers instead, as without pyckpt.
 
     ``memory`` (a :class:`pyckpt.deepspeed.MemoryTier`, the one the saves use): a load that names no tag
-    (``engine.load_checkpoint(save_dir)``, the Trainer's and accelerate's resumes) takes the newest
-    checkpoint of the memory tier and ``save_dir`` by recorded step, agreed by every rank, and says so
-    in one line on rank 0."""
+    (``engine.load_checkpoint(save_dir)``; the Trainer's resume through
+    :func:`pyckpt.deepspeed.resume_point`) takes the newest checkpoint of the memory tier and ``save_dir``
+    by recorded step, agreed by every rank, and says so in one line on rank 0. A load naming a tag
+    (accelerate's ``load_state`` passes one) reads that tag, never the tier."""
     from . import hooks
 
     already = hooks.installed()

@@ -17,6 +17,7 @@ for a checkpoint the user trusts).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -154,8 +155,9 @@ def _load(planner: Callable, original: Callable):
         t2 = time.perf_counter()
         last_load.clear()
         # started/gathered: perf_counter stamps of the planning start and the gather's end
+        # lp_filled: the flat low-precision buffers were filled by the load, not gathered by DeepSpeed after it
         last_load.update(backend="pyckpt", bytes_read=nbytes, plan_s=t1 - t0, gather_s=t2 - t1, started=t0,
-                         gathered=t2, direct=direct)
+                         gathered=t2, direct=direct, lp_filled="update_lp_params" in vars(self))
 
     _load_universal_checkpoint.__wrapped__ = original
     _load_universal_checkpoint.__pyckpt__ = True
@@ -230,6 +232,12 @@ def _engine_load(original: Callable):
     mapped = _with_mapped_model_states(original)
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        try:
+            return dispatch(self, load_dir, tag, *args, **kwargs)
+        finally:  # a load that filled the low-precision buffers and failed before the engine's update
+            zero12.end_of_load(getattr(self, "optimizer", None))
+
+    def dispatch(self, load_dir, tag=None, *args, **kwargs):
         agree_arguments(tag, args, kwargs)
         load_dir, tag, from_memory = _newest_tier(self, load_dir, tag)
         if not self.load_universal_checkpoint():
@@ -247,7 +255,9 @@ def _engine_load(original: Callable):
                 logger.warning("pyckpt: resharding %s from %s to %s, straight from the ZeRO shards "
                                "(pyckpt.deepspeed.enable(reshard=False) leaves such loads to DeepSpeed)",
                                printable(os.path.join(folder, tag_found)), was, now)
-            return resume.load_zero(self, folder, tag_found, mapped, *args, **kwargs)
+            # a memory checkpoint's files are all in this node's memory (the recovery put them there)
+            with zero12.lp_from_files() if from_memory else contextlib.nullcontext():
+                return resume.load_zero(self, folder, tag_found, mapped, *args, **kwargs)
         target = agreed_step("finding the checkpoint", lambda: resume.resumable_target(self, load_dir, tag))
         if target is not None:
             return resume.load_zero(self, *target, mapped, *args, **kwargs)
@@ -272,7 +282,8 @@ def _memory_load(engine, load_dir, tag, mapped: Callable, original: Callable, ar
     else:
         out, failure = None, None
         try:
-            out = resume.load_zero(engine, *target, mapped, *args, **kwargs)
+            with zero12.lp_from_files():  # every rank's files are in its node's memory
+                out = resume.load_zero(engine, *target, mapped, *args, **kwargs)
         except Exception as exc:
             failure = exc
         # The direct plan is agreed before any optimizer state changes: a rank that met a layout it does not
