@@ -26,6 +26,7 @@ from typing import Callable, Dict, Optional, Tuple
 from ...errors import (CheckpointFormatError, RankLoadError, UnsafePickleError, UnsupportedCheckpointError, printable,
                        printable_line)
 from ...execution.distributed import TorchRanks, agreed
+from ..tiers import prechecked
 from . import model_state_file
 from . import pickle_policy
 from . import resume
@@ -80,6 +81,8 @@ def memory_tier(value=False):
     previous = _settings["memory"]
     if value is not False:
         _settings["memory"] = value
+        if value is not None:  # a restarted job checks its newest memory files while it builds its engine
+            prechecked.start(value)
     return previous
 
 

@@ -9,7 +9,8 @@ and the same choice (:func:`..tiers.recovery.recoverable`). Where memory wins, t
 share that another node lacks send it there through the replica protocol (verified there before it
 counts), then each leader links the shares into ``<node folder>/restore/<tag>`` (hard links: no second
 copy of the bytes; ``restore`` checked as the root is, never followed) with a ``latest`` beside it,
-reads every linked file once for its CRC-32 against the one recorded at the save, and every rank loads
+reads every linked file once for its CRC-32 against the one recorded at the save (or takes the CRC-32
+read while the engine was built: :mod:`..tiers.prechecked`), and every rank loads
 from its own node's folder through the direct resume (each rank's byte ranges of the shards copied
 into its partitions and moments), at the topology it was saved at (:func:`.hooks._memory_load`:
 DeepSpeed's own load where that cannot serve it, said in one line) as at another. A checkpoint that
@@ -30,7 +31,7 @@ from ...errors import MemoryRootError, RankLoadError, printable
 from ...execution.distributed import describe_failure
 from ...execution.publisher import Publisher
 from ..tiers import node_manifest as nm
-from ..tiers import resume_events
+from ..tiers import prechecked, resume_events
 from ..tiers.job_identity import agreed_run, bound, foreign, read_record
 from ..tiers.links import nodes
 from ..tiers.memory_root import default_root, level, this_node
@@ -210,7 +211,7 @@ def _assemble(plan: Plan, tier, folder: str, identity, run: str) -> Optional[str
                     linked.append((target, size, crc, origin, name))
             # the files DeepSpeed will read, each read once: a byte that changed in memory since the
             # save (the CRC-32 recorded then) passes this checkpoint over
-            found = nm.crcs([(target, size) for target, size, _, _, _ in linked])
+            found = prechecked.crcs([(target, size) for target, size, _, _, _ in linked])
             for (target, size, want, origin, name), (got, _) in zip(linked, found):
                 if got != want:
                     return (f"{name} of node {origin}'s share of {plan.tag}: the CRC-32 of its {size} bytes is "

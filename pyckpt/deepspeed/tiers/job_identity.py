@@ -98,12 +98,17 @@ def identify(job: Optional[str], save_dir) -> Identity:
     own gets, the folder is named after ``save_dir``'s real path."""
     real = real_save_dir(save_dir)
     name = job_id(job)
-    torchrun = os.environ.get(ENV_RUN_ID)
-    own = job is not None or bool(os.environ.get(ENV_JOB)) or bool(torchrun and torchrun != TORCHRUN_NO_ID)
-    if not own:
+    if not named(job):
         digest = hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest()[:16]
         return Identity(f"{name}-{digest}", real, True)
     return Identity(name, real, False)
+
+
+def named(job: Optional[str]) -> bool:
+    """Whether the job folder's name is the job's own (``job``, ``$PYCKPT_JOB_ID`` or torchrun's run id),
+    not one :func:`identify` derives from the save dir."""
+    torchrun = os.environ.get(ENV_RUN_ID)
+    return job is not None or bool(os.environ.get(ENV_JOB)) or bool(torchrun and torchrun != TORCHRUN_NO_ID)
 
 
 def bound(tier, save_dir):

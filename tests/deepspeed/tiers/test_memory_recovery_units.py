@@ -392,3 +392,38 @@ def test_a_flipped_byte_in_memory_falls_back_to_the_older_step_then_to_save_dir_
     (line, ) = lines
     assert line.startswith(f"pyckpt: resuming from {tier_layout.save_dir}, not from memory: step 5 (s5) could not be "
                            "put together") and "step 4 (s4) could not be put together" in line, line
+
+
+def test_the_crcs_read_while_the_engine_builds_are_taken_and_a_file_changed_since_is_read_again(tier_layout,
+                                                                                                monkeypatch):
+    """enable(memory=...) starts reading the node's newest share on its first local rank while the engine
+    is built (tiers/prechecked.py): the recovery then reads none of those files again; a file written
+    since (a flipped byte: same size, new modification time) is read again, and its damage is found."""
+    from pyckpt.deepspeed.tiers import prechecked
+
+    older, newer = tier_layout.add(4), tier_layout.add(5)
+    reads = []
+    crc_of = nm.file_crc
+    monkeypatch.setattr(nm, "file_crc", lambda path, *a, **k: reads.append(os.path.basename(path)) or
+                        crc_of(path, *a, **k))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert prechecked.start(tier_layout.tier) is False  # not the node's first local rank
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    try:
+        assert prechecked.start(tier_layout.tier) is True
+        found, _ = _recover(tier_layout)  # waits for the read ahead
+        assert found == (str(tier_layout.node / "restore"), "s5")
+        names = sorted(n for n in os.listdir(newer) if n != nm.NAME)
+        assert sorted(reads) == names  # each read once, ahead; the recovery took them
+        reads.clear()
+        path = newer / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        data = bytearray(path.read_bytes())
+        data[77] ^= 0x01
+        with open(path, "r+b") as f:
+            f.write(data)
+        found, lines = _recover(tier_layout)
+        assert found == (str(tier_layout.node / "restore"), "s4")
+        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt of node 0's share of s5: the CRC-32" in lines[0], lines
+        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in reads  # read again, not taken
+    finally:
+        prechecked.forget()

@@ -1,0 +1,99 @@
+"""The CRC-32 of this node's newest memory checkpoint, read while a restarted job builds its engine.
+
+A recovery reads every file it puts together once for its CRC-32 before any rank loads (a byte that
+changed in memory since the save passes that checkpoint over). A restarted job knows its memory tier
+from ``enable(memory=...)``, seconds before it loads: the node's first local rank then reads the
+files of its node's newest share of the job in a background thread, while the engine is built, and
+the recovery takes each CRC read here for a file that is the same file unchanged since (its device,
+inode, size and modification time), reading only the others. Nothing is decided here: a share this
+did not read, or read and found damaged, is read again by the recovery, and any failure here is
+silent (the recovery meets it and says so).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import node_manifest as nm
+from .job_identity import named
+from .memory_root import job_folders, this_node
+
+_lock = threading.Lock()
+_read: Dict[tuple, int] = {}  # (st_dev, st_ino, st_size, st_mtime_ns) -> the CRC-32 read
+_thread: Optional[threading.Thread] = None
+
+
+def _key(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def start(tier) -> bool:
+    """Begin reading this node's newest share of ``tier``'s job, on the node's first local rank of a job
+    whose tier names its folder (an explicit job, ``$PYCKPT_JOB_ID`` or torchrun's run id); whether a
+    read began."""
+    global _thread
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return False
+    if not named(tier.job):
+        return False  # the folder is named after the save dir, which the load names later
+    with _lock:
+        if _thread is not None and _thread.is_alive():
+            return False
+        _thread = threading.Thread(target=_read_newest, args=(tier, ), name="pyckpt-precheck", daemon=True)
+        _thread.start()
+    return True
+
+
+def _read_newest(tier) -> None:
+    try:
+        node = this_node()
+        for n, folder in job_folders(tier.root_path, tier.job_name):
+            if n != node:
+                continue
+            found = nm.shares(folder)
+            if not found:
+                return
+            path, manifest = max(found, key=lambda item: item[1].step)
+            paths = [(os.path.join(path, name), size) for name, size, _ in manifest.files]
+            for crc, st in nm.crcs(paths):
+                with _lock:
+                    _read[_key(st)] = crc
+    except Exception:  # noqa: BLE001 - the recovery reads what this did not, and reports what it meets
+        return
+
+
+def crcs(paths: Sequence[Tuple[str, Optional[int]]]) -> List[Tuple[int, os.stat_result]]:
+    """:func:`..node_manifest.crcs` of ``paths``, taking the CRC-32 read ahead for a regular file of the
+    expected size that is the file read then, unchanged; the read ahead is waited for first."""
+    with _lock:
+        pending = _thread
+    if pending is not None:
+        pending.join()
+    out: Dict[int, Tuple[int, os.stat_result]] = {}
+    for i, (path, size) in enumerate(paths):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue  # read below, where its error is said
+        with _lock:
+            crc = _read.get(_key(st))
+        if crc is not None and stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size):
+            out[i] = (crc, st)
+    unread = [i for i in range(len(paths)) if i not in out]
+    out.update(zip(unread, nm.crcs([paths[i] for i in unread])))
+    return [out[i] for i in range(len(paths))]
+
+
+def forget() -> None:
+    """Drop what was read (tests; a job that saved again has other bytes in those files anyway)."""
+    global _thread
+    with _lock:
+        pending = _thread
+    if pending is not None:
+        pending.join()
+    with _lock:
+        _read.clear()
+        _thread = None
