@@ -36,7 +36,7 @@ from ..tiers.job_identity import agreed_run, bound, foreign, read_record
 from ..tiers.links import nodes
 from ..tiers.memory_root import default_root, level, this_node
 from ..tiers.recovery import Plan, durable, inventory, local_share, recoverable
-from ..tiers.replication import send_folder
+from ..tiers.replica_sender import send_folder
 
 log = logging.getLogger("pyckpt")
 

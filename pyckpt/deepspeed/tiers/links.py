@@ -6,7 +6,7 @@ One :class:`Nodes` per process and job, made collectively (every rank calls :fun
 gather which node each runs on (torchrun's numbering, :func:`~.memory_root.this_node`), each node's
 lowest rank leads it, and where there is more than one node, rank 0 draws the job's token (32 random
 bytes, sent to the other ranks over the job's own process group, never over a replica connection)
-and each leader starts a :class:`~.replication.ReplicaReceiver` on its node's memory folder, whose
+and each leader starts a :class:`~.replica_receiver.ReplicaReceiver` on its node's memory folder, whose
 address every rank learns. Nothing here outlives the process: a restarted worker makes them again,
 and the files the last one published are what carries over.
 
@@ -31,7 +31,8 @@ from ...execution.distributed import describe_failure
 from .memory_root import this_node
 from . import free_slot
 from .node_manifest import prune
-from .replication import ReplicaReceiver, send_folder
+from .replica_receiver import ReplicaReceiver
+from .replica_sender import send_folder
 
 log = logging.getLogger("pyckpt")
 

@@ -35,10 +35,6 @@ class Choice:
     tag: str
     step: int
 
-    def agreed_key(self) -> tuple:
-        """What every rank must agree on (paths may differ between nodes: not compared)."""
-        return (self.tier, self.tag, self.step)
-
 
 def _pointed(load_dir: str, tier: str) -> Optional[Choice]:
     from ...zero.discovery import follow_pointer

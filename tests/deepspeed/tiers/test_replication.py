@@ -1,7 +1,7 @@
-"""Peer replication's transport (pyckpt.deepspeed.tiers.replication): a tag folder sent over loopback
-arrives byte for byte, verified, published atomically with `latest`; everything a sender says is
-untrusted (token, node, tag and file names, counts, sizes, CRCs, the end marker), a failure leaves
-nothing published and no staging, and a dead, slow or hostile peer neither hangs nor stops the
+"""Peer replication's transport (pyckpt.deepspeed.tiers: replica_protocol, replica_sender, replica_receiver): a
+tag folder sent over loopback arrives byte for byte, verified, published atomically with `latest`; everything
+a sender says is untrusted (token, node, tag and file names, counts, sizes, CRCs, the end marker), a failure
+leaves nothing published and no staging, and a dead, slow or hostile peer neither hangs nor stops the
 receiver. Fast: loopback sockets, tmp_path folders, no DeepSpeed."""
 
 import contextlib
@@ -18,8 +18,10 @@ import torch
 
 from pyckpt import ReplicationError
 from pyckpt.deepspeed.tiers import replica_receiver, replica_sender
-from pyckpt.deepspeed.tiers import replication as rep
-from pyckpt.deepspeed.tiers.replication import ReplicaReceiver, send_folder
+from pyckpt.deepspeed.tiers import replica_protocol as proto
+from pyckpt.deepspeed.tiers import replica_sender as sender
+from pyckpt.deepspeed.tiers.replica_receiver import ReplicaReceiver
+from pyckpt.deepspeed.tiers.replica_sender import send_folder
 from pyckpt.errors import MemoryRootError
 from pyckpt.execution import publisher
 
@@ -90,8 +92,8 @@ def failures(receiver, n=1):
 def session(receiver, token, files, node=1, tag="global_step1", total=None, count=None, manifest=None):
     """A sender speaking the protocol by hand (an honest hello and manifest unless told otherwise)."""
     entries = [(name, len(data)) for name, data in files]
-    data = rep.manifest_bytes(entries) if manifest is None else manifest
-    s = rep._Session(receiver.address, token, 30)
+    data = proto.manifest_bytes(entries) if manifest is None else manifest
+    s = sender._Session(receiver.address, token, 30)
     try:
         s.hello(node, tag, len(entries) if count is None else count,
                 sum(size for _, size in entries) if total is None else total, len(data))
@@ -105,7 +107,7 @@ def session(receiver, token, files, node=1, tag="global_step1", total=None, coun
 def send_files(s, files, crcs=None):
     for i, (_, data) in enumerate(files):
         s.send(data)
-        s.send(rep.CRC.pack(zlib.crc32(data) if crcs is None else crcs[i]))
+        s.send(proto.CRC.pack(zlib.crc32(data) if crcs is None else crcs[i]))
 
 
 @pytest.fixture
@@ -232,10 +234,10 @@ def test_the_receiver_must_prove_it_holds_the_token(token, source):
     def impostor():
         conn, _ = listener.accept()
         with conn:
-            conn.sendall(rep.MAGIC_RECEIVER + rep._verdict(rep.OK, os.urandom(32)))
-            fixed = rep._recv_exact(conn, rep.HELLO.size)
-            rep._recv_exact(conn, rep.HELLO.unpack(fixed)[-1])
-            conn.sendall(rep._verdict(rep.OK, os.urandom(32)))  # a proof made up without the token
+            conn.sendall(proto.MAGIC_RECEIVER + proto._verdict(proto.OK, os.urandom(32)))
+            fixed = proto._recv_exact(conn, proto.HELLO.size)
+            proto._recv_exact(conn, proto.HELLO.unpack(fixed)[-1])
+            conn.sendall(proto._verdict(proto.OK, os.urandom(32)))  # a proof made up without the token
             conn.settimeout(5)
             while True:
                 data = conn.recv(65536)
@@ -258,7 +260,7 @@ def test_garbage_instead_of_a_hello_is_refused_and_the_receiver_serves_on(job, t
     with receiving(job, token) as r:
         with socket.create_connection(r.address) as s:
             s.recv(1024)
-            s.sendall(os.urandom(rep.HELLO.size))
+            s.sendall(os.urandom(proto.HELLO.size))
             s.recv(1024)
         [result] = failures(r)
         assert "not a pyckpt replica sender" in result.error
@@ -297,7 +299,7 @@ def test_the_longest_plain_tag_is_taken(job, token, source):
 def test_a_hostile_file_name_is_refused_before_any_file_is_written(job, token, name, rule):
     with receiving(job, token) as r:
         files = [("good", b"1"), (name, b"2")]
-        manifest = rep.manifest_bytes([("good", 1), (name, 1)])
+        manifest = proto.manifest_bytes([("good", 1), (name, 1)])
         with pytest.raises(ReplicationError, match="refused.*at the manifest"):
             session(r, token, files, manifest=manifest)
         [result] = failures(r)
@@ -338,7 +340,7 @@ def test_one_tag_limit_at_the_save_and_at_the_receiver(tmp_path):
 
     assert TAG_MAX == 128
     for tag in ("s" * 128, "é" * 64, "s" * 129, "é" * 65, "s" * 127 + "é"):
-        receiver_refuses = "bytes long (at most 128)" in rep.tag_problem(tag.encode())
+        receiver_refuses = "bytes long (at most 128)" in proto.tag_problem(tag.encode())
         assert receiver_refuses == (len(tag.encode()) > 128)
         if receiver_refuses:
             with pytest.raises(ValueError, match=rf"is {len(tag.encode())} bytes long; a tag is at most 128 bytes"):
@@ -379,12 +381,12 @@ def test_file_counts_are_bounded(job, token, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("total, manifest, rule", [
-    (3, rep.manifest_bytes([("a", 1), ("b", 1)]), "add up to 2 bytes, the hello announced 3"),
-    (1, rep.manifest_bytes([("a", 1), ("b", 1)]), "add up to more than the 1 bytes"),
-    (2, rep.manifest_bytes([("a", 1), ("b", 1)]) + b"\0", "bytes past its 2 files"),
-    (2, rep.manifest_bytes([("a", 1)]), "ends after 1 of the 2 files"),
-    (2, rep.manifest_bytes([("a", 1)]) + rep.ENTRY.pack(5, 1) + b"b", "ends inside the name of file 1"),
-    (2, rep.manifest_bytes([("a", 1), ("b", 1)]) + b"\0" * 600, "is longer than 2 names"),
+    (3, proto.manifest_bytes([("a", 1), ("b", 1)]), "add up to 2 bytes, the hello announced 3"),
+    (1, proto.manifest_bytes([("a", 1), ("b", 1)]), "add up to more than the 1 bytes"),
+    (2, proto.manifest_bytes([("a", 1), ("b", 1)]) + b"\0", "bytes past its 2 files"),
+    (2, proto.manifest_bytes([("a", 1)]), "ends after 1 of the 2 files"),
+    (2, proto.manifest_bytes([("a", 1)]) + proto.ENTRY.pack(5, 1) + b"b", "ends inside the name of file 1"),
+    (2, proto.manifest_bytes([("a", 1), ("b", 1)]) + b"\0" * 600, "is longer than 2 names"),
 ])
 def test_a_manifest_that_disagrees_with_the_hello_is_refused(job, token, total, manifest, rule):
     with receiving(job, token) as r:
@@ -454,7 +456,7 @@ def test_a_crc_mismatch_reaches_send_folder_with_its_reason(job, token, tmp_path
     """The refusal comes while the sender still has more to send than the sockets buffer: its send
     fails on the closed connection, and it reports the reason that arrived before, not the reset."""
     folder = make_folder(tmp_path / "t", {"a": os.urandom(MiB), "b": os.urandom(32 * MiB)})
-    real = rep._file_crc
+    real = sender._file_crc
     monkeypatch.setattr(replica_sender, "_file_crc", lambda f, buf: real(f, buf) ^ (f.name == "a"))
     with receiving(job, token) as r:
         with pytest.raises(ReplicationError, match="refused.*file 'a': CRC-32"):
@@ -462,11 +464,11 @@ def test_a_crc_mismatch_reaches_send_folder_with_its_reason(job, token, tmp_path
     assert tree(job) == {} and hidden_entries(job) == []
 
 
-@pytest.mark.parametrize("windows", [1, rep.WINDOWS + 1])
+@pytest.mark.parametrize("windows", [1, proto.WINDOWS + 1])
 def test_a_write_that_fails_is_refused_and_leaves_nothing(job, token, tmp_path, monkeypatch, windows):
     """A full tmpfs after the free-space check (another writer took the room): the write's own error,
     seen at the file's end (one window) or when a window is to be reused (more than all of them)."""
-    folder = make_folder(tmp_path / "t", {"a": os.urandom(rep.CHUNK * (windows - 1) + 1)})
+    folder = make_folder(tmp_path / "t", {"a": os.urandom(proto.CHUNK * (windows - 1) + 1)})
 
     def full(fd, buf, n):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -511,7 +513,7 @@ def test_send_folder_refuses_links_and_special_files_naming_them(job, token, tmp
 
 def test_a_file_that_changes_while_it_is_sent_fails_the_transfer(job, token, tmp_path, monkeypatch):
     folder = make_folder(tmp_path / "t", {"a": b"before"})
-    real = rep._collect
+    real = sender._collect
 
     def collect_then_change(path):
         files = real(path)
@@ -643,7 +645,7 @@ def test_one_transfer_at_a_time_per_node(job, token, source):
             send_folder(str(source), 1, "global_step1", r.address, token)
         send_folder(str(source), 2, "global_step1", r.address, token)  # another node meanwhile
         s.send(files[0][1][1000:])
-        s.send(rep.CRC.pack(zlib.crc32(files[0][1])))
+        s.send(proto.CRC.pack(zlib.crc32(files[0][1])))
         s.finish()
         s.sock.close()
     assert tree(job / "replica-of-node1") == {"global_step2/f": files[0][1], "latest": b"global_step2"}

@@ -17,7 +17,8 @@ from memory_shares import describe
 from pyckpt.deepspeed.tiers import node_manifest as nm
 from pyckpt.deepspeed.tiers.job_identity import Identity
 from pyckpt.deepspeed.tiers.recovery import inventory
-from pyckpt.deepspeed.tiers.replication import ReplicaReceiver, send_folder
+from pyckpt.deepspeed.tiers.replica_receiver import ReplicaReceiver
+from pyckpt.deepspeed.tiers.replica_sender import send_folder
 from pyckpt.errors import ReplicationError
 
 MODEL = "cd" * 32
@@ -111,7 +112,7 @@ def test_a_sender_killed_mid_transfer_leaves_the_older_replica_whole_and_counted
 
 RECEIVER = """
 import os, sys, time
-from pyckpt.deepspeed.tiers.replication import ReplicaReceiver
+from pyckpt.deepspeed.tiers.replica_receiver import ReplicaReceiver
 job, token, port_file = sys.argv[1:4]
 r = ReplicaReceiver(job, bytes.fromhex(token)).start()
 with open(port_file + ".tmp", "w") as f:
