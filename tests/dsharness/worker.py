@@ -564,6 +564,25 @@ def gather_state(engine) -> dict:
     }
 
 
+def state_after_load(engine) -> dict:
+    """gather_state of an engine right after its load_checkpoint, before any step.
+
+    ZeRO-1/2 link each parameter's fragment to its slice of the Adam moments at the first step
+    (_lazy_init_hp_params_optimizer_state, then _hp_optimizer_states_linked = True); a state read
+    before any step, as right after a load, needs them linked now.
+    """
+    opt = engine.optimizer
+    if getattr(opt, "_hp_optimizer_states_linked", True) is False:
+        opt._lazy_init_hp_params_optimizer_state()
+    return gather_state(engine)
+
+
+def resume(engine, load_dir, tag=None) -> tuple:
+    """engine.load_checkpoint(load_dir, tag=tag) and the state it left: (state, load path, client state)."""
+    path, client = engine.load_checkpoint(load_dir, tag=tag)
+    return state_after_load(engine), path, client
+
+
 def run_save(task: dict, rank: int, world_size: int) -> dict:
     cfg = task["cfg"]
     engine = make_engine(cfg, world_size)

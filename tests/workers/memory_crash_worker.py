@@ -69,11 +69,7 @@ def main() -> int:
                 json.dump({"path": None if path is None else str(path), "global_steps": engine.global_steps,
                            "log": list(lines)}, f)
     if restart > 0:
-        engine.load_checkpoint(durable)
-        opt = engine.optimizer
-        if getattr(opt, "_hp_optimizer_states_linked", True) is False:
-            opt._lazy_init_hp_params_optimizer_state()
-        state = W.gather_state(engine)
+        state, _, _ = W.resume(engine, durable)
         if rank == 0:
             torch.save({"state": state, "global_steps": engine.global_steps, "log": lines, "restart": restart},
                        os.path.join(root, "resumed.pt"))

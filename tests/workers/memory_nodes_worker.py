@@ -67,11 +67,7 @@ def main() -> int:
     pd.enable(memory=tier)
     engine = W.make_engine(cfg, ws)
     if job["phase"] == "resume":
-        engine.load_checkpoint(durable)
-        opt = engine.optimizer
-        if getattr(opt, "_hp_optimizer_states_linked", True) is False:
-            opt._lazy_init_hp_params_optimizer_state()
-        state = W.gather_state(engine)
+        state, _, _ = W.resume(engine, durable)
         if rank == 0:
             torch.save({"state": state, "global_steps": engine.global_steps, "log": list(lines)},
                        os.path.join(root, f"resumed-{ws}.pt"))

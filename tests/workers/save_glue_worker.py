@@ -56,18 +56,13 @@ def _tokenizer(task: dict, rank: int):
 def _reload(cfg: dict, ws: int, root: str, tag=None):
     """A fresh engine resumed by DeepSpeed's own load_checkpoint: (its state, load path, client state)."""
     engine = W.make_engine(cfg, ws)
-    path, client = engine.load_checkpoint(root, tag=tag)
-    return _state_after_load(engine), path, client
+    state, path, client = W.resume(engine, root, tag=tag)
+    return _with_extras(engine, state), path, client
 
 
-def _state_after_load(engine) -> dict:
-    """The engine's gathered state right after a load, global_steps included; the engine is destroyed."""
-    opt = engine.optimizer
-    if getattr(opt, "_hp_optimizer_states_linked", True) is False:
-        # ZeRO-1/2 link the fragments' moment views at the first step; a state read before any
-        # step (as here, right after the load) needs them linked now
-        opt._lazy_init_hp_params_optimizer_state()
-    state = W.gather_state(engine)
+def _with_extras(engine, state: dict) -> dict:
+    """``state`` (W.state_after_load of ``engine``) with global_steps and the engine's extras; the engine is
+    destroyed."""
     state["meta"]["global_steps"] = engine.global_steps
     state["engine"] = _engine_extras(engine)
     engine.destroy()
@@ -553,10 +548,10 @@ def _resume(cfg: dict, ws: int, root: str, memory):
             path, client = engine.load_checkpoint(root)
     finally:
         logging.getLogger("pyckpt").removeHandler(handler)
-    state = _state_after_load(engine)
+    state = _with_extras(engine, W.state_after_load(engine))
     # which load read it: pyckpt's direct one (no DeepSpeed load of the optimizer shards) or DeepSpeed's
     state["load"] = {"backend": hooks.last_load.get("backend"), "direct": bool(hooks.last_load.get("direct")),
-                     "client": client}
+                     "lp_filled": bool(hooks.last_load.get("lp_filled")), "client": client}
     return state, str(path), lines
 
 
@@ -606,7 +601,8 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
     mode = oct(os.stat(os.path.join(root, "mem")).st_mode & 0o777)
     resumed, path, log = _resume(cfg, ws, durable, tier)
     stock, stock_path, stock_client = _reload(cfg, ws, folder, tag="s5")
-    return {"loaded_by": _gather([resumed["load"]["backend"], resumed["load"]["direct"]]),
+    return {"loaded_by": _gather([resumed["load"]["backend"], resumed["load"]["direct"],
+                                  resumed["load"]["lp_filled"]]),
             "extras_vs_stock": _gather(_extras_differ(stock["engine"], resumed["engine"])),
             "client_vs_stock": _gather(repr(resumed["load"]["client"]) == repr(stock_client)),
             "results": _gather(results), "persisted": persisted, "listing": listing, "differ": differ,
