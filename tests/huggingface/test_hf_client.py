@@ -27,9 +27,9 @@ import torch
 
 import pyckpt
 
+import hf_client_worker as worker  # tests/workers/, on sys.path through tests/conftest.py
+
 HERE = Path(__file__).resolve().parents[1] / "workers"  # the worker scripts
-sys.path.insert(0, str(HERE))
-import hf_client_worker as worker  # noqa: E402
 
 # name -> job (the worker's fields); "export" is the dtype the test exports in.
 JOBS = {
