@@ -62,8 +62,9 @@ def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     assert res["vs_stock"] == [] and res["vs_save"] == []
     # read by pyckpt's direct load (each rank's byte ranges of the tmpfs shards), not DeepSpeed's, and
     # equal to DeepSpeed's load beyond the masters and moments too: low-precision weights, loss scaler,
-    # lr scheduler, counters and client state
-    assert res["loaded_by"] == [["pyckpt", True]] * 2
+    # lr scheduler, counters and client state. Under ZeRO-1/2 the load filled the low-precision weights
+    # from the files in memory, in place of DeepSpeed's all-gather after it (ZeRO-3 has no such gather)
+    assert res["loaded_by"] == [["pyckpt", True, cfg.stage != 3]] * 2
     assert res["extras_vs_stock"] == [[], []] and res["client_vs_stock"] == [True, True]
     # the memory files are DeepSpeed's own save of the same step, byte for byte (pyckpt's two files beside)
     assert res["vs_deepspeed"] == ["pyckpt-node.json", "training_state.json"]
