@@ -194,7 +194,7 @@ def _size(folder: str) -> int:
 
 RECEIVER = """
 import os, sys, time
-from pyckpt.deepspeed.tiers.replication import ReplicaReceiver
+from pyckpt.deepspeed.tiers.replica_receiver import ReplicaReceiver
 folder, token, port_file = sys.argv[1:4]
 r = ReplicaReceiver(folder, bytes.fromhex(token)).start()
 with open(port_file + ".tmp", "w") as f:
@@ -207,7 +207,7 @@ time.sleep(3600)
 def _replication_alone(share: str, root: str, out: str, rounds: int = 5) -> tuple:
     """Seconds of ``cp -r`` of ``share`` into a folder of ``root`` and of its replication there (a
     receiver process of its own, as on the other node), alternating, nothing else running."""
-    from pyckpt.deepspeed.tiers.replication import send_folder
+    from pyckpt.deepspeed.tiers.replica_sender import send_folder
 
     token = os.urandom(32)
     folder = os.path.join(root, "bench-replica")
