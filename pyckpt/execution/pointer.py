@@ -9,9 +9,9 @@ both the publisher and the save front end, so that the two refuse the same names
 from __future__ import annotations
 
 import os
-import re
 
 from ..errors import PointerNameError
+from .control_characters import first_control
 
 # The pointer files of a save folder: part of the checkpoint whichever of them led to the tag folder.
 POINTERS = ("latest", "latest_universal")
@@ -24,9 +24,9 @@ def pointer_name_problem(name: str) -> str:
     one-line pointer file and in every message that names it)."""
     if name != name.strip():
         return "starts or ends with whitespace, which DeepSpeed strips when it reads the name back"
-    bad = re.search(r"[\x00-\x1f\x7f-\x9f]", name)
+    bad = first_control(name)
     if bad:
-        return f"contains the control character {bad.group()!r}"
+        return f"contains the control character {bad!r}"
     return ""
 
 

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ...errors import CheckpointFormatError, MemoryRootError, quoted
+from ...execution.control_characters import first_control
 from ...formats.json_file import parse_json_object
-from .memory_root import DEFAULT_JOB, ENV_JOB, ENV_RUN_ID, _open_level, _root_fd, job_id
+from .memory_root import ENV_JOB, ENV_RUN_ID, _open_level, _root_fd, job_id
 
 RECORD = "pyckpt-job.json"
 VERSION = 1
@@ -43,7 +44,6 @@ VERSION = 1
 TORCHRUN_NO_ID = "none"
 MAX_BYTES = 64 * 1024
 _RUN = re.compile(r"[0-9a-f]{32}\Z")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _JOB = "the job's memory folder"
 
 
@@ -79,7 +79,7 @@ def save_dir_problem(value) -> str:
     """Why ``value`` (read from a manifest or record) cannot be a save dir's real path; '' if it can."""
     if not isinstance(value, str) or not value.startswith("/") or not 0 < len(value) <= 4096:
         return "is not an absolute path of at most 4096 characters"
-    if _CONTROL.search(value):
+    if first_control(value):
         return "contains a control character"
     return ""
 

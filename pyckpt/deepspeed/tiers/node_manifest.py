@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ...errors import CheckpointFormatError, quoted
+from ...execution.control_characters import first_control
 from ...formats.json_file import read_json_object
 from ...native import _core
 from .job_identity import run_problem, save_dir_problem
@@ -43,7 +44,6 @@ MAX_BYTES = 64 * 1024 * 1024
 MAX_FILES = 1_000_000
 _ID = re.compile(r"[A-Za-z0-9._-]{1,200}\Z")
 _HEX = re.compile(r"[0-9a-f]{64}\Z")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # folders a node's memory folder holds besides its tags: replicas of other nodes, a recovery's assembly
 REPLICA_PREFIX = "replica-of-node"
 RESTORE = "restore"
@@ -186,7 +186,7 @@ def _int(body: dict, key: str, low: int, high: int, where: str) -> int:
 
 
 def _name_ok(name: object) -> bool:
-    if not isinstance(name, str) or not 0 < len(name) <= 4096 or _CONTROL.search(name):
+    if not isinstance(name, str) or not 0 < len(name) <= 4096 or first_control(name):
         return False
     parts = name.split("/")
     return all(p and p not in (".", "..") and len(p.encode("utf-8", "surrogateescape")) <= 255 for p in parts) \

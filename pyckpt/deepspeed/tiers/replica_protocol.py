@@ -81,7 +81,6 @@ import contextlib
 import hashlib
 import hmac
 import os
-import re
 import socket
 import struct
 import time
@@ -89,6 +88,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import ReplicationError, printable
+from ...execution.control_characters import first_control
 from ...execution.pointer import POINTERS, pointer_name_problem
 from ...execution.staging_names import TAG_MAX
 
@@ -121,7 +121,6 @@ WINDOWS = 3
 # What the sender reads at once to take a file's CRC while the kernel sends it.
 CRC_CHUNK = 8 << 20
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -167,9 +166,9 @@ def name_problem(raw: bytes, limit: int = NAME_MAX) -> str:
         return "is '.' or '..'"
     if name.startswith("."):
         return "starts with '.': hidden names are pyckpt's staging and locks"
-    bad = _CONTROL.search(name)
+    bad = first_control(name)
     if bad:
-        return f"contains the control character {bad.group()!r}"
+        return f"contains the control character {bad!r}"
     return ""
 
 
