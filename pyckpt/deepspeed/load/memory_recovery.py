@@ -32,6 +32,7 @@ from ...execution.distributed import describe_failure
 from ...execution.publisher import Publisher
 from ..tiers import node_manifest as nm
 from ..tiers import prechecked, resume_events
+from ..tiers.folder_names import RESTORE, node_folder
 from ..tiers.job_identity import agreed_run, bound, foreign, read_record
 from ..tiers.links import nodes
 from ..tiers.memory_root import default_root, level, this_node
@@ -148,7 +149,7 @@ def recover(tier, load_dir: str, ranks=None, save_dir: Optional[str] = None) -> 
     last_recovery.update(seconds=time.perf_counter() - t0, step=plan.step, sent=len(fetches))
     if links.leader:  # at a normal end the job persists what it resumed, as a job that saved does
         resume_events.resumed(tier, links, folder, identity, run)
-    return os.path.join(folder, nm.RESTORE), plan.tag
+    return os.path.join(folder, RESTORE), plan.tag
 
 
 def _assembled(tier, load_dir: str) -> bool:
@@ -160,7 +161,7 @@ def _assembled(tier, load_dir: str) -> bool:
     load)."""
     root = os.path.realpath(os.path.abspath(tier.root or default_root()))
     parts = os.path.relpath(os.path.realpath(load_dir), root).split(os.sep)
-    return len(parts) >= 3 and parts[0] not in ("", ".", "..") and parts[1:3] == [f"node{this_node()}", nm.RESTORE]
+    return len(parts) >= 3 and parts[0] not in ("", ".", "..") and parts[1:3] == [node_folder(this_node()), RESTORE]
 
 
 def _send(plan: Plan, fetches: List[Tuple[int, int, int]], links, own) -> Optional[str]:
@@ -191,7 +192,7 @@ def _assemble(plan: Plan, tier, folder: str, identity, run: str) -> Optional[str
     nothing is written through it)."""
     try:
         held = inventory(tier.root_path, identity, run)
-        restore = level(folder, nm.RESTORE, "the recovery's folder")
+        restore = level(folder, RESTORE, "the recovery's folder")
         with Publisher(os.path.join(restore, plan.tag), overwrite=True, pointer="latest") as out:
             os.chmod(out.staging, 0o700)  # as private as the shares it links
             taken = set()

@@ -45,6 +45,7 @@ from ...execution.leftovers import remove_path
 from ...execution.publisher import Publisher
 from ..tiers import free_slot
 from ..tiers import node_manifest as nm
+from ..tiers.folder_names import RESTORE
 from ..tiers.job_identity import agreed_run, bound, foreign, new_run, owns, read_record
 from ..tiers.links import nodes
 from ..tiers.memory_root import budget, fits, this_node
@@ -124,7 +125,7 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
     share = NodeShare(links, identity, run, model, memory.keep, memory.root_path, group.size)
     if links.leader:
         _leave_at_exit(memory, links, folder, save_dir, request.fsync, identity, run)
-        restore = os.path.join(folder, nm.RESTORE)
+        restore = os.path.join(folder, RESTORE)
         if os.path.lexists(restore):  # a recovery's assembly (links to the files): every rank has loaded since
             remove_path(restore)
         _retire_before(folder, share, tag, memory.keep)

@@ -24,8 +24,9 @@ import stat
 from typing import Optional
 
 from ...execution.leftovers import remove_path
+from .folder_names import SLOT
 
-NAME = ".pyckpt-slot"
+NAME = SLOT
 
 
 def path(node_folder: str) -> str:

@@ -36,9 +36,10 @@ from typing import List, Optional
 from ...errors import CheckpointFormatError, MemoryRootError, quoted
 from ...execution.control_characters import first_control
 from ...formats.json_file import parse_json_object
+from .folder_names import JOB_RECORD
 from .memory_root import ENV_JOB, ENV_RUN_ID, _open_level, _root_fd, job_id
 
-RECORD = "pyckpt-job.json"
+RECORD = JOB_RECORD
 VERSION = 1
 # torchrun's run id when --rdzv-id is not given: every such job has it
 TORCHRUN_NO_ID = "none"

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from ...errors import MemoryRootError, check_number
+from .folder_names import node_folder, node_of_folder
 
 ENV_ROOT = "PYCKPT_MEMORY_ROOT"
 ENV_JOB = "PYCKPT_JOB_ID"
@@ -38,7 +39,6 @@ MODE = 0o700
 _JOB_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # One spelling per node (node7, never node07), so a node's folder is found by its number alone;
 # ten digits keep int() far from Python's digit limit.
-_NODE_NAME = re.compile(r"node(0|[1-9][0-9]{0,9})")
 _ENV_INT = re.compile(r"[0-9]{1,18}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Our own trees are a few levels deep (job, node, tag, files); a deeper one is not ours to walk, and
@@ -263,7 +263,7 @@ def open_root(root: str, create: bool = True) -> str:
 
 
 def _node_name(node: int) -> str:
-    return f"node{check_number('node', node, integer=True, low=0)}"
+    return node_folder(check_number('node', node, integer=True, low=0))
 
 
 def job_folder(root: str, job: str, node: int) -> str:
@@ -328,8 +328,8 @@ def job_folders(root: str, job: str) -> List[Tuple[int, str]]:
     try:
         with os.scandir(job_fd) as entries:
             for entry in entries:
-                m = _NODE_NAME.fullmatch(entry.name)
-                if not m:
+                number = node_of_folder(entry.name)
+                if number is None:
                     continue
                 try:
                     st = entry.stat(follow_symlinks=False)
@@ -339,7 +339,7 @@ def job_folders(root: str, job: str) -> List[Tuple[int, str]]:
                     continue
                 node_path = os.path.join(job_path, entry.name)
                 _check(st, node_path, _NODE)
-                found.append((int(m.group(1)), node_path))
+                found.append((number, node_path))
     finally:
         os.close(job_fd)
     return sorted(found)

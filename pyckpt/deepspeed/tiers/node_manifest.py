@@ -33,9 +33,10 @@ from ...errors import CheckpointFormatError, quoted
 from ...execution.control_characters import first_control
 from ...formats.json_file import read_json_object
 from ...native import _core
+from .folder_names import MANIFEST, REPLICA_PREFIX, RESTORE, is_replica_folder
 from .job_identity import run_problem, save_dir_problem
 
-NAME = "pyckpt-node.json"
+NAME = MANIFEST
 # 2: the run, the save dir and a CRC-32 per file; a share of version 1 names none of them and is
 # nobody's to recover
 VERSION = 2
@@ -45,8 +46,6 @@ MAX_FILES = 1_000_000
 _ID = re.compile(r"[A-Za-z0-9._-]{1,200}\Z")
 _HEX = re.compile(r"[0-9a-f]{64}\Z")
 # folders a node's memory folder holds besides its tags: replicas of other nodes, a recovery's assembly
-REPLICA_PREFIX = "replica-of-node"
-RESTORE = "restore"
 RESERVED_TAGS = (RESTORE, )
 
 
@@ -308,7 +307,7 @@ def replica_folders(node_folder: str) -> List[str]:
     except OSError:
         return out
     for entry in entries:
-        if re.fullmatch(REPLICA_PREFIX + r"(0|[1-9][0-9]{0,9})", entry.name):
+        if is_replica_folder(entry.name):
             try:
                 if entry.is_dir(follow_symlinks=False):
                     out.append(entry.path)

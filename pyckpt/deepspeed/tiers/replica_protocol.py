@@ -111,7 +111,6 @@ NAME_MAX = 255
 MAX_TOKEN = 1 << 16
 MIN_TOKEN = 16  # bytes: the job's token is meant to be os.urandom(32); a short one is guessable
 MAX_RESULTS = 1000
-REPLICA_PREFIX = "replica-of-node"
 
 # Receive, checksum and write in windows this big, one being received while the others are written:
 # 1 GB over loopback into tmpfs took 0.65-0.73 s with 1 MiB windows, 0.50-0.63 s with 4 MiB (3 of

@@ -25,10 +25,11 @@ from ...execution.leftovers import clean_orphans
 from ...execution.publisher import Publisher
 from ...native import _core
 from . import free_slot
+from .folder_names import replica_folder
 from .memory_root import MODE, Budget, _check, _open_level, fits
 from .replica_protocol import (_DIR_FLAGS, CHUNK, CRC, END, ENTRY, FIELDS, HELLO, LABEL_RECEIVER, LABEL_SENDER,
                                MAGIC_RECEIVER, MAGIC_SENDER, MAX_FILES, MAX_NODE, MAX_RESULTS, NAME_MAX, NONCE, OK,
-                               REFUSED, REPLICA_PREFIX, WINDOWS, Received, _check_token, _Closed, _mac, _no_delay,
+                               REFUSED, WINDOWS, Received, _check_token, _Closed, _mac, _no_delay,
                                _reason, _recv_exact, _Refusal, _shown, _verdict, name_problem, tag_problem)
 
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -334,7 +335,7 @@ class ReplicaReceiver:
 
     def _write_replica(self, conn: socket.socket, state: "_Transfer", files: List[Tuple[str, int]],
                        total: int) -> None:
-        name = f"{REPLICA_PREFIX}{state.node}"
+        name = replica_folder(state.node)
         path = os.path.join(self.job_folder, name)
         output = os.path.join(path, state.tag)
         with contextlib.ExitStack() as stack:

@@ -1,0 +1,47 @@
+"""The names the memory tier gives its folders and files, in one place:
+
+    <root>/<job>/pyckpt-job.json                  the job folder's record (job_identity)
+    <root>/<job>/node<N>/                         a node's memory folder (memory_root)
+    <root>/<job>/node<N>/<tag>/pyckpt-node.json   a node share's manifest (node_manifest)
+    <root>/<job>/node<N>/replica-of-node<M>/<tag> node M's share, kept here (replica_receiver)
+    <root>/<job>/node<N>/restore/<tag>            the checkpoint a recovery put together (memory_recovery)
+    <root>/<job>/node<N>/.pyckpt-slot/            a retired share whose files the next save writes over
+
+Node numbers are written without leading zeros and read back only in that form, so one node has one
+folder name.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+JOB_RECORD = "pyckpt-job.json"
+MANIFEST = "pyckpt-node.json"
+RESTORE = "restore"
+SLOT = ".pyckpt-slot"
+REPLICA_PREFIX = "replica-of-node"
+_NODE_PREFIX = "node"
+_NUMBER = r"(0|[1-9][0-9]{0,9})"
+_NODE = re.compile(_NODE_PREFIX + _NUMBER)
+_REPLICA = re.compile(REPLICA_PREFIX + _NUMBER)
+
+
+def node_folder(node: int) -> str:
+    """``node<N>``: a node's memory folder, for a node number already checked."""
+    return f"{_NODE_PREFIX}{node}"
+
+
+def node_of_folder(name: str) -> Optional[int]:
+    """N of a folder named exactly ``node<N>``, else None."""
+    m = _NODE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def replica_folder(node: int) -> str:
+    """``replica-of-node<N>``: where node N's shares are kept on its peer."""
+    return f"{REPLICA_PREFIX}{node}"
+
+
+def is_replica_folder(name: str) -> bool:
+    return _REPLICA.fullmatch(name) is not None
