@@ -110,8 +110,7 @@ def plan(opt, lp_groups_name: str, states=None, checkpoint_dir: str = ""):
                     ps = states.param_states(opt.param_names[lp], 2)
                     sf = ps.states.get("fp32")
                     if sf is None:
-                        raise CheckpointFormatError(f"{ps.path_of('fp32')}: missing: the parameter's fp32 master "
-                                                    "(every parameter of a Universal Checkpoint has one)")
+                        raise _missing_master(ps)
                     lp_fill.add(lp, sf, _runs(lp, sf, "fp32", _get_param_uc_restore_meta(lp), tp_rank, tp_size,
                                               ep_rank, ep_size))
                 continue
@@ -235,11 +234,9 @@ class _LowPrecisionFill:
 
     def add(self, lp, sf, runs) -> None:
         """Parameter ``lp``'s elements outside the rank's own partition, from the runs of its fp32 file."""
-        size = self.flat.element_size()
-        at = (lp.data_ptr() - self.flat.data_ptr()) // size
+        at, misaligned = divmod(lp.data_ptr() - self.flat.data_ptr(), self.flat.element_size())
         n = lp.numel()
-        if (lp.data_ptr() - self.flat.data_ptr()) % size or at < 0 or at + n > self.flat.numel() \
-                or not lp.is_contiguous():
+        if misaligned or at < 0 or at + n > self.flat.numel() or not lp.is_contiguous():
             raise Unsupported(f"parameter {tuple(lp.shape)} is not a view of its group's flat low-precision buffer")
         if total(runs) != n:
             raise CheckpointFormatError(f"{sf.source.path}: {total(runs)} elements for a parameter of {n}")
@@ -258,25 +255,18 @@ class _LowPrecisionFill:
         return self.fill.bytes_read
 
 
-def _skipped_update(opt):
-    def update_lp_params():
-        # once: the load that filled the flat buffers is the one whose update this is
-        opt.__dict__.pop("update_lp_params", None)
-
-    return update_lp_params
-
-
 def skip_lp_update(opt) -> None:
     """The engine's next ``update_lp_params`` call, the one right after the optimizer's load, does
     nothing: the load filled the flat low-precision buffers as it would."""
-    opt.update_lp_params = _skipped_update(opt)
+    # once: the load that filled the flat buffers is the one whose update this is
+    opt.update_lp_params = lambda: end_of_load(opt)
 
 
 def end_of_load(opt) -> None:
     """After ``load_checkpoint``, also one that failed between the optimizer's load and the engine's
     ``update_lp_params``: the optimizer's own method again."""
-    if opt is not None and "update_lp_params" in getattr(opt, "__dict__", {}):
-        opt.__dict__.pop("update_lp_params", None)
+    if opt is not None:
+        getattr(opt, "__dict__", {}).pop("update_lp_params", None)
 
 
 def _check_complete(keys_of, group: int) -> None:
@@ -287,14 +277,18 @@ def _check_complete(keys_of, group: int) -> None:
     keys = set().union(*(k for _, k in keys_of)) if keys_of else set()
     for ps, have in keys_of:
         if "fp32" not in have:
-            raise CheckpointFormatError(f"{ps.path_of('fp32')}: missing: the parameter's fp32 master (every "
-                                        "parameter of a Universal Checkpoint has one)")
+            raise _missing_master(ps)
         if "step" in keys - have:
             raise CheckpointFormatError(f"{ps.path_of('step')}: missing: the other parameters of param group {group} "
                                         "have their step")
         for key in sorted(keys - have):
             raise ValueError(f"{key} not found in optimizer state fragment: {ps.path_of(key)} is missing (other "
                              f"parameters of param group {group} have one)")
+
+
+def _missing_master(ps) -> CheckpointFormatError:
+    return CheckpointFormatError(f"{ps.path_of('fp32')}: missing: the parameter's fp32 master (every parameter "
+                                 "of a Universal Checkpoint has one)")
 
 
 def _gaps(covered, n: int):

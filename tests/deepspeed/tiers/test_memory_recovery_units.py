@@ -4,6 +4,7 @@ saves mixed), who sends what to whom, the nodes' layout, and the replica retenti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import zlib
@@ -425,5 +426,31 @@ def test_the_crcs_read_while_the_engine_builds_are_taken_and_a_file_changed_sinc
         assert found == (str(tier_layout.node / "restore"), "s4")
         assert "zero_pp_rank_0_mp_rank_00_optim_states.pt of node 0's share of s5: the CRC-32" in lines[0], lines
         assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in reads  # read again, not taken
+    finally:
+        prechecked.forget()
+
+
+def test_the_read_ahead_reads_no_file_a_folder_link_in_a_share_leads_to(tier_layout, tmp_path, monkeypatch):
+    """A share whose manifest names a file through a folder link leading out of it is not read ahead (the
+    manifest's own rule refuses the share), nor is any file outside the node's folder."""
+    from pyckpt.deepspeed.tiers import prechecked
+
+    share = tier_layout.add(7)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "f").write_bytes(b"secret")
+    os.symlink(outside, share / "sub")
+    manifest = nm.read(str(share))
+    os.unlink(share / nm.NAME)
+    nm.write(str(share), dataclasses.replace(manifest, files=manifest.files + (("sub/f", 6, zlib.crc32(b"secret")), )))
+    opened = []
+    crc_of = nm.file_crc
+    monkeypatch.setattr(nm, "file_crc", lambda path, *a, **k: opened.append(os.path.realpath(path)) or
+                        crc_of(path, *a, **k))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    try:
+        assert prechecked.start(tier_layout.tier) is True
+        prechecked.crcs([])  # waits for the read ahead
+        assert opened == [] and nm.read(str(share)) is None
     finally:
         prechecked.forget()
