@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # pagecache: eviction
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # pagecache: eviction; rendezvous: a store held for the agents
 
 GOALS = {"deepspeed_over_pyckpt": 20.0, "replication_over_cp": 1.3}
 CLIENT = {"universal_checkpoint_info": {}}
@@ -153,21 +152,22 @@ def worker(mode: str, spec_path: str) -> int:
 
 # -- the orchestration ----------------------------------------------------------------------------
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(mode: str, spec: str, nodes: list, out: str, env: dict) -> None:
     """``mode`` on len(nodes) agents (one per memory root), 2 ranks each; waits for all."""
-    endpoint = f"127.0.0.1:{_port()}"
+    from rendezvous import held_rendezvous
+
+    with held_rendezvous() as rendezvous:
+        _agents(mode, spec, nodes, out, env, rendezvous)
+
+
+def _agents(mode: str, spec: str, nodes: list, out: str, env: dict, rendezvous: list) -> None:
+    """One agent per memory root, each started in a session of its own; the first failure kills the rest."""
     procs = []
     for i, root in enumerate(nodes):
         log = open(os.path.join(out, f"{mode}-agent{i}.log"), "w")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc-per-node", "2",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"bench-{mode}-{os.getpid()}",
+             *rendezvous, "--rdzv-id", f"bench-{mode}-{os.getpid()}",
              os.path.abspath(__file__), "--worker", mode, spec],
             env={**env, "PYCKPT_MEMORY_ROOT": root}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     for i, p in enumerate(procs):

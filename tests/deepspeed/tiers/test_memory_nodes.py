@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import dsharness as h
+from rendezvous import held_rendezvous
 
 pytestmark = pytest.mark.slow
 
@@ -32,25 +32,19 @@ TIMEOUT_S = 300
 STEPS, PERSIST_EVERY = 5, 2
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _agents(tmp: Path, env: dict, phase: str, cfg: h.Config, roots: list, job: str, durable=None) -> list:
-    """One torchrun agent per memory root (a node each), 2 ranks each, meeting at one c10d endpoint."""
+def _agents(tmp: Path, env: dict, phase: str, cfg: h.Config, roots: list, job: str, rendezvous: list,
+            durable=None) -> list:
+    """One torchrun agent per memory root (a node each), 2 ranks each, meeting at the store the test holds."""
     spec = tmp / f"{phase}-{len(roots)}.json"
     spec.write_text(json.dumps({"phase": phase, "cfg": dataclasses.asdict(cfg), "root": str(tmp), "steps": STEPS,
                                 "persist_every": PERSIST_EVERY, "job": job,
                                 "durable": str(durable or tmp / "durable")}))
-    endpoint = f"127.0.0.1:{_port()}"
     procs = []
     for i, root in enumerate(roots):
         log = open(tmp / f"{phase}-{len(roots)}-agent{i}.log", "w")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(roots)), "--nproc-per-node", "2",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"{job}-{phase}-{len(roots)}",
+             *rendezvous, "--rdzv-id", f"{job}-{phase}-{len(roots)}",
              "--max-restarts", "0", "--monitor-interval", "0.5", WORKER, str(spec)],
             env={**env, "PYCKPT_MEMORY_ROOT": str(root)}, stdout=log, stderr=subprocess.STDOUT, cwd=tmp,
             start_new_session=True))
@@ -100,32 +94,33 @@ def trained(request, tmp_path_factory, ds_environ):
     env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYCKPT_JOB_ID", None)
     roots = [tmp / "mem-a", tmp / "mem-b"]
-    procs = _agents(tmp, env, "train", cfg, roots, "nodes")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while len(list(tmp.glob("ready-*.json"))) < 4:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                subprocess.run(["pkill", "-USR1", "-f", str(tmp / "train-2.json")])  # the stacks, into the logs
-                time.sleep(2)
-                raise AssertionError("training did not reach its end:\n" + _tail(tmp, "train-*.log"))
-            time.sleep(0.2)
-        time.sleep(0.5)  # every ready file complete
-        ready = [json.loads(p.read_text()) for p in sorted(tmp.glob("ready-*.json"))]
-        assert [r["replicated"] for r in ready] == [True] * 4, ready  # wait_for_replication, on every rank
-        _check_replicas(ready)
-        by_root = dict(zip(map(str, roots), procs))
-        lost_root = next(r["memory_root"] for r in ready if r["node"] == 1)
-        kept_root = next(r["memory_root"] for r in ready if r["node"] == 0)
-        # node 1 lost: its agent and its workers (torchrun starts each in a session of its own) killed at
-        # once, its memory gone with the host; then node 0's, its memory kept, as a job's restart does
-        for root in (lost_root, kept_root):
-            for pid in [by_root[root].pid] + [r["pid"] for r in ready if r["memory_root"] == root]:
-                os.kill(pid, signal.SIGKILL)
-            by_root[root].wait()
-            if root == lost_root:
-                shutil.rmtree(lost_root)
-    finally:
-        subprocess.run(["pkill", "-KILL", "-f", str(tmp / "train-2.json")])  # whatever is left of the job
+    with held_rendezvous() as rendezvous:
+        procs = _agents(tmp, env, "train", cfg, roots, "nodes", rendezvous)
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            while len(list(tmp.glob("ready-*.json"))) < 4:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    subprocess.run(["pkill", "-USR1", "-f", str(tmp / "train-2.json")])  # the stacks, into the logs
+                    time.sleep(2)
+                    raise AssertionError("training did not reach its end:\n" + _tail(tmp, "train-*.log"))
+                time.sleep(0.2)
+            time.sleep(0.5)  # every ready file complete
+            ready = [json.loads(p.read_text()) for p in sorted(tmp.glob("ready-*.json"))]
+            assert [r["replicated"] for r in ready] == [True] * 4, ready  # wait_for_replication, on every rank
+            _check_replicas(ready)
+            by_root = dict(zip(map(str, roots), procs))
+            lost_root = next(r["memory_root"] for r in ready if r["node"] == 1)
+            kept_root = next(r["memory_root"] for r in ready if r["node"] == 0)
+            # node 1 lost: its agent and its workers (torchrun starts each in a session of its own) killed at
+            # once, its memory gone with the host; then node 0's, its memory kept, as a job's restart does
+            for root in (lost_root, kept_root):
+                for pid in [by_root[root].pid] + [r["pid"] for r in ready if r["memory_root"] == root]:
+                    os.kill(pid, signal.SIGKILL)
+                by_root[root].wait()
+                if root == lost_root:
+                    shutil.rmtree(lost_root)
+        finally:
+            subprocess.run(["pkill", "-KILL", "-f", str(tmp / "train-2.json")])  # whatever is left of the job
     for f in tmp.glob("ready-*.json"):
         f.unlink()
     # DeepSpeed's own route from the durable reference save of the same step
@@ -155,8 +150,9 @@ def _resume(trained: dict, nodes: int, name: str = "", tamper=None, step: int = 
         os.rename(durable, trained_durable)
     shutil.copytree(trained_durable, durable, symlinks=True)
     work.mkdir(parents=True, exist_ok=True)
-    procs = _agents(work, trained["env"], "resume", cfg, copies, "nodes", durable)
-    _wait_all(procs, work, "resume-*.log")
+    with held_rendezvous() as rendezvous:
+        procs = _agents(work, trained["env"], "resume", cfg, copies, "nodes", rendezvous, durable)
+        _wait_all(procs, work, "resume-*.log")
     os.rename(durable, work / "durable")
     import torch
 

@@ -148,9 +148,10 @@ def test_a_job_that_ends_normally_leaves_its_newest_checkpoint_on_disk_and_nothi
     crashed: this job's first load resumes nothing of the other's, its end copies only its own step into
     its own save dir and removes only its own folder; the other job's checkpoint stays whole."""
     import json
-    import socket
     import subprocess
     import sys
+
+    from rendezvous import held_rendezvous
 
     cfg = h.Config(2, "fp32", 2)
     job = tmp_path / "job.json"
@@ -158,13 +159,10 @@ def test_a_job_that_ends_normally_leaves_its_newest_checkpoint_on_disk_and_nothi
                                "persist_every": 3, "job": None, "other_job": {"save_dir": "durable-b", "step": 7}}))
     env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYCKPT_JOB_ID", None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-                           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                           WORKER.replace("save_glue_worker", "memory_crash_worker"), str(job)], capture_output=True,
-                          text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    with held_rendezvous() as rendezvous:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                               *rendezvous, WORKER.replace("save_glue_worker", "memory_crash_worker"), str(job)],
+                              capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     first = json.loads((tmp_path / "first_load.json").read_text())
     assert first["path"] is None and first["global_steps"] == 0, first  # not the other job's step 7
