@@ -31,7 +31,7 @@ checkpoints (3.2 GB each, tmpfs pages are memory) and the snapshot arena (3.2 GB
    rounds rank 0 reads the checkpoint's files alone (OUT evicted, OUT again, the memory copy): what the
    two tiers cost to read without DeepSpeed's own work.
 3. Persistence: ``save_checkpoint(..., memory=tier, persist=True)`` (synchronous, so the memory copy is
-   published when it returns), then ``wait_for_persistence(engine)``: rank 0's copy of the tag folder
+   published when it returns), then ``join_persistence(engine)``: rank 0's copy of the tag folder
    to OUT in the background, from the call's return to the join (and from the call, for reference);
    against ``cp -r`` of the same memory folder to a fresh folder beside it in OUT. Both into the page
    cache (no fsync), each after ``os.sync()``, the other ranks waiting at a barrier.
@@ -147,7 +147,7 @@ def main() -> int:
 
     import pyckpt.deepspeed as pd
     from pyckpt.deepspeed.load import hooks
-    from pyckpt.deepspeed.save.memory_save import wait_for_persistence
+    from pyckpt.deepspeed.save.in_flight import join_persistence
 
     on_cpu = get_accelerator().device_name() == "cpu"
     if on_cpu:
@@ -272,7 +272,7 @@ def main() -> int:
             if way == "persist":
                 assert pd.save_checkpoint(engine, out, client_state=client, memory=tier, persist=True)
                 t1 = time.perf_counter()
-                ok = wait_for_persistence(engine)
+                ok = join_persistence(engine)
                 t2 = time.perf_counter()
                 assert ok, "the persistence failed"
                 if rank == 0:

@@ -84,6 +84,7 @@ def _async_rounds(args, engine, client, rank, world, clear) -> dict:
     import torch.distributed as dist
 
     import pyckpt.deepspeed as pd
+    from pyckpt.deepspeed.save.in_flight import save_in_flight
 
     cuda = engine.device.type == "cuda"
 
@@ -99,7 +100,8 @@ def _async_rounds(args, engine, client, rank, world, clear) -> dict:
     # the first asynchronous save allocates the snapshot buffers; later ones reuse them
     t0 = time.perf_counter()
     pd.save_checkpoint(engine, os.path.join(args.out, "warm"), tag="w", client_state=client, async_save=True).wait()
-    first_call = _slowest(engine._pyckpt_async_save.stall_s if engine._pyckpt_async_save else time.perf_counter() - t0)
+    handle = save_in_flight(engine)
+    first_call = _slowest(handle.stall_s if handle else time.perf_counter() - t0)
     clear()
     arena = engine._pyckpt_arena
     snapshot_bytes = arena.used

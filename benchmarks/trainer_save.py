@@ -157,9 +157,11 @@ def rank_main(args) -> int:
     trainer.save_model = timed_save_model
     save_checkpoint = trainer._save_checkpoint  # the class's, which enable() wrapped where a mode is set
 
+    from pyckpt.deepspeed.save.in_flight import save_in_flight
+
     def timed_save_checkpoint(model, trial):
         engine = trainer.model_wrapped
-        previous = getattr(engine, "_pyckpt_async_save", None)
+        previous = save_in_flight(engine)
         current.update(step=trainer.state.global_step, deepspeed=0.0, save_model=0.0, join=0.0,
                        previous_done=previous.done() if previous is not None else None)
         t0 = time.perf_counter()
@@ -169,7 +171,7 @@ def rank_main(args) -> int:
         finally:
             current["stall"] = time.perf_counter() - t0
             current["end"] = time.perf_counter()
-            handle = getattr(engine, "_pyckpt_async_save", None)
+            handle = save_in_flight(engine)
             current["handle"] = handle if handle is not previous else None
             saves.append(dict(current))
             current.clear()

@@ -32,6 +32,7 @@ from ..errors import printable
 from .framework_folders import (MethodOnImport, PendingFolder, agree, barrier, check_target, clean_staging,
                                 join_pending)
 from .save import engine_hook
+from .save.in_flight import save_in_flight
 
 STAGING_SUFFIX = ".pyckpt-accelerate"
 
@@ -143,8 +144,7 @@ def _wrap(original: Callable, module=None) -> Callable:
         finally:
             config.automatic_checkpoint_naming = automatic
         barrier()  # every process's files are in the staged folder
-        engine = next((m for m in self._models if hasattr(m, "_pyckpt_async_save")), None)
-        handle = getattr(engine, "_pyckpt_async_save", None) if mode == "async" else None
+        handle = next(filter(None, map(save_in_flight, self._models)), None) if mode == "async" else None
         problem = None
         if lead:
             folder = PendingFolder(self, staged, staging_run, final, handle, _remove(victims) if victims else None)

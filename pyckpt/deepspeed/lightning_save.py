@@ -18,6 +18,7 @@ from typing import Callable
 
 from .framework_folders import MethodOnImport
 from .save import engine_hook
+from .save.in_flight import save_in_flight
 
 log = logging.getLogger("pyckpt")
 
@@ -27,7 +28,7 @@ MODULE = "lightning.pytorch.strategies.deepspeed"
 def _wrap(original: Callable, module=None) -> Callable:
     def remove_checkpoint(self, filepath) -> None:
         engine = getattr(self, "deepspeed_engine", None) if engine_hook.mode() == "async" else None
-        handle = getattr(engine, "_pyckpt_async_save", None)
+        handle = save_in_flight(engine)
         if handle is None or (handle.done() and handle.ok):
             return original(self, filepath)
         if handle.done():
@@ -41,7 +42,7 @@ def _wrap(original: Callable, module=None) -> Callable:
                 log.warning("pyckpt: could not remove %s after the newer checkpoint was published: %s",
                             filepath, exc)
             return True
-        handle._after.append(remove_after_publication)
+        handle.then(remove_after_publication)
     remove_checkpoint.__wrapped__ = original
     return remove_checkpoint
 

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 from . import trainer_after_save as after_save
 from .framework_folders import MethodOnImport, PendingFolder, agree, barrier, check_target, clean_staging, join_pending
 from .save import engine_hook
+from .save.in_flight import save_in_flight
 from .save.shared_copies import SharedCopies, recording
 
 STAGING_SUFFIX = ".pyckpt-trainer"
@@ -78,7 +79,7 @@ def _wrap(original: Callable, module) -> Callable:
             _fix_best(self, staged, final, run_dir, module, lead)
             barrier()  # every rank's files (its RNG state) are in the staged folder
             engine = getattr(self, "model_wrapped", None)
-            handle = getattr(engine, "_pyckpt_async_save", None) if mode == "async" else None
+            handle = save_in_flight(engine) if mode == "async" else None
             if lead:
                 limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
 

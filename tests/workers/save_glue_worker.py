@@ -570,7 +570,7 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
     """Five saves to a memory tier (keep 2, every 2nd persisted, async every other one), then a new
     engine resumes under enable(memory=...) from the save folder: it must take the newest step, from
     memory, equal to DeepSpeed's own load of that memory checkpoint and to the state at the save."""
-    from pyckpt.deepspeed.save.memory_save import wait_for_persistence
+    from pyckpt.deepspeed.save.in_flight import join_persistence
 
     cfg = task["cfg"]
     root = task["root"]
@@ -590,7 +590,7 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
                        if n.endswith(".pt")})
     at_save = W.gather_state(engine)
     at_save["meta"]["global_steps"] = engine.global_steps
-    persisted = wait_for_persistence(engine)
+    persisted = join_persistence(engine)
     # DeepSpeed's own save of the same step: the memory checkpoint's files are its files, byte for byte
     stock_dir = os.path.join(root, "stock")
     engine.save_checkpoint(stock_dir, tag="s5", client_state=_client_state(cfg))

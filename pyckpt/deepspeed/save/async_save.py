@@ -22,6 +22,7 @@ from .companions import write_companions
 from .conversions import convert_published
 from .destroy_hook import join_at_destroy
 from .guarded_io import WriteFailures, guarded
+from .in_flight import begin_save
 from .preflight import Staged
 from .publication import prune_after, publish_checkpoint
 from .request import SaveRequest
@@ -102,9 +103,9 @@ def save_async(engine, request: SaveRequest, staged: Staged, t_call: float) -> A
         return tuple(result)
 
     if request.universal or request.export:
-        handle._after.append(lambda: convert_published(save_dir, tag, request.universal, request.export,
+        handle.then(lambda: convert_published(save_dir, tag, request.universal, request.export,
                                                        request.on_error, rank))
     handle.stall_s = time.perf_counter() - t_call
-    engine._pyckpt_async_save = handle
+    begin_save(engine, handle)
     join_at_destroy(engine)
     return handle.start(body)

@@ -68,6 +68,11 @@ class AsyncSave:
         self._reported = True
         return self
 
+    def then(self, step: Callable[[], bool]) -> None:
+        """Runs ``step`` once the checkpoint is published, on the thread that joins this save (steps may be
+        collective); ``step`` returns False where it reported its own failure, which the join returns."""
+        self._after.append(step)
+
     def done(self) -> bool:
         """Whether the background work has ended (the outcome is then known on this rank)."""
         return self._thread is None or not self._thread.is_alive()

@@ -43,6 +43,7 @@ from .arrival import Arrival
 from .async_save import save_async
 from .background import AsyncSave
 from .conversions import convert_published
+from .in_flight import join_all
 from .outcome import report_failure
 from .preflight import preflight
 from .request import SaveRequest
@@ -142,14 +143,7 @@ def save_collectively(engine, request: SaveRequest):
     agreement of every rank; None: one folder all ranks share, rank 0 its publisher."""
     # at most one save in flight per engine: the previous one is joined (and its failure reported) first,
     # and a memory checkpoint's persistence too (it meets the other nodes' leaders in the store)
-    previous = getattr(engine, "_pyckpt_async_save", None)
-    if previous is not None:
-        engine._pyckpt_async_save = None
-        previous.wait()
-    pending = getattr(engine, "_pyckpt_persist", None)
-    if pending is not None:
-        engine._pyckpt_persist = None
-        pending.wait()
+    join_all(engine)
     ckpt_engine = engine.checkpoint_engine
     if getattr(ckpt_engine, "is_decoupled", lambda: False)():
         raise ValueError(f"{WHAT}: the checkpoint engine {type(ckpt_engine).__name__} writes after the call returns "

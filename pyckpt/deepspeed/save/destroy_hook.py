@@ -7,6 +7,8 @@ hook is an instance attribute over the class's ``destroy``, removed again when i
 
 from __future__ import annotations
 
+from .in_flight import join_save
+
 
 def join_at_destroy(engine) -> None:
     """``engine.destroy()`` joins the save in flight first (its failure reported there) and lets go of
@@ -16,11 +18,8 @@ def join_at_destroy(engine) -> None:
     original = engine.destroy
 
     def destroy(*args, **kwargs):
-        pending = getattr(engine, "_pyckpt_async_save", None)
-        engine._pyckpt_async_save = None
         try:
-            if pending is not None:
-                pending.wait()
+            join_save(engine)
         finally:
             engine._pyckpt_arena = None
             engine._pyckpt_slot_host = None  # a memory save's pinned copies of device storages

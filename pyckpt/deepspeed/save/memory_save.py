@@ -52,6 +52,7 @@ from ..tiers.memory_root import budget, fits, this_node
 from ..tiers.policy import MemoryTier
 from .arrival import Arrival, _default_store
 from .background import AsyncSave, StoreAgreement
+from .in_flight import begin_persistence, join_all
 from .node_share import NodeShare
 from .request import SaveRequest, check_tag
 from .retention import keep_last as prune
@@ -77,13 +78,9 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
     # The previous asynchronous save is joined before this one's arrival, as every save does: its
     # background thread waits on the same store client, and a blocking wait there from this thread
     # would deadlock the two (each holds the client while it waits for the other rank's key).
-    previous = getattr(engine, "_pyckpt_async_save", None)
-    if previous is not None:
-        engine._pyckpt_async_save = None
-        previous.wait()
     # One persistence at a time, and never of a checkpoint this save's pruning could remove: the
-    # previous one is joined first (the leaders hold it; a failure was logged there).
-    wait_for_persistence(engine)
+    # previous one is joined next (the leaders hold it; a failure was logged there).
+    join_all(engine)
     # The same arrival as every save: ranks that disagree on memory= meet here and in the one gather
     # below, which the others take for their preflight; both sides then see the difference and stop.
     arrival = Arrival("save", group.rank, group.size)
@@ -136,9 +133,9 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
     if links.leader and (persist or (memory.persist_every and count % memory.persist_every == 0)):
         store = _default_store()
         timeout = request.agree_timeout
-        engine._pyckpt_persist = AsyncSave(f"persisting checkpoint {tag} to {save_dir}", "warn", 0).start(
+        begin_persistence(engine, AsyncSave(f"persisting checkpoint {tag} to {save_dir}", "warn", 0).start(
             lambda handle: _persist(result, links, share, folder, save_dir, tag, durable_keep,
-                                    request.fsync, store, timeout))
+                                    request.fsync, store, timeout)))
     return result
 
 
@@ -331,9 +328,3 @@ def _copy_tree(source: str, dest: str, fsync: bool, top: bool = True) -> None:
                 finally:
                     os.close(fd)
 
-
-def wait_for_persistence(engine) -> bool:
-    """Joins ``engine``'s persistence in flight (node leaders); True when none failed."""
-    pending = getattr(engine, "_pyckpt_persist", None)
-    engine._pyckpt_persist = None
-    return True if pending is None else bool(pending.wait())
