@@ -3,7 +3,8 @@ a peer node's memory, and ``save_dir``. The files are DeepSpeed's own in every t
 same agreed atomic rule, so every reader works on any tier unchanged. This folder holds the tier's
 rules: the policy (:mod:`.policy`), the memory root itself, treated like any other hostile folder
 (:mod:`.memory_root`: owner, mode, links, budget), whose a memory checkpoint is (:mod:`.job_identity`:
-the job's folder, its run and save dir), what a node's share of a checkpoint is (:mod:`.node_manifest`), the nodes and their replica links (:mod:`.links`), the replica protocol
+the job's folder, its run and save dir), what a node's share of a checkpoint is (:mod:`.node_manifest`),
+the one walk of its folders (:mod:`.folder_walk`), the nodes and their replica links (:mod:`.links`), the replica protocol
 (:mod:`.replica_protocol`, :mod:`.replica_receiver`, :mod:`.replica_sender`), and which checkpoint a
 resume can recover (:mod:`.recovery`).
 

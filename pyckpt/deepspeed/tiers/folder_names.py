@@ -5,7 +5,12 @@
     <root>/<job>/node<N>/<tag>/pyckpt-node.json   a node share's manifest (node_manifest)
     <root>/<job>/node<N>/replica-of-node<M>/<tag> node M's share, kept here (replica_receiver)
     <root>/<job>/node<N>/restore/<tag>            the checkpoint a recovery put together (memory_recovery)
+    <root>/<job>/node<N>/restore/checkpoint-<S>/<tag>  the same, as the Trainer's folder (memory_trainer)
     <root>/<job>/node<N>/.pyckpt-slot/            a retired share whose files the next save writes over
+
+A tag folder lies at most :data:`LEVELS_ABOVE_TAG` folders below the job's folder (the Trainer's
+folder in ``restore``, its staging beside it alike), so a walk of a job's tree goes no deeper than that
+and a tag folder's own depth (:data:`.folder_walk.TAG_DEPTH`).
 
 Node numbers are written without leading zeros and read back only in that form, so one node has one
 folder name.
@@ -21,6 +26,7 @@ MANIFEST = "pyckpt-node.json"
 RESTORE = "restore"
 SLOT = ".pyckpt-slot"
 REPLICA_PREFIX = "replica-of-node"
+LEVELS_ABOVE_TAG = 4  # node<N>/restore/checkpoint-<S>/<tag>
 _NODE_PREFIX = "node"
 _NUMBER = r"(0|[1-9][0-9]{0,9})"
 _NODE = re.compile(_NODE_PREFIX + _NUMBER)

@@ -23,8 +23,10 @@ import os
 import stat
 from typing import Optional
 
+from ...errors import CheckpointFormatError
 from ...execution.leftovers import remove_path
 from .folder_names import SLOT
+from .folder_walk import TAG_DEPTH, held_bytes
 
 NAME = SLOT
 
@@ -80,25 +82,18 @@ def discard(node_folder: str) -> None:
 
 
 def size(node_folder: str) -> int:
-    """Bytes the slot's files hold (tmpfs pages a save reuses), links not followed."""
-    total = 0
-    stack = [path(node_folder)]
-    while stack:
-        folder = stack.pop()
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                stack.append(entry.path)
-            elif stat.S_ISREG(st.st_mode):
-                total += st.st_blocks * 512
-    return total
+    """Bytes the slot's files hold (tmpfs pages a save reuses), links not followed; 0 where there is no
+    slot (or a link in its place). A slot nests no deeper than the tag folder it was."""
+    slot = path(node_folder)
+    try:
+        fd = os.open(slot, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        return held_bytes(fd, slot, TAG_DEPTH, CheckpointFormatError, "the free slot was a tag folder, which nests "
+                          f"at most {TAG_DEPTH} folders")
+    finally:
+        os.close(fd)
 
 
 def oldest_to_retire(found, keep: int, protect: Optional[str] = None) -> list:

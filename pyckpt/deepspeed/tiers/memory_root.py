@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from ...errors import MemoryRootError, check_number
-from .folder_names import node_folder, node_of_folder
+from .folder_names import LEVELS_ABOVE_TAG, node_folder, node_of_folder
+from .folder_walk import TAG_DEPTH, held_bytes, kind_of, open_child
 
 ENV_ROOT = "PYCKPT_MEMORY_ROOT"
 ENV_JOB = "PYCKPT_JOB_ID"
@@ -41,13 +42,14 @@ _JOB_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # ten digits keep int() far from Python's digit limit.
 _ENV_INT = re.compile(r"[0-9]{1,18}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# Our own trees are a few levels deep (job, node, tag, files); a deeper one is not ours to walk, and
-# the walk holds one descriptor per level.
-MAX_DEPTH = 64
+# The job's tree: its tag folders at most LEVELS_ABOVE_TAG folders down, each nesting at most
+# TAG_DEPTH; a deeper one is not ours to walk (a walk holds one descriptor a level)
+MAX_DEPTH = LEVELS_ABOVE_TAG + TAG_DEPTH
 
 _ROOT = "the memory root"
 _JOB = "the job's memory folder"
 _NODE = "the node's memory folder"
+_TOO_DEEP = f"{_JOB} nests at most {MAX_DEPTH} folders; a deeper one is not one pyckpt wrote"
 
 
 # -- where ------------------------------------------------------------------------------------
@@ -116,16 +118,6 @@ def this_node() -> int:
 
 
 # -- opening and checking ---------------------------------------------------------------------
-
-def kind_of(mode: int) -> str:
-    """What a ``st_mode`` is, as a message names it ("a FIFO", "a symbolic link", ...)."""
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "an unknown kind of file"
-
 
 def _check(st: os.stat_result, path: str, what: str, mode: bool = True) -> None:
     """Refuses ``st`` (an lstat or fstat of ``path``) unless it is a real folder of ours that nobody
@@ -362,48 +354,6 @@ class Budget:
         return max(0, room)
 
 
-def _open_child(parent_fd: int, name: str, st: os.stat_result) -> Optional[int]:
-    """A descriptor of the sub-folder ``name`` that ``st`` (its lstat) describes, or None when it is
-    gone or no longer that folder (never a link's target)."""
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return None
-        raise
-    if not os.path.samestat(st, os.fstat(fd)):
-        os.close(fd)
-        return None
-    return fd
-
-
-def _tree_bytes(fd: int, path: str, seen: set, depth: int = 0) -> int:
-    if depth > MAX_DEPTH:
-        raise MemoryRootError(f"{path}: {_JOB} is nested deeper than {MAX_DEPTH} folders; it is not one pyckpt wrote")
-    total = 0
-    with os.scandir(fd) as entries:
-        listed = list(entries)
-    for entry in listed:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue  # removed by a concurrent save's retention
-        if stat.S_ISREG(st.st_mode):
-            if (st.st_dev, st.st_ino) not in seen:  # a hard link's blocks count once
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
-        elif stat.S_ISDIR(st.st_mode):
-            child = _open_child(fd, entry.name, st)
-            if child is not None:
-                try:
-                    total += _tree_bytes(child, os.path.join(path, entry.name), seen, depth + 1)
-                finally:
-                    os.close(child)
-    return total
-
-
 def budget(root: str, job: str, limit: Optional[int] = None) -> Budget:
     """The memory root's free space for us, the user's ``limit`` (bytes, or None) and what the job's
     folder tree (``<root>/<job>``, every node's folder in it) holds now, links not followed. The root
@@ -422,7 +372,7 @@ def budget(root: str, job: str, limit: Optional[int] = None) -> Budget:
     used = 0
     if job_fd is not None:
         try:
-            used = _tree_bytes(job_fd, job_path, set())
+            used = held_bytes(job_fd, job_path, MAX_DEPTH, MemoryRootError, _TOO_DEEP)
         finally:
             os.close(job_fd)
     return Budget(free=free, limit=limit, used=used)
@@ -458,7 +408,7 @@ def _remove_tree(fd: int, path: str, removed: List[str], depth: int = 0) -> None
     """Empties the folder ``fd`` (at ``path``): files and links unlinked, never followed; sub-folders
     opened relative to it without following links, emptied, removed."""
     if depth > MAX_DEPTH:
-        raise MemoryRootError(f"{path}: {_JOB} is nested deeper than {MAX_DEPTH} folders; it is not one pyckpt wrote")
+        raise MemoryRootError(f"{path}: is a sub-folder more than {MAX_DEPTH} levels down; {_TOO_DEEP}")
     with os.scandir(fd) as entries:
         listed = list(entries)
     for entry in listed:
@@ -468,7 +418,7 @@ def _remove_tree(fd: int, path: str, removed: List[str], depth: int = 0) -> None
         except FileNotFoundError:
             continue
         if stat.S_ISDIR(st.st_mode):
-            child = _open_child(fd, entry.name, st)
+            child = open_child(fd, entry.name, st)
             if child is None:
                 continue
             try:
@@ -511,7 +461,7 @@ def remove_job(root: str, job: str) -> List[str]:
         if st.st_uid != os.geteuid():
             raise MemoryRootError(f"{job_path}: {_JOB} is owned by uid {st.st_uid}, not by this user "
                                   f"(uid {os.geteuid()}); a job removes only its own folders")
-        job_fd = _open_child(root_fd, job, st)
+        job_fd = open_child(root_fd, job, st)
         if job_fd is None:
             raise MemoryRootError(f"{job_path}: {_JOB} was replaced while it was being removed; it must stay put")
         try:

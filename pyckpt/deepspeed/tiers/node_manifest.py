@@ -34,6 +34,7 @@ from ...execution.control_characters import first_control
 from ...formats.json_file import read_json_object
 from ...native import _core
 from .folder_names import MANIFEST, REPLICA_PREFIX, RESTORE, is_replica_folder
+from .folder_walk import TagFile, named_files, tag_files
 from .job_identity import run_problem, save_dir_problem
 
 NAME = MANIFEST
@@ -147,26 +148,10 @@ def describe(folder: str, known: Optional[dict] = None) -> List[Tuple[str, int, 
 
 
 def list_files(folder: str) -> List[Tuple[str, int]]:
-    """(name, size) of every regular file under ``folder`` (sub-folders by ``a/b``), sorted; a link or
-    anything but regular files and folders is a CheckpointFormatError (a save writes none)."""
-    out: List[Tuple[str, int]] = []
-
-    def walk(path: str, prefix: str, depth: int) -> None:
-        if depth > 8:
-            raise CheckpointFormatError(f"{path}: folders nested deeper than 8; not a checkpoint's tag folder")
-        with os.scandir(path) as entries:
-            for entry in entries:
-                st = entry.stat(follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    walk(entry.path, prefix + entry.name + "/", depth + 1)
-                elif stat.S_ISREG(st.st_mode):
-                    if prefix or entry.name != NAME:
-                        out.append((prefix + entry.name, st.st_size))
-                else:
-                    raise CheckpointFormatError(f"{entry.path}: neither a regular file nor a folder")
-
-    walk(folder, "", 0)
-    return sorted(out)
+    """(name, size) of every regular file under ``folder`` (sub-folders by ``a/b``) but the manifest,
+    sorted; a link or anything but regular files and folders is a CheckpointFormatError (a save writes
+    none), as is a folder nested deeper than a tag folder's (:func:`.folder_walk.tag_files`)."""
+    return [(f.name, f.stat.st_size) for f in tag_files(folder) if f.name != NAME]
 
 
 def write(folder: str, manifest: NodeManifest) -> None:
@@ -249,32 +234,41 @@ def tag_folder_problem(path: str) -> str:
     return ""
 
 
-def read(tag_folder: str) -> Optional[NodeManifest]:
-    """The manifest of the node share in ``tag_folder`` when it is whole: the folder ours (no link, this
-    user's, writable by nobody else), the manifest readable, its tag the folder's name, and every file
-    it lists a regular file of that size (links not followed). None otherwise: a half-written, foreign
-    or damaged folder does not count. The files' bytes are not read here: their CRC-32 is checked where
-    they are read (:func:`crcs`, by recovery)."""
+def _whole(tag_folder: str) -> Optional[Tuple[NodeManifest, List[TagFile]]]:
     if tag_folder_problem(tag_folder):
         return None
     try:
         body, _ = read_json_object(tag_folder, NAME, "pyckpt node manifest", MAX_BYTES)
         manifest = parse(body, os.path.join(tag_folder, NAME))
+        if manifest.tag != os.path.basename(os.path.normpath(tag_folder)):
+            return None
+        files = named_files(tag_folder, [name for name, _, _ in manifest.files])
     except (OSError, CheckpointFormatError, ValueError):
         return None
-    if manifest.tag != os.path.basename(os.path.normpath(tag_folder)):
+    if any(f.stat.st_size != size for f, (_, size, _) in zip(files, manifest.files)):
         return None
-    for name, size, _ in manifest.files:
-        try:
-            st = os.stat(os.path.join(tag_folder, name), follow_symlinks=False)
-        except OSError:
-            return None
-        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-            return None
-        if "/" in name and os.path.realpath(os.path.join(tag_folder, name)) != os.path.join(
-                os.path.realpath(tag_folder), name):
-            return None  # a folder link on the way out of the tag folder
-    return manifest
+    return manifest, files
+
+
+def read(tag_folder: str) -> Optional[NodeManifest]:
+    """The manifest of the node share in ``tag_folder`` when it is whole: the folder ours (no link, this
+    user's, writable by nobody else), the manifest readable, its tag the folder's name, and every file
+    it lists a regular file of that size inside the folder (no link followed on the way,
+    :func:`.folder_walk.named_files`). None otherwise: a half-written, foreign or damaged folder does
+    not count. The files' bytes are not read here: their CRC-32 is checked where they are read
+    (:func:`crcs`, by recovery)."""
+    whole = _whole(tag_folder)
+    return whole[0] if whole else None
+
+
+def share_files(tag_folder: str) -> List[TagFile]:
+    """The files of the whole node share in ``tag_folder``, by its manifest (which is not among them),
+    in the manifest's order; a share that is not whole (:func:`read`) is a CheckpointFormatError."""
+    whole = _whole(tag_folder)
+    if whole is None:
+        raise CheckpointFormatError(f"{tag_folder}: not a whole node share (its {NAME} unreadable or not its own, "
+                                    f"or a file it lists missing, of another size or behind a link)")
+    return whole[1]
 
 
 def shares(folder: str) -> List[Tuple[str, NodeManifest]]:

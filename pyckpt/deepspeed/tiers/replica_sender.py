@@ -6,19 +6,17 @@ bytes (sendfile(2)) while a second thread takes each file's CRC-32.
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import hmac
 import os
 import socket
-import stat
 import time
 from dataclasses import dataclass
 from typing import List, Tuple
 
 from ...errors import ReplicationError, check_number
 from ...native import _core
-from .memory_root import kind_of
-from .replica_protocol import (_DIR_FLAGS, CRC, CRC_CHUNK, END, FIELDS, LABEL_RECEIVER, LABEL_SENDER, MAGIC_RECEIVER,
+from .folder_walk import tag_files
+from .replica_protocol import (CRC, CRC_CHUNK, END, FIELDS, LABEL_RECEIVER, LABEL_SENDER, MAGIC_RECEIVER,
                                MAGIC_SENDER, MAX_FILES, MAX_NODE, NONCE, OK, VERDICT, Sent, _check_token, _Closed,
                                _mac, _no_delay, _recv_exact, manifest_bytes)
 
@@ -65,34 +63,15 @@ def _file_crc(f: _File, buf: bytearray) -> int:
 def _collect(tag_folder: str) -> List[_File]:
     """Every file of ``tag_folder``, sorted by name. Only regular files count, and only the folder's
     own: a receiver takes plain file names, so a sub-folder is refused here, before anything is sent,
-    as is a link (not followed) or anything else, each a ReplicationError naming it."""
+    as is a link (not followed) or anything else, each a ReplicationError naming it. The folder is
+    sent as it is, its manifest among its files: what it holds is the receiver's to check."""
     root = os.path.abspath(os.fspath(tag_folder))
-    try:
-        fd = os.open(root, _DIR_FLAGS)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(root):
-            raise ReplicationError(f"{root}: the folder to replicate is a symbolic link; it must be a real "
-                                   f"folder (links are not followed)") from None
-        raise ReplicationError(f"{root}: the folder to replicate cannot be opened ({exc.strerror or exc})") from None
-    files: List[_File] = []
-    try:
-        with os.scandir(fd) as entries:
-            listed = sorted(entries, key=lambda e: e.name)
-        for entry in listed:
-            child = os.path.join(root, entry.name)
-            st = entry.stat(follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                raise ReplicationError(f"{child}: is a sub-folder; a replica holds only the tag folder's own files "
-                                       f"(a receiver takes plain file names, no folders)")
-            if not stat.S_ISREG(st.st_mode):
-                raise ReplicationError(f"{child}: is {kind_of(st.st_mode)}; a replica holds only regular files, "
-                                       f"and links are not followed")
-            if len(files) >= MAX_FILES:
-                raise ReplicationError(f"{root}: more than {MAX_FILES} files; a receiver takes at most that many")
-            files.append(_File(entry.name, child, st.st_size, _identity(st)))
-    finally:
-        os.close(fd)
-    return files
+    listed = tag_files(root, depth=0, error=ReplicationError, what="the folder to replicate",
+                       folders="a replica holds only the tag folder's own files (a receiver takes plain file names, "
+                               "no folders)")
+    if len(listed) > MAX_FILES:
+        raise ReplicationError(f"{root}: more than {MAX_FILES} files; a receiver takes at most that many")
+    return [_File(f.name, f.path, f.stat.st_size, _identity(f.stat)) for f in listed]
 
 
 class _Session:
