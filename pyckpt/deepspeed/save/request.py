@@ -14,8 +14,7 @@ import os
 from typing import Any, Optional
 
 from ...errors import quoted
-from ...execution.pointer import POINTERS, pointer_name_problem
-from ...execution.staging_names import TAG_MAX
+from ...execution.tag_rule import tag_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,21 +79,9 @@ class SaveRequest:
 
 
 def check_tag(tag: str) -> str:
-    if tag in ("", ".", "..") or "/" in tag or "\x00" in tag or tag.startswith("."):
-        raise ValueError(f"checkpoint tag {quoted(tag)} must be one folder name not starting with '.' "
-                         "(hidden names beside the checkpoints are pyckpt's staging)")
-    size = len(tag.encode("utf-8", "surrogateescape"))
-    if size > TAG_MAX:
-        # the hidden names beside a tag must stay one file name, and a peer's replica receiver refuses a
-        # longer tag: refused here, before anything runs, rather than at every replication
-        raise ValueError(f"checkpoint tag {quoted(tag)} is {size} bytes long; a tag is at most {TAG_MAX} bytes of "
-                         "UTF-8; choose a shorter tag; nothing was written")
-    if tag in POINTERS:
-        raise ValueError(f"checkpoint tag {tag!r} is the name of the pointer file that names the newest checkpoint; "
-                         "choose another tag; nothing was written")
-    # `latest` would name a checkpoint that DeepSpeed's load_checkpoint cannot find (a bare AssertionError)
-    problem = pointer_name_problem(tag)
+    """``tag`` when it may name a checkpoint's folder (:func:`~pyckpt.execution.tag_rule.tag_problem`),
+    else a ValueError in one line, before anything runs."""
+    problem = tag_problem(tag)
     if problem:
-        raise ValueError(f"checkpoint tag {tag!r} {problem}: a tag must have no whitespace at either end and no "
-                         "control characters, so that `latest` can name it; nothing was written")
+        raise ValueError(f"checkpoint tag {quoted(tag)} {problem}; nothing was written")
     return tag

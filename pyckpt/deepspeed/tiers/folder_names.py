@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from ...errors import quoted
+
 JOB_RECORD = "pyckpt-job.json"
 MANIFEST = "pyckpt-node.json"
 RESTORE = "restore"
@@ -31,6 +33,32 @@ _NODE_PREFIX = "node"
 _NUMBER = r"(0|[1-9][0-9]{0,9})"
 _NODE = re.compile(_NODE_PREFIX + _NUMBER)
 _REPLICA = re.compile(REPLICA_PREFIX + _NUMBER)
+_JOB_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def job_name_problem(job) -> str:
+    """Why ``job`` cannot name a job's folder under the root, or ''."""
+    if not isinstance(job, str) or not _JOB_NAME.fullmatch(job) or job.startswith("."):
+        return "must be one folder name: 1 to 128 of the characters A-Z a-z 0-9 . _ -, not starting with '.'"
+    return ""
+
+
+def check_job_name(job, source: str = "job id") -> str:
+    """``job`` when it may name a job's folder (:func:`job_name_problem`), else a ValueError naming it
+    and where it came from (``source``)."""
+    problem = job_name_problem(job)
+    if problem:
+        shown = quoted(job, 77) if isinstance(job, str) else type(job).__name__
+        raise ValueError(f"{source} {shown} {problem}")
+    return job
+
+
+def tag_reserved(tag: str) -> Optional[str]:
+    """Why ``tag`` cannot name a memory checkpoint (it names a folder or file the tier keeps beside
+    its tags), or None. The rule every tag follows is :func:`~pyckpt.execution.tag_rule.tag_problem`."""
+    if tag == RESTORE or tag.startswith(REPLICA_PREFIX) or tag == MANIFEST:
+        return f"is a name the memory tier keeps for its own folders ({RESTORE}, {REPLICA_PREFIX}<N>)"
+    return None
 
 
 def node_folder(node: int) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from ...errors import MemoryRootError, check_number
-from .folder_names import LEVELS_ABOVE_TAG, node_folder, node_of_folder
+from .folder_names import LEVELS_ABOVE_TAG, check_job_name, node_folder, node_of_folder
 from .folder_walk import TAG_DEPTH, held_bytes, kind_of, open_child
 
 ENV_ROOT = "PYCKPT_MEMORY_ROOT"
@@ -37,7 +37,6 @@ ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
 DEFAULT_JOB = "default"
 
 MODE = 0o700
-_JOB_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # One spelling per node (node7, never node07), so a node's folder is found by its number alone;
 # ten digits keep int() far from Python's digit limit.
 _ENV_INT = re.compile(r"[0-9]{1,18}")
@@ -64,25 +63,17 @@ def _shown(value: str) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _check_job(job: str, source: str = "job id") -> str:
-    if not isinstance(job, str) or not _JOB_NAME.fullmatch(job) or job.startswith("."):
-        shown = _shown(job) if isinstance(job, str) else type(job).__name__
-        raise ValueError(f"{source} {shown} must be one folder name: 1 to 128 of the characters A-Z a-z 0-9 . _ -, "
-                         f"not starting with '.'")
-    return job
-
-
 def job_id(explicit: Optional[str] = None) -> str:
     """The job's folder name under the root: ``explicit``, else ``$PYCKPT_JOB_ID``, else torchrun's
     ``$TORCHELASTIC_RUN_ID`` (stable across elastic restarts of one job), else ``"default"``. An unset
     or empty variable counts as absent. A name that is not one folder name (``[A-Za-z0-9._-]{1,128}``,
     not starting with '.') is a ValueError naming it and where it came from."""
     if explicit is not None:
-        return _check_job(explicit)
+        return check_job_name(explicit)
     for name in (ENV_JOB, ENV_RUN_ID):
         value = os.environ.get(name)
         if value:
-            return _check_job(value, f"${name}")
+            return check_job_name(value, f"${name}")
     return DEFAULT_JOB
 
 
@@ -262,7 +253,7 @@ def job_folder(root: str, job: str, node: int) -> str:
     """``<root>/<job>/node<node>``, each level created mode 0700 if absent and checked by
     :func:`open_root`'s rules, each opened relative to the one above without following links.
     Returns its path."""
-    job = _check_job(job)
+    job = check_job_name(job)
     name = _node_name(node)
     path, root_fd = _root_fd(root, True)
     try:
@@ -304,7 +295,7 @@ def job_folders(root: str, job: str) -> List[Tuple[int, str]]:
     folders named exactly ``node<N>`` (digits, no leading zero) count; links, files and other names are
     ignored. A counted folder, the job's folder and the root are checked as :func:`job_folder` checks
     them; nothing is created (an absent root or job folder holds none)."""
-    job = _check_job(job)
+    job = check_job_name(job)
     try:
         path, root_fd = _root_fd(root, False)
     except FileNotFoundError:
@@ -358,7 +349,7 @@ def budget(root: str, job: str, limit: Optional[int] = None) -> Budget:
     """The memory root's free space for us, the user's ``limit`` (bytes, or None) and what the job's
     folder tree (``<root>/<job>``, every node's folder in it) holds now, links not followed. The root
     is opened as :func:`open_root` opens it (created if absent), the job's folder checked if present."""
-    job = _check_job(job)
+    job = check_job_name(job)
     if limit is not None:
         check_number("limit", limit, integer=True, low=0)
     path, root_fd = _root_fd(root, True)
@@ -440,7 +431,7 @@ def remove_job(root: str, job: str) -> List[str]:
     it is followed out of it. Refused with :class:`MemoryRootError`: a root :func:`open_root` refuses,
     a job folder owned by another user, or something there that is neither a folder nor a link. An
     absent root or job folder: nothing to remove."""
-    job = _check_job(job)
+    job = check_job_name(job)
     try:
         path, root_fd = _root_fd(root, False)
     except FileNotFoundError:

@@ -31,9 +31,10 @@ from typing import List, Optional, Sequence, Tuple
 
 from ...errors import CheckpointFormatError, quoted
 from ...execution.control_characters import first_control
+from ...execution.tag_rule import tag_problem
 from ...formats.json_file import read_json_object
 from ...native import _core
-from .folder_names import MANIFEST, REPLICA_PREFIX, RESTORE, is_replica_folder
+from .folder_names import MANIFEST, is_replica_folder, job_name_problem, tag_reserved
 from .folder_walk import TagFile, named_files, tag_files
 from .job_identity import run_problem, save_dir_problem
 
@@ -46,8 +47,6 @@ MAX_BYTES = 64 * 1024 * 1024
 MAX_FILES = 1_000_000
 _ID = re.compile(r"[A-Za-z0-9._-]{1,200}\Z")
 _HEX = re.compile(r"[0-9a-f]{64}\Z")
-# folders a node's memory folder holds besides its tags: replicas of other nodes, a recovery's assembly
-RESERVED_TAGS = (RESTORE, )
 
 
 @dataclass(frozen=True)
@@ -77,13 +76,6 @@ class NodeManifest:
                 "ranks": list(self.ranks), "model": self.model, "files": [list(f) for f in self.files],
                 "run": self.run, "save_dir": self.save_dir}
         return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode()
-
-
-def tag_reserved(tag: str) -> Optional[str]:
-    """Why ``tag`` cannot name a memory checkpoint (it names a folder the tier keeps beside its tags)."""
-    if tag in RESERVED_TAGS or tag.startswith(REPLICA_PREFIX) or tag == NAME:
-        return f"is a name the memory tier keeps for its own folders ({RESTORE}, {REPLICA_PREFIX}<N>)"
-    return None
 
 
 def model_digest(engine) -> str:
@@ -181,9 +173,13 @@ def parse(data: dict, where: str) -> NodeManifest:
     """The manifest in ``data`` (the file's JSON object), every field checked; else CheckpointFormatError."""
     if data.get("pyckpt_node_manifest") != VERSION:
         raise CheckpointFormatError(f"{where}: not a version {VERSION} pyckpt node manifest")
-    for key in ("save", "job", "tag"):
-        if not isinstance(data.get(key), str) or not _ID.match(data[key]) or data[key].startswith("."):
-            raise CheckpointFormatError(f"{where}: {key} is not one plain name")
+    save = data.get("save")
+    if not isinstance(save, str) or not _ID.match(save) or save.startswith("."):
+        raise CheckpointFormatError(f"{where}: save is not one plain name")
+    for key, rule in (("job", job_name_problem), ("tag", tag_problem)):
+        problem = rule(data.get(key)) if isinstance(data.get(key), str) else "is not a string"
+        if problem:
+            raise CheckpointFormatError(f"{where}: {key} {quoted(data.get(key))} {problem}")
     step = _int(data, "step", 0, 2 ** 63 - 1, where)
     nodes = _int(data, "nodes", 1, 1 << 20, where)
     node = _int(data, "node", 0, nodes - 1, where)

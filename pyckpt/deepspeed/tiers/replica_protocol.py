@@ -89,8 +89,7 @@ from typing import Optional
 
 from ...errors import ReplicationError, printable
 from ...execution.control_characters import first_control
-from ...execution.pointer import POINTERS, pointer_name_problem
-from ...execution.staging_names import TAG_MAX
+from ...execution.tag_rule import tag_problem as checkpoint_tag_problem
 
 MAGIC_RECEIVER = b"PYCKRPL1"
 MAGIC_SENDER = b"PYCKRPS1"
@@ -172,16 +171,13 @@ def name_problem(raw: bytes, limit: int = NAME_MAX) -> str:
 
 
 def tag_problem(raw: bytes) -> str:
-    """:func:`name_problem` with room for the publisher's hidden names beside the tag (``.<tag>.pyckpt-
-    tmp-<host>-<pid>-<random>`` must stay one file name), and what ``latest`` could not name (a
-    pointer's own name, whitespace at either end)."""
-    problem = name_problem(raw, TAG_MAX)
-    if problem:
-        return problem
-    tag = raw.decode("utf-8")
-    if tag in POINTERS:
-        return f"is the name of the pointer file {tag!r}"
-    return pointer_name_problem(tag)
+    """Why ``raw`` (a tag as received) cannot name a checkpoint's folder: the save's rule
+    (:func:`~pyckpt.execution.tag_rule.tag_problem`), on its UTF-8."""
+    try:
+        tag = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "is not valid UTF-8"
+    return checkpoint_tag_problem(tag)
 
 
 def _shown(raw: bytes) -> str:

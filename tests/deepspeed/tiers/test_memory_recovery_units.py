@@ -81,6 +81,24 @@ def test_a_hostile_manifest_is_refused_naming_the_field(tmp_path, change):
     assert nm.parse(BASE, "m.json").files == (("f", 1, 7), )
 
 
+@pytest.mark.parametrize("tag", ["step 1", "é" * 64, "run-3+b", "s" * 128])
+def test_a_manifest_records_every_tag_the_save_takes(tag):
+    """The manifest's tag follows the save's tag rule: a memory checkpoint saved under a tag the save
+    took is one a recovery can read back."""
+    from pyckpt.deepspeed.save.request import check_tag
+
+    assert check_tag(tag) == tag
+    assert nm.parse({**BASE, "tag": tag}, "m.json").tag == tag
+    assert nm.parse(json.loads(nm.parse({**BASE, "tag": tag}, "m.json").to_json()), "m.json").tag == tag
+
+
+@pytest.mark.parametrize("job", ["x" * 128, "A-z_0.9"])
+def test_a_manifest_records_every_job_name_the_root_takes(job):
+    assert nm.parse({**BASE, "job": job}, "m.json").job == job
+    with pytest.raises(nm.CheckpointFormatError, match="job 'j b' must be one folder name"):
+        nm.parse({**BASE, "job": "j b"}, "m.json")
+
+
 def test_the_manifest_file_itself_is_read_strictly(tmp_path):
     path = tmp_path / "t"
     path.mkdir()

@@ -273,7 +273,7 @@ def test_garbage_instead_of_a_hello_is_refused_and_the_receiver_serves_on(job, t
 @pytest.mark.parametrize("tag, rule", [
     ("a/b", "contains a slash"), ("..", "is '.' or '..'"), (".", "is '.' or '..'"), ("", "is empty"),
     ("step\x1b[2J", "control character"), ("step\x85", "control character"), (".hidden", "starts with '.'"),
-    ("s" * 129, "is 129 bytes long (at most 128)"), ("latest", "pointer file"), (" step1", "whitespace"),
+    ("s" * 129, "is 129 bytes long; a tag is at most 128 bytes"), ("latest", "pointer file"), (" step1", "whitespace"),
 ])
 def test_a_hostile_tag_is_refused_before_anything_is_written(job, token, source, tag, rule):
     with receiving(job, token) as r:
@@ -340,7 +340,7 @@ def test_one_tag_limit_at_the_save_and_at_the_receiver(tmp_path):
 
     assert TAG_MAX == 128
     for tag in ("s" * 128, "é" * 64, "s" * 129, "é" * 65, "s" * 127 + "é"):
-        receiver_refuses = "bytes long (at most 128)" in proto.tag_problem(tag.encode())
+        receiver_refuses = "a tag is at most 128 bytes" in proto.tag_problem(tag.encode())
         assert receiver_refuses == (len(tag.encode()) > 128)
         if receiver_refuses:
             with pytest.raises(ValueError, match=rf"is {len(tag.encode())} bytes long; a tag is at most 128 bytes"):
@@ -352,6 +352,30 @@ def test_one_tag_limit_at_the_save_and_at_the_receiver(tmp_path):
         save_checkpoint(engine, tmp_path / "save", tag="s" * 129)
     assert "129 bytes long" in str(info.value) and "nothing was written" in str(info.value)
     assert "\n" not in str(info.value) and not os.path.exists(tmp_path / "save")
+
+
+@pytest.mark.parametrize("tag", [
+    "global_step1", "step 1", "é" * 64, "a\\b", "", ".", "..", ".hidden", "a/b", "s" * 129, "latest",
+    "latest_universal", " step", "step\t", "step\x1b[2J", "step\x85", "a\x00b", "\udcff", "x" * 300,
+])
+def test_the_save_and_the_receiver_take_the_same_tags(tag):
+    """One tag rule (pyckpt.execution.tag_rule): a tag the save takes is one a peer's receiver takes,
+    and the other way round, in the same words."""
+    from pyckpt.deepspeed.save.request import check_tag
+    from pyckpt.execution.tag_rule import tag_problem
+
+    problem = tag_problem(tag)
+    try:
+        raw = tag.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = tag.encode("utf-8", "surrogateescape")  # what a sender puts on the wire
+    assert proto.tag_problem(raw) == ("is not valid UTF-8" if problem.startswith("is not valid UTF-8") else problem)
+    if problem:
+        with pytest.raises(ValueError, match="nothing was written") as info:
+            check_tag(tag)
+        assert problem in str(info.value) and "\n" not in str(info.value)
+    else:
+        assert check_tag(tag) == tag
 
 
 def test_node_numbers_are_bounded(job, token, source):
