@@ -49,7 +49,8 @@ def run(args) -> int:
 def clean_memory(args) -> int:
     import os
 
-    from ..deepspeed.tiers.memory_root import default_root, job_id, open_root, remove_job
+    from ..deepspeed.tiers.job_identity import job_id
+    from ..deepspeed.tiers.memory_root import default_root, open_root, remove_job
     from ..errors import printable
 
     job = job_id(args.memory)

@@ -1,7 +1,7 @@
 """Waiting until the memory tier's newest checkpoint has reached the peer node.
 
 A memory save returns once the checkpoint is published in this node's memory; each node's leader then
-sends it to the next node in the background (:class:`~.tiers.links.Sender`, newest-wins), and
+sends it to the next node in the background (:class:`~.tiers.ring_sender.Sender`, newest-wins), and
 training never waits for that. :func:`wait_for_replication` is the one place a job does wait: before a
 planned shutdown of a node, before it trusts that losing any one node costs nothing, or in a test.
 """

@@ -30,10 +30,10 @@ def model_states(path, step: int, **extra) -> None:
 def claim(root, job: str, save_dir, run: str = RUN) -> ji.Identity:
     """``<root>/<job>`` recorded as ``run``'s of ``save_dir`` (root and job folder made 0700, as the tier
     makes them); returns the identity the tier uses for it."""
-    from pyckpt.deepspeed.tiers.memory_root import job_folder
+    from pyckpt.deepspeed.tiers.memory_root import node_memory_folder
 
     identity = ji.Identity(job, ji.real_save_dir(save_dir), False)
-    job_folder(str(root), job, 0)
+    node_memory_folder(str(root), job, 0)
     ji.claim(str(root), identity, run)
     return identity
 

@@ -3,9 +3,9 @@
 
 Every rank calls :func:`recover` from ``load_checkpoint`` (a collective call). Each node's leader
 reports its job folder's record (:mod:`..tiers.job_identity`: the run and save dir its checkpoints
-belong to) and the shares of that save dir its memory root holds (:func:`..tiers.recovery.inventory`),
+belong to) and the shares of that save dir its memory root holds (:func:`..tiers.resume_choice.inventory`),
 and every rank what ``save_dir/latest`` names; from that one gather every rank computes the same run
-and the same choice (:func:`..tiers.recovery.recoverable`). Where memory wins, the leaders holding a
+and the same choice (:func:`..tiers.resume_choice.recoverable`). Where memory wins, the leaders holding a
 share that another node lacks send it there through the replica protocol (verified there before it
 counts), then each leader links the shares into ``<node folder>/restore/<tag>`` (hard links: no second
 copy of the bytes; ``restore`` checked as the root is, never followed) with a ``latest`` beside it,
@@ -35,8 +35,9 @@ from ..tiers import prechecked, resume_events
 from ..tiers.folder_names import RESTORE, node_folder
 from ..tiers.job_identity import agreed_run, bound, foreign, read_record
 from ..tiers.links import nodes
-from ..tiers.memory_root import default_root, level, this_node
-from ..tiers.recovery import Plan, durable, inventory, local_share, recoverable
+from ..tiers.memory_root import default_root, level
+from ..tiers.nodes import this_node
+from ..tiers.resume_choice import RecoveryPlan, durable, inventory, local_share, recoverable
 from ..tiers.replica_sender import send_folder
 
 log = logging.getLogger("pyckpt")
@@ -164,7 +165,7 @@ def _assembled(tier, load_dir: str) -> bool:
     return len(parts) >= 3 and parts[0] not in ("", ".", "..") and parts[1:3] == [node_folder(this_node()), RESTORE]
 
 
-def _send(plan: Plan, fetches: List[Tuple[int, int, int]], links, own) -> Optional[str]:
+def _send(plan: RecoveryPlan, fetches: List[Tuple[int, int, int]], links, own) -> Optional[str]:
     """This leader's part of the fetches: the shares it holds that other nodes lack, sent at once."""
     mine = [(origin, to) for holder, origin, to in fetches if holder == links.node]
     if not mine:
@@ -185,7 +186,7 @@ def _send(plan: Plan, fetches: List[Tuple[int, int, int]], links, own) -> Option
     return None
 
 
-def _assemble(plan: Plan, tier, folder: str, identity, run: str) -> Optional[str]:
+def _assemble(plan: RecoveryPlan, tier, folder: str, identity, run: str) -> Optional[str]:
     """This node's leader: every share of the save linked into ``restore/<tag>``, each linked file's
     bytes read once for its CRC-32 against the manifest's, then ``latest`` naming it. ``restore`` is made
     or opened as the root is (a link there, another user's folder or one others can write is refused:

@@ -36,8 +36,14 @@ from typing import List, Optional
 from ...errors import CheckpointFormatError, MemoryRootError, quoted
 from ...execution.control_characters import first_control
 from ...formats.json_file import parse_json_object
-from .folder_names import JOB_RECORD
-from .memory_root import ENV_JOB, ENV_RUN_ID, _open_level, _root_fd, job_id
+from .folder_names import JOB_RECORD, check_job_name
+from .memory_root import _open_level, _root_fd
+
+ENV_JOB = "PYCKPT_JOB_ID"
+# torchrun's rendezvous id: the same for every elastic restart of one job (a fresh uuid per
+# `torchrun --standalone`, the --rdzv-id given otherwise, "none" when that is not given).
+ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
+DEFAULT_JOB = "default"
 
 RECORD = JOB_RECORD
 VERSION = 1
@@ -46,6 +52,20 @@ TORCHRUN_NO_ID = "none"
 MAX_BYTES = 64 * 1024
 _RUN = re.compile(r"[0-9a-f]{32}\Z")
 _JOB = "the job's memory folder"
+
+
+def job_id(explicit: Optional[str] = None) -> str:
+    """The job's folder name under the root: ``explicit``, else ``$PYCKPT_JOB_ID``, else torchrun's
+    ``$TORCHELASTIC_RUN_ID`` (stable across elastic restarts of one job), else ``"default"``. An unset
+    or empty variable counts as absent. A name that is not one folder name (``[A-Za-z0-9._-]{1,128}``,
+    not starting with '.') is a ValueError naming it and where it came from."""
+    if explicit is not None:
+        return check_job_name(explicit)
+    for name in (ENV_JOB, ENV_RUN_ID):
+        value = os.environ.get(name)
+        if value:
+            return check_job_name(value, f"${name}")
+    return DEFAULT_JOB
 
 
 @dataclass(frozen=True)

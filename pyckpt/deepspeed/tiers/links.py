@@ -1,47 +1,35 @@
 """The job's nodes, reachable from one another: who leads each node, where its replica receiver
-listens, the job's token, and the background sender that keeps a peer's copy of this node's newest
-memory checkpoint.
+listens, the job's token, and the ring's sender (:mod:`.ring_sender`) that keeps a peer's copy of this
+node's newest memory checkpoint.
 
 One :class:`Nodes` per process and job, made collectively (every rank calls :func:`nodes`): the ranks
-gather which node each runs on (torchrun's numbering, :func:`~.memory_root.this_node`), each node's
+gather which node each runs on (torchrun's numbering, :func:`~.nodes.this_node`), each node's
 lowest rank leads it, and where there is more than one node, rank 0 draws the job's token (32 random
 bytes, sent to the other ranks over the job's own process group, never over a replica connection)
 and each leader starts a :class:`~.replica_receiver.ReplicaReceiver` on its node's memory folder, whose
 address every rank learns. Nothing here outlives the process: a restarted worker makes them again,
 and the files the last one published are what carries over.
 
-Placement: node ``n`` keeps its replica on node ``(n + 1) % N`` (a ring), so each node holds its own
-files and one neighbour's, and losing any one node loses no checkpoint. Sending is
-newest-wins: the sender thread always takes the newest published checkpoint not yet sent; one saved
-while an older one is still on the way waits for that one, and an intermediate one is skipped rather
-than queued (training never waits for replication).
+Placement (a ring, :func:`~.nodes.replica_target`) and the layout of ranks on nodes live in
+:mod:`.nodes`; the receivers' retention of the replicas they keep is here, with their start.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ...execution.distributed import describe_failure
-from .memory_root import this_node
 from . import free_slot
 from .node_manifest import prune
+from .nodes import layout, this_node
 from .replica_receiver import ReplicaReceiver
-from .replica_sender import send_folder
-
-log = logging.getLogger("pyckpt")
+from .ring_sender import Sender
 
 ENV_HOST = "PYCKPT_REPLICA_HOST"
-
-
-def replica_target(node: int, nodes: int) -> Optional[int]:
-    """The node that keeps ``node``'s replica: the next one in a ring; None on one node."""
-    return None if nodes < 2 else (node + 1) % nodes
 
 
 def _listen_host() -> Tuple[str, str]:
@@ -96,27 +84,6 @@ class Nodes:
             self.sender.close()
         if self.receiver is not None:
             self.receiver.close()
-
-
-def layout(nodes_of_ranks: List[int]) -> Tuple[List[int], List[Tuple[int, int]]]:
-    """Leaders and rank ranges from every rank's node, checked: nodes numbered 0..N-1, each holding a
-    contiguous block of ranks (as torchrun places them). A ValueError says what is wrong."""
-    count = max(nodes_of_ranks) + 1
-    ranges: Dict[int, List[int]] = {}
-    for rank, node in enumerate(nodes_of_ranks):
-        ranges.setdefault(node, []).append(rank)
-    if sorted(ranges) != list(range(count)):
-        raise ValueError(f"the ranks' node numbers ({sorted(ranges)}) are not 0 to {count - 1}: set torchrun's "
-                         f"GROUP_RANK / LOCAL_WORLD_SIZE consistently on every node")
-    leaders, spans = [], []
-    for n in range(count):
-        ranks = ranges[n]
-        if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
-            raise ValueError(f"node {n} holds ranks {ranks}, not one contiguous block; the memory tier expects "
-                             f"torchrun's placement (node = rank // LOCAL_WORLD_SIZE)")
-        leaders.append(ranks[0])
-        spans.append((ranks[0], len(ranks)))
-    return leaders, spans
 
 
 _NODES: Dict[tuple, Nodes] = {}
@@ -198,72 +165,3 @@ def _retire_replicas(replica_dir: str, keep: int, links: Nodes) -> None:
     (``max(keep, 2)``, as a node's own folder) leave, the first as the free slot it is written over."""
     if links.model is not None and links.owner is not None:
         free_slot.retire_before_save(replica_dir, links.owner, links.model, keep)
-
-
-class Sender:
-    """A leader's background replication of its node's newest memory checkpoint to the ring's next
-    node; newest-wins (module docstring). :meth:`offer` never blocks; :meth:`flush` waits for the
-    newest offered one to be sent or to fail (``pyckpt.deepspeed.wait_for_replication``, the end of a
-    job)."""
-
-    def __init__(self, links: Nodes):
-        self.links = links
-        self.target = replica_target(links.node, links.count)
-        self._cond = threading.Condition()
-        self._pending: Optional[Tuple[str, str]] = None
-        self._busy = False
-        self._closed = False
-        self.sent: List[Tuple[str, float]] = []  # (tag, seconds) of each replica the peer verified
-        self.failed: List[Tuple[str, str]] = []  # (tag, why)
-        self.last: Optional[Tuple[bool, str]] = None  # (verified, tag) of the last one tried
-        self._thread = threading.Thread(target=self._run, name="pyckpt-replicate", daemon=True)
-        self._thread.start()
-
-    def offer(self, tag_folder: str, tag: str) -> None:
-        with self._cond:
-            self._pending = (tag_folder, tag)
-            self._cond.notify_all()
-
-    def flush(self, timeout: Optional[float] = None) -> bool:
-        """Waits up to ``timeout`` seconds (None: no limit) until nothing is pending or in flight. True
-        when the newest checkpoint offered was verified by the peer (or none was offered); False when
-        it failed, or is still pending or on its way at the timeout (a replica verified earlier does
-        not stand for a newer one), or the sender was closed before sending it."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._closed or (self._pending is None and not self._busy), timeout)
-            if self._pending is not None or self._busy:
-                return False
-            return self.last is None or self.last[0]
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._pending is not None)
-                if self._closed:
-                    return
-                folder, tag = self._pending
-                self._pending = None
-                self._busy = True
-            try:
-                sent = send_folder(folder, self.links.node, tag, self.links.addresses[self.target], self.links.token)
-                with self._cond:
-                    self.sent.append((tag, sent.seconds))
-                    self.last = (True, tag)
-            except Exception as exc:  # the checkpoint stays in this node's memory; the next one retries
-                why = describe_failure(exc)
-                with self._cond:
-                    first = not self.failed or self.failed[-1][1] != why
-                    self.failed.append((tag, why))
-                    self.last = (False, tag)
-                if first:
-                    log.warning("pyckpt: replicating %s to node %d failed: %s", tag, self.target, why)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    del self.sent[:-100], self.failed[:-100]
-                    self._cond.notify_all()

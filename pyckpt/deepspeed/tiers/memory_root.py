@@ -7,12 +7,13 @@ group or others. Every level under it (``<root>/<job>/node<N>``) is opened relat
 with ``O_NOFOLLOW`` and checked by the same rules, so nothing a memory folder names is followed outside
 it; and a save asks :func:`fits` before it writes, keeping a share of the node's memory spare.
 
-Nodes are numbered as torchrun numbers them (its group rank), not by host name, so two agents on one
-machine with a root each behave exactly as two hosts.
+Which job a folder is (:mod:`.job_identity`) and which node (:mod:`.nodes`) are decided elsewhere;
+this module holds the root's rules.
 
-One module, longer than most: naming a job's folder, opening it level by level, measuring it against the
-budget and removing it all walk the same tree with the same descriptor-relative, no-follow rules, and
-those rules are the tier's safety; they are kept where one reading sees all of them.
+One module, longer than most: opening a node's folder level by level, measuring the job's tree against the
+budget and removing it all go by the same descriptor-relative, no-follow rules (the walk itself is
+:mod:`.folder_walk`), and those rules are the tier's safety; they are kept where one reading sees all
+of them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import errno
 import math
 import os
-import re
 import stat
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -28,18 +28,11 @@ from typing import List, Optional, Tuple
 from ...errors import MemoryRootError, check_number
 from .folder_names import LEVELS_ABOVE_TAG, check_job_name, node_folder, node_of_folder
 from .folder_walk import TAG_DEPTH, held_bytes, kind_of, open_child
+from .nodes import this_node  # noqa: F401  (save/memory_save imports it from here)
 
 ENV_ROOT = "PYCKPT_MEMORY_ROOT"
-ENV_JOB = "PYCKPT_JOB_ID"
-# torchrun's rendezvous id: the same for every elastic restart of one job (a fresh uuid per
-# `torchrun --standalone`, the --rdzv-id given otherwise, "none" when that is not given).
-ENV_RUN_ID = "TORCHELASTIC_RUN_ID"
-DEFAULT_JOB = "default"
 
 MODE = 0o700
-# One spelling per node (node7, never node07), so a node's folder is found by its number alone;
-# ten digits keep int() far from Python's digit limit.
-_ENV_INT = re.compile(r"[0-9]{1,18}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # The job's tree: its tag folders at most LEVELS_ABOVE_TAG folders down, each nesting at most
 # TAG_DEPTH; a deeper one is not ours to walk (a walk holds one descriptor a level)
@@ -56,56 +49,6 @@ _TOO_DEEP = f"{_JOB} nests at most {MAX_DEPTH} folders; a deeper one is not one 
 def default_root() -> str:
     """``$PYCKPT_MEMORY_ROOT`` if set (and not empty), else ``/dev/shm/pyckpt-<uid>``."""
     return os.environ.get(ENV_ROOT) or f"/dev/shm/pyckpt-{os.getuid()}"
-
-
-def _shown(value: str) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def job_id(explicit: Optional[str] = None) -> str:
-    """The job's folder name under the root: ``explicit``, else ``$PYCKPT_JOB_ID``, else torchrun's
-    ``$TORCHELASTIC_RUN_ID`` (stable across elastic restarts of one job), else ``"default"``. An unset
-    or empty variable counts as absent. A name that is not one folder name (``[A-Za-z0-9._-]{1,128}``,
-    not starting with '.') is a ValueError naming it and where it came from."""
-    if explicit is not None:
-        return check_job_name(explicit)
-    for name in (ENV_JOB, ENV_RUN_ID):
-        value = os.environ.get(name)
-        if value:
-            return check_job_name(value, f"${name}")
-    return DEFAULT_JOB
-
-
-def _env_int(name: str) -> Optional[int]:
-    value = os.environ.get(name)
-    if not value:
-        return None
-    if not _ENV_INT.fullmatch(value):
-        raise ValueError(f"${name} must be a non-negative integer, not {_shown(value)}")
-    return int(value)
-
-
-def node_of(rank: int, local_world_size: Optional[int] = None) -> int:
-    """The node global ``rank`` is on, as torchrun numbers nodes (its GROUP_RANK): ``rank //
-    local_world_size``, the argument or else ``$LOCAL_WORLD_SIZE``; 0 when neither is known (all ranks
-    on one node)."""
-    check_number("rank", rank, integer=True, low=0)
-    if local_world_size is None:
-        local_world_size = _env_int("LOCAL_WORLD_SIZE")
-        if local_world_size is None:
-            return 0
-    check_number("local_world_size", local_world_size, integer=True, low=1)
-    return rank // local_world_size
-
-
-def this_node() -> int:
-    """This process's node: ``$GROUP_RANK`` where torchrun set it, else :func:`node_of` ``$RANK`` (0
-    when unset)."""
-    group = _env_int("GROUP_RANK")
-    if group is not None:
-        return group
-    return node_of(_env_int("RANK") or 0)
 
 
 # -- opening and checking ---------------------------------------------------------------------
@@ -249,7 +192,7 @@ def _node_name(node: int) -> str:
     return node_folder(check_number('node', node, integer=True, low=0))
 
 
-def job_folder(root: str, job: str, node: int) -> str:
+def node_memory_folder(root: str, job: str, node: int) -> str:
     """``<root>/<job>/node<node>``, each level created mode 0700 if absent and checked by
     :func:`open_root`'s rules, each opened relative to the one above without following links.
     Returns its path."""
@@ -270,7 +213,7 @@ def job_folder(root: str, job: str, node: int) -> str:
 
 
 def level(folder: str, name: str, what: str, create: bool = True) -> Optional[str]:
-    """``folder/name`` (``folder`` a level :func:`job_folder` made and checked, such as a node's folder),
+    """``folder/name`` (``folder`` a level :func:`node_memory_folder` made and checked, such as a node's folder),
     created mode 0700 if absent and ``create``, and checked by :func:`open_root`'s rules (no link, ours,
     writable by nobody else) on the very folder opened, ``folder`` itself opened without following a
     link and checked again; None when absent and not ``create``. Returns its path."""
@@ -290,10 +233,10 @@ def level(folder: str, name: str, what: str, create: bool = True) -> Optional[st
     return path
 
 
-def job_folders(root: str, job: str) -> List[Tuple[int, str]]:
+def node_folders(root: str, job: str) -> List[Tuple[int, str]]:
     """``(node, path)`` of every ``node<N>`` folder of the job under ``root``, sorted by node. Only real
     folders named exactly ``node<N>`` (digits, no leading zero) count; links, files and other names are
-    ignored. A counted folder, the job's folder and the root are checked as :func:`job_folder` checks
+    ignored. A counted folder, the job's folder and the root are checked as :func:`node_memory_folder` checks
     them; nothing is created (an absent root or job folder holds none)."""
     job = check_job_name(job)
     try:
@@ -464,3 +407,7 @@ def remove_job(root: str, job: str) -> List[str]:
     finally:
         os.close(root_fd)
     return removed
+
+
+# the node folders' former name, which save/node_share imports
+job_folders = node_folders

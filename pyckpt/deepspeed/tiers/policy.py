@@ -5,7 +5,7 @@ A :class:`MemoryTier` names a node-local memory root (tmpfs: ``/dev/shm`` by def
 folder in it, how many checkpoints stay there, how often one is also persisted to the durable
 ``save_dir``, and a byte limit. The files in it are DeepSpeed's own, byte for byte, published by the
 same agreed atomic rule as a durable save, so every reader works on them unchanged; what is new is
-only where a save goes and which tier a resume reads (:mod:`.recovery`).
+only where a save goes and which tier a resume reads (:mod:`.resume_choice`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import check_number
-from .memory_root import default_root, job_folder, job_id, open_root, this_node
+from .job_identity import job_id
+from .memory_root import default_root, node_memory_folder, open_root
+from .nodes import this_node
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class MemoryTier:
     On several nodes (torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE``) each node keeps its own ranks'
     files in its own root, and a replica of the previous node's in the ring (the newest ``keep`` of
     those too); a restart recovers the newest checkpoint every node's share of which a live node holds
-    (:mod:`.recovery`). A job relaunched from scratch with a new torchrun run id (``--standalone``) finds
+    (:mod:`.resume_choice`). A job relaunched from scratch with a new torchrun run id (``--standalone``) finds
     its memory only under the same ``job`` name: set it (or ``$PYCKPT_JOB_ID``) for such jobs. Whatever
     the name, a memory checkpoint belongs to the save dir it was saved for: a save, a recovery and the
     end of a job take only those of their own save dir."""
@@ -68,4 +70,4 @@ class MemoryTier:
 
     def folder(self, node: Optional[int] = None) -> str:
         """This node's folder of the job (created mode 0700, checked), where its ranks' files go."""
-        return job_folder(self.root_path, self.job_name, this_node() if node is None else node)
+        return node_memory_folder(self.root_path, self.job_name, this_node() if node is None else node)

@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import node_manifest as nm
 from .job_identity import named
-from .memory_root import job_folders, this_node
+from .memory_root import node_folders
+from .nodes import this_node
 
 _lock = threading.Lock()
 _read: Dict[tuple, int] = {}  # (st_dev, st_ino, st_size, st_mtime_ns) -> the CRC-32 read
@@ -50,7 +51,7 @@ def start(tier) -> bool:
 def _read_newest(tier) -> None:
     try:
         node = this_node()
-        for n, folder in job_folders(tier.root_path, tier.job_name):
+        for n, folder in node_folders(tier.root_path, tier.job_name):
             if n != node:
                 continue
             found = nm.shares(folder)

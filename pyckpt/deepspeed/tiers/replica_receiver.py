@@ -44,10 +44,10 @@ def _free_bytes(fd: int) -> int:
 
 
 class ReplicaReceiver:
-    """Receives one peer node's checkpoint folders into ``<job folder>/replica-of-node<N>/<tag>``, in a
+    """Receives one peer node's checkpoint folders into ``<node folder>/replica-of-node<N>/<tag>``, in a
     background thread.
 
-    ``job_folder``: this node's folder of the job in the memory tier (a real folder of ours that
+    ``node_folder``: this node's folder of the job in the memory tier (a real folder of ours that
     nobody else may write to: refused with :class:`~pyckpt.errors.MemoryRootError` otherwise);
     ``replica-of-node<N>`` is made in it, mode 0700, when a replica of node N first arrives. ``token``:
     the job's secret (16 bytes or more). ``host``/``port``: where to listen (port 0: any free one; see
@@ -72,7 +72,7 @@ class ReplicaReceiver:
     is written over in place (:mod:`.free_slot`: the same tmpfs pages every replica).
     """
 
-    def __init__(self, job_folder: str, token: bytes, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, node_folder: str, token: bytes, host: str = "127.0.0.1", port: int = 0,
                  max_bytes: Optional[int] = None, *, timeout: float = 60.0, max_connections: int = 8,
                  hello_timeout: float = 5.0, max_waiting: int = 64,
                  on_published: Optional[Callable[[str], None]] = None,
@@ -91,15 +91,15 @@ class ReplicaReceiver:
         self.max_waiting = max_waiting
         self.on_published = on_published
         self.before_receive = before_receive
-        self.job_folder = os.path.abspath(os.fspath(job_folder))
-        self._job_fd = _open_job_folder(self.job_folder)
+        self.node_folder = os.path.abspath(os.fspath(node_folder))
+        self._node_fd = _open_node_folder(self.node_folder)
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._listener = socket.create_server((host, port), family=family,
                                                   backlog=max(16, 2 * (max_connections + max_waiting)))
             self._listener.setblocking(False)
         except BaseException:
-            os.close(self._job_fd)
+            os.close(self._node_fd)
             raise
         self._address = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()
@@ -159,7 +159,7 @@ class ReplicaReceiver:
         self._listener.close()
         self._wake_r.close()
         self._wake_w.close()
-        os.close(self._job_fd)
+        os.close(self._node_fd)
         self._closed = True
 
     def results(self) -> List[Received]:
@@ -307,7 +307,7 @@ class ReplicaReceiver:
         if manifest_len > count * (ENTRY.size + NAME_MAX):
             raise _Refusal(f"a manifest of {manifest_len} bytes is longer than {count} names of at most "
                            f"{NAME_MAX} bytes take")
-        too_big = fits(total, Budget(free=_free_bytes(self._job_fd), limit=None, used=0))
+        too_big = fits(total, Budget(free=_free_bytes(self._node_fd), limit=None, used=0))
         if too_big:
             raise _Refusal(f"the replica does not fit this node's memory tier: {too_big}")
         with self._lock:
@@ -336,11 +336,11 @@ class ReplicaReceiver:
     def _write_replica(self, conn: socket.socket, state: "_Transfer", files: List[Tuple[str, int]],
                        total: int) -> None:
         name = replica_folder(state.node)
-        path = os.path.join(self.job_folder, name)
+        path = os.path.join(self.node_folder, name)
         output = os.path.join(path, state.tag)
         with contextlib.ExitStack() as stack:
             try:
-                os.close(_open_level(self._job_fd, name, path, "the replica folder", True))  # made 0700, checked
+                os.close(_open_level(self._node_fd, name, path, "the replica folder", True))  # made 0700, checked
                 # what a receiver killed mid-transfer left (its staging, of any tag: tmpfs pages are memory)
                 clean_orphans(path)
                 out = stack.enter_context(Publisher(output, overwrite=True, pointer="latest"))
@@ -423,8 +423,8 @@ class _Transfer:
                         self.folder if ok else None)
 
 
-def _open_job_folder(path: str) -> int:
-    what = "the job's memory folder"
+def _open_node_folder(path: str) -> int:
+    what = "the node's memory folder"
     _check(os.lstat(path), path, what)
     fd = os.open(path, _DIR_FLAGS)
     try:

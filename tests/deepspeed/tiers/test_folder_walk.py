@@ -151,11 +151,11 @@ def test_the_free_slot_is_measured_by_the_same_walk(tmp_path):
 
 def test_a_jobs_tree_is_walked_to_its_tag_folders_depth_and_no_deeper(tmp_path):
     root = str(tmp_path / "root")
-    node = mr.job_folder(root, "j", 0)
+    node = mr.node_memory_folder(root, "j", 0)
     nested(node, LEVELS_ABOVE_TAG - 1 + fw.TAG_DEPTH)  # node<N> is the first level below the job's folder
     assert mr.budget(root, "j").used > 0
     mr.remove_job(root, "j")
-    node = mr.job_folder(root, "j", 0)
+    node = mr.node_memory_folder(root, "j", 0)
     nested(node, LEVELS_ABOVE_TAG + fw.TAG_DEPTH)
     with pytest.raises(MemoryRootError, match="is a sub-folder more than 12 levels down; the job's memory folder "
                                               "nests at most 12 folders"):

@@ -24,12 +24,12 @@ from pyckpt.deepspeed.tiers.links import forget_all
 from pyckpt.errors import MemoryRootError
 
 RUNS = {"A": "a" * 32, "B": "b" * 32}
-LAUNCHES = {"plain-python": {}, "torchrun-without-rdzv-id": {mr.ENV_RUN_ID: "none"}}
+LAUNCHES = {"plain-python": {}, "torchrun-without-rdzv-id": {ji.ENV_RUN_ID: "none"}}
 
 
 @pytest.fixture
 def launch(request, monkeypatch):
-    for name in (mr.ENV_JOB, mr.ENV_RUN_ID, mr.ENV_ROOT, "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
+    for name in (ji.ENV_JOB, ji.ENV_RUN_ID, mr.ENV_ROOT, "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in LAUNCHES[request.param].items():
         monkeypatch.setenv(name, value)
@@ -38,7 +38,7 @@ def launch(request, monkeypatch):
 
 
 def test_a_job_without_an_id_of_its_own_gets_a_folder_named_after_its_save_dir(tmp_path, monkeypatch):
-    for name in (mr.ENV_JOB, mr.ENV_RUN_ID):
+    for name in (ji.ENV_JOB, ji.ENV_RUN_ID):
         monkeypatch.delenv(name, raising=False)
     (tmp_path / "a").mkdir()
     os.symlink(tmp_path / "a", tmp_path / "link-to-a")
@@ -47,12 +47,12 @@ def test_a_job_without_an_id_of_its_own_gets_a_folder_named_after_its_save_dir(t
     assert a.save_dir == os.path.realpath(tmp_path / "a")
     assert ji.identify(None, tmp_path / "link-to-a") == a  # the real path: one job, however it is spelled
     assert ji.identify(None, tmp_path / "b").job != a.job
-    mr.job_folder(str(tmp_path / "root"), a.job, 0)  # one folder name, as the root's rules want it
-    monkeypatch.setenv(mr.ENV_RUN_ID, "none")  # torchrun without --rdzv-id: every such job has it
+    mr.node_memory_folder(str(tmp_path / "root"), a.job, 0)  # one folder name, as the root's rules want it
+    monkeypatch.setenv(ji.ENV_RUN_ID, "none")  # torchrun without --rdzv-id: every such job has it
     assert ji.identify(None, tmp_path / "a").job == "none-" + a.job.split("-")[1]
-    monkeypatch.setenv(mr.ENV_RUN_ID, "3f2a-elastic")  # torchrun --standalone or --rdzv-id: the job's own
+    monkeypatch.setenv(ji.ENV_RUN_ID, "3f2a-elastic")  # torchrun --standalone or --rdzv-id: the job's own
     assert ji.identify(None, tmp_path / "a") == ji.Identity("3f2a-elastic", a.save_dir, False)
-    monkeypatch.setenv(mr.ENV_JOB, "mine")
+    monkeypatch.setenv(ji.ENV_JOB, "mine")
     assert ji.identify(None, tmp_path / "a").job == "mine" and ji.identify("given", tmp_path / "a").job == "given"
 
 
@@ -102,9 +102,9 @@ def test_two_jobs_without_an_id_on_one_root_never_take_each_other_s_checkpoints(
 
 
 def test_two_jobs_given_one_id_are_told_so_and_never_take_each_other_s_checkpoints(tmp_path, monkeypatch):
-    for name in (mr.ENV_RUN_ID, mr.ENV_ROOT):
+    for name in (ji.ENV_RUN_ID, mr.ENV_ROOT):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(mr.ENV_JOB, "shared")
+    monkeypatch.setenv(ji.ENV_JOB, "shared")
     tier = pd.MemoryTier(root=str(tmp_path / "mem"))
     b = _job(tmp_path, "B", 5, tier)
     save_a = tmp_path / "save-A"
@@ -124,7 +124,7 @@ def test_two_jobs_given_one_id_are_told_so_and_never_take_each_other_s_checkpoin
 def test_the_exit_leaves_a_folder_whose_record_is_not_its_run_s(tmp_path, monkeypatch):
     """The exit copy and removal take only the run's own: once the folder's record names another run (it
     was removed and made again meanwhile), nothing is persisted from it nor removed."""
-    for name in (mr.ENV_JOB, mr.ENV_RUN_ID, mr.ENV_ROOT):
+    for name in (ji.ENV_JOB, ji.ENV_RUN_ID, mr.ENV_ROOT):
         monkeypatch.delenv(name, raising=False)
     tier = pd.MemoryTier(root=str(tmp_path / "mem"))
     b = _job(tmp_path, "B", 5, tier)
@@ -140,7 +140,7 @@ def test_the_exit_leaves_a_folder_whose_record_is_not_its_run_s(tmp_path, monkey
 
 
 def test_a_damaged_job_record_takes_nothing_from_the_folder_and_says_so(tmp_path, monkeypatch):
-    for name in (mr.ENV_JOB, mr.ENV_RUN_ID, mr.ENV_ROOT):
+    for name in (ji.ENV_JOB, ji.ENV_RUN_ID, mr.ENV_ROOT):
         monkeypatch.delenv(name, raising=False)
     tier = pd.MemoryTier(root=str(tmp_path / "mem"))
     b = _job(tmp_path, "B", 5, tier)

@@ -16,8 +16,8 @@ from memory_shares import RUN, describe, model_states
 
 from pyckpt.deepspeed.tiers import job_identity as ji
 from pyckpt.deepspeed.tiers import node_manifest as nm
-from pyckpt.deepspeed.tiers.links import layout, replica_target
-from pyckpt.deepspeed.tiers.recovery import Holding, inventory, recoverable
+from pyckpt.deepspeed.tiers.nodes import layout, replica_target
+from pyckpt.deepspeed.tiers.resume_choice import Holding, inventory, recoverable
 
 MODEL = "ab" * 32
 SAVE_DIR = "/work/save"  # the save dir the shares below record
@@ -247,7 +247,7 @@ from pyckpt.deepspeed.load import memory_recovery
 from pyckpt.deepspeed.tiers import node_manifest as nm
 from pyckpt.deepspeed.tiers.policy import MemoryTier
 from pyckpt.deepspeed.tiers.job_identity import Identity
-from pyckpt.deepspeed.tiers.recovery import inventory, recoverable
+from pyckpt.deepspeed.tiers.resume_choice import inventory, recoverable
 root, count = sys.argv[1], int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 node = os.path.join(root, "job", "node0")

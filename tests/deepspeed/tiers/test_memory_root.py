@@ -1,6 +1,7 @@
 """The memory tier's root (pyckpt.deepspeed.tiers.memory_root): hostile roots and job folders refused
 (links, files where folders should be, group/other-writable modes, other owners), creation mode 0700
-whatever the umask, job ids that are one folder name, torchrun's node numbering, the budget (only
+whatever the umask, job ids that are one folder name (tiers.job_identity), torchrun's node numbering
+(tiers.nodes), the budget (only
 the job's own tree counted, links not followed) and the fit with its spare margin, listing and
 removing a job's folders without following anything out of them. Fast: no DeepSpeed."""
 
@@ -14,7 +15,9 @@ import uuid
 import pytest
 
 from pyckpt import MemoryRootError
+from pyckpt.deepspeed.tiers import job_identity as ji
 from pyckpt.deepspeed.tiers import memory_root as mr
+from pyckpt.deepspeed.tiers import nodes
 from pyckpt.deepspeed.tiers.memory_root import Budget
 
 OTHER_UID = 65534  # nobody
@@ -65,7 +68,7 @@ def everything_under(path):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in (mr.ENV_ROOT, mr.ENV_JOB, mr.ENV_RUN_ID, "GROUP_RANK", "RANK", "LOCAL_WORLD_SIZE"):
+    for name in (mr.ENV_ROOT, ji.ENV_JOB, ji.ENV_RUN_ID, "GROUP_RANK", "RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -81,71 +84,71 @@ def test_default_root_is_per_user_under_dev_shm_unless_set(clean_env):
 
 
 def test_job_id_precedence(clean_env):
-    assert mr.job_id() == "default"
-    clean_env.setenv(mr.ENV_RUN_ID, "3f2a-elastic")
-    assert mr.job_id() == "3f2a-elastic"
-    clean_env.setenv(mr.ENV_JOB, "my.job_1")
-    assert mr.job_id() == "my.job_1"
-    assert mr.job_id("given") == "given"
+    assert ji.job_id() == "default"
+    clean_env.setenv(ji.ENV_RUN_ID, "3f2a-elastic")
+    assert ji.job_id() == "3f2a-elastic"
+    clean_env.setenv(ji.ENV_JOB, "my.job_1")
+    assert ji.job_id() == "my.job_1"
+    assert ji.job_id("given") == "given"
 
 
 @pytest.mark.parametrize("bad", ["..", ".", ".hidden", "/", "a/b", "../x", "", "x" * 129, "job\n", "a\nb", "a b",
                                  "jöb", "a\x00b"])
 def test_job_id_must_be_one_folder_name(clean_env, bad):
     with pytest.raises(ValueError, match="one folder name") as info:
-        mr.job_id(bad)
+        ji.job_id(bad)
     assert "\n" not in str(info.value)
     if bad and "\x00" not in bad:  # an empty variable counts as unset; the environment holds no NUL
-        clean_env.setenv(mr.ENV_JOB, bad)
+        clean_env.setenv(ji.ENV_JOB, bad)
         with pytest.raises(ValueError, match=r"\$PYCKPT_JOB_ID"):
-            mr.job_id()
+            ji.job_id()
 
 
 def test_job_id_limits_and_torchrun_id_named(clean_env):
-    assert mr.job_id("x" * 128) == "x" * 128
-    assert mr.job_id("A-z_0.9") == "A-z_0.9"
-    clean_env.setenv(mr.ENV_RUN_ID, "host:29500")
+    assert ji.job_id("x" * 128) == "x" * 128
+    assert ji.job_id("A-z_0.9") == "A-z_0.9"
+    clean_env.setenv(ji.ENV_RUN_ID, "host:29500")
     with pytest.raises(ValueError, match=r"\$TORCHELASTIC_RUN_ID"):
-        mr.job_id()
+        ji.job_id()
 
 
 def test_job_folder_validates_the_job_name_too(tmp_path):
     root = str(tmp_path / "root")
     for bad in ("..", "a/b", ""):
         with pytest.raises(ValueError):
-            mr.job_folder(root, bad, 0)
+            mr.node_memory_folder(root, bad, 0)
         with pytest.raises(ValueError):
             mr.remove_job(root, bad)
     assert not os.path.exists(root)
 
 
 def test_node_of(clean_env):
-    assert mr.node_of(5) == 0  # unknown local world size: one node
-    assert mr.node_of(5, 2) == 2
-    assert mr.node_of(7, 4) == 1
-    assert mr.node_of(0, 4) == 0
+    assert nodes.node_of(5) == 0  # unknown local world size: one node
+    assert nodes.node_of(5, 2) == 2
+    assert nodes.node_of(7, 4) == 1
+    assert nodes.node_of(0, 4) == 0
     clean_env.setenv("LOCAL_WORLD_SIZE", "4")
-    assert mr.node_of(5) == 1
-    assert mr.node_of(5, 1) == 5  # the argument wins
+    assert nodes.node_of(5) == 1
+    assert nodes.node_of(5, 1) == 5  # the argument wins
     for bad in ((-1, 2), (1, 0), (1, -2), (True, 2), (1.0, 2)):
         with pytest.raises(ValueError):
-            mr.node_of(*bad)
+            nodes.node_of(*bad)
     clean_env.setenv("LOCAL_WORLD_SIZE", "four")
     with pytest.raises(ValueError, match=r"\$LOCAL_WORLD_SIZE"):
-        mr.node_of(5)
+        nodes.node_of(5)
 
 
 def test_this_node(clean_env):
-    assert mr.this_node() == 0
+    assert nodes.this_node() == 0
     clean_env.setenv("RANK", "5")
-    assert mr.this_node() == 0  # no local world size: one node
+    assert nodes.this_node() == 0  # no local world size: one node
     clean_env.setenv("LOCAL_WORLD_SIZE", "2")
-    assert mr.this_node() == 2
+    assert nodes.this_node() == 2
     clean_env.setenv("GROUP_RANK", "7")  # torchrun's own number wins
-    assert mr.this_node() == 7
+    assert nodes.this_node() == 7
     clean_env.setenv("GROUP_RANK", "-1")
     with pytest.raises(ValueError, match=r"\$GROUP_RANK"):
-        mr.this_node()
+        nodes.this_node()
 
 
 # -- the root ---------------------------------------------------------------------------------
@@ -162,7 +165,7 @@ def test_open_root_creates_0700_and_returns_the_absolute_path(tmp_path, monkeypa
 def test_open_root_is_0700_under_a_permissive_umask(tmp_path):
     with umask(0):
         path = mr.open_root(str(tmp_path / "a" / "b" / "root"))
-        job = mr.job_folder(path, "j", 0)
+        job = mr.node_memory_folder(path, "j", 0)
     for p in (tmp_path / "a", tmp_path / "a" / "b", path, os.path.dirname(job), job):
         assert mode_of(p) == 0o700, p
 
@@ -171,7 +174,7 @@ def test_open_root_is_0700_under_a_strict_umask(tmp_path):
     # mkdir's mode passes through the umask: 0o277 would leave 0500, a root we could not write to
     with umask(0o277):
         path = mr.open_root(str(tmp_path / "p" / "root"))
-        job = mr.job_folder(path, "j", 1)
+        job = mr.node_memory_folder(path, "j", 1)
     for p in (tmp_path / "p", path, os.path.dirname(job), job):
         assert mode_of(p) == 0o700, p
 
@@ -205,7 +208,7 @@ def test_root_that_is_a_link_to_our_folder_is_refused(tmp_path, create):
     link = tmp_path / "root"
     os.symlink(target, link)
     refused(lambda: mr.open_root(str(link), create=create), str(link), "symbolic link")
-    refused(lambda: mr.job_folder(str(link), "j", 0), "symbolic link")
+    refused(lambda: mr.node_memory_folder(str(link), "j", 0), "symbolic link")
     assert os.listdir(target) == []
 
 
@@ -215,7 +218,7 @@ def test_root_that_is_a_link_to_tmp_is_refused(tmp_path):
     before = set(os.listdir("/tmp"))
     refused(lambda: mr.open_root(str(link)), str(link), "symbolic link")
     job = f"pyckpt-test-{uuid.uuid4().hex}"
-    refused(lambda: mr.job_folder(str(link), job, 0), "symbolic link")
+    refused(lambda: mr.node_memory_folder(str(link), job, 0), "symbolic link")
     refused(lambda: mr.remove_job(str(link), job), "symbolic link")
     refused(lambda: mr.budget(str(link), job), "symbolic link")
     assert not os.path.exists(os.path.join("/tmp", job))
@@ -241,8 +244,8 @@ def test_a_file_where_the_root_should_be(tmp_path):
 def test_a_file_where_the_job_folder_should_be(tmp_path):
     root = mr.open_root(str(tmp_path / "root"))
     job = write(os.path.join(root, "j"), 10)
-    refused(lambda: mr.job_folder(root, "j", 0), job, "regular file")
-    refused(lambda: mr.job_folders(root, "j"), job, "regular file")
+    refused(lambda: mr.node_memory_folder(root, "j", 0), job, "regular file")
+    refused(lambda: mr.node_folders(root, "j"), job, "regular file")
     refused(lambda: mr.budget(root, "j"), job, "regular file")
     refused(lambda: mr.remove_job(root, "j"), job, "regular file")
     assert os.path.isfile(job)
@@ -252,7 +255,7 @@ def test_a_file_where_the_node_folder_should_be(tmp_path):
     root = mr.open_root(str(tmp_path / "root"))
     os.mkdir(os.path.join(root, "j"), 0o700)
     node = write(os.path.join(root, "j", "node2"), 10)
-    refused(lambda: mr.job_folder(root, "j", 2), node, "regular file")
+    refused(lambda: mr.node_memory_folder(root, "j", 2), node, "regular file")
     assert os.path.isfile(node)
 
 
@@ -260,7 +263,7 @@ def test_a_file_where_the_node_folder_should_be(tmp_path):
 def test_root_writable_by_group_or_others_is_refused(tmp_path, mode):
     root = folder(tmp_path / "root", mode)
     refused(lambda: mr.open_root(root), root, f"{mode:04o}", "writable by group or others")
-    refused(lambda: mr.job_folder(root, "j", 0), "writable by group or others")
+    refused(lambda: mr.node_memory_folder(root, "j", 0), "writable by group or others")
     assert os.listdir(root) == []
 
 
@@ -275,12 +278,12 @@ def test_root_not_writable_by_others_is_accepted(tmp_path, mode):
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
 def test_job_and_node_folders_writable_by_others_are_refused(tmp_path, level, mode):
     root = mr.open_root(str(tmp_path / "root"))
-    node = mr.job_folder(root, "j", 0)
+    node = mr.node_memory_folder(root, "j", 0)
     bad = node if level == "node" else os.path.dirname(node)
     os.chmod(bad, mode)
-    refused(lambda: mr.job_folder(root, "j", 0), bad, "writable by group or others")
+    refused(lambda: mr.node_memory_folder(root, "j", 0), bad, "writable by group or others")
     if level == "node":
-        refused(lambda: mr.job_folders(root, "j"), bad, "writable by group or others")
+        refused(lambda: mr.node_folders(root, "j"), bad, "writable by group or others")
 
 
 @pytest.mark.parametrize("level", ["job", "node"])
@@ -294,7 +297,7 @@ def test_job_and_node_folders_that_are_links_are_refused(tmp_path, level):
         os.mkdir(os.path.join(root, "j"), 0o700)
         bad = os.path.join(root, "j", "node0")
         os.symlink(target, bad)
-    refused(lambda: mr.job_folder(root, "j", 0), bad, "symbolic link")
+    refused(lambda: mr.node_memory_folder(root, "j", 0), bad, "symbolic link")
     assert os.listdir(target) == []
 
 
@@ -303,7 +306,7 @@ def test_root_owned_by_another_user_is_refused(tmp_path):
     root = folder(tmp_path / "root")
     os.chown(root, OTHER_UID, OTHER_UID)
     refused(lambda: mr.open_root(root), root, f"uid {OTHER_UID}", "not by this user")
-    refused(lambda: mr.job_folder(root, "j", 0), f"uid {OTHER_UID}")
+    refused(lambda: mr.node_memory_folder(root, "j", 0), f"uid {OTHER_UID}")
     refused(lambda: mr.remove_job(root, "j"), f"uid {OTHER_UID}")
     assert os.listdir(root) == []
 
@@ -312,21 +315,21 @@ def test_root_owned_by_another_user_is_refused(tmp_path):
 @pytest.mark.parametrize("level", ["job", "node"])
 def test_job_and_node_folders_owned_by_another_user_are_refused(tmp_path, level):
     root = mr.open_root(str(tmp_path / "root"))
-    node = mr.job_folder(root, "j", 0)
+    node = mr.node_memory_folder(root, "j", 0)
     bad = node if level == "node" else os.path.dirname(node)
     os.chown(bad, OTHER_UID, OTHER_UID)
-    refused(lambda: mr.job_folder(root, "j", 0), bad, f"uid {OTHER_UID}")
+    refused(lambda: mr.node_memory_folder(root, "j", 0), bad, f"uid {OTHER_UID}")
 
 
 def test_ownership_is_judged_by_the_effective_uid(tmp_path, monkeypatch):
     """The same rule without root: a folder of ours is another user's to a process whose effective
     uid differs."""
     root = mr.open_root(str(tmp_path / "root"))
-    mr.job_folder(root, "j", 0)
+    mr.node_memory_folder(root, "j", 0)
     me = os.geteuid()
     monkeypatch.setattr(os, "geteuid", lambda: me + 1)
     refused(lambda: mr.open_root(root), root, f"uid {me}", f"(uid {me + 1})")
-    refused(lambda: mr.job_folder(root, "j", 0), f"uid {me}")
+    refused(lambda: mr.node_memory_folder(root, "j", 0), f"uid {me}")
 
 
 def test_root_on_a_filesystem_statvfs_fails_on_is_refused(tmp_path, monkeypatch):
@@ -346,14 +349,14 @@ def test_a_real_root_under_dev_shm(clean_env):
     try:
         assert mr.open_root(root) == root
         assert mode_of(root) == 0o700
-        node = mr.job_folder(root, "job", 1)
+        node = mr.node_memory_folder(root, "job", 1)
         write(os.path.join(node, "f"), MiB)
         b = mr.budget(root, "job", limit=64 * MiB)
         st = os.statvfs(root)
         assert 0 < b.free <= st.f_blocks * st.f_frsize
         assert MiB <= b.used < 2 * MiB
         assert mr.fits(MiB, b) is None
-        assert mr.job_folders(root, "job") == [(1, node)]
+        assert mr.node_folders(root, "job") == [(1, node)]
         assert mr.remove_job(root, "job")[-1] == os.path.join(root, "job")
         assert os.listdir(root) == []
     finally:
@@ -365,34 +368,34 @@ def test_a_real_root_under_dev_shm(clean_env):
 
 def test_job_folder_layout(tmp_path):
     root = str(tmp_path / "root")
-    node = mr.job_folder(root, "j", 3)
+    node = mr.node_memory_folder(root, "j", 3)
     assert node == os.path.join(root, "j", "node3")
     assert os.path.isdir(node)
-    assert mr.job_folder(root, "j", 3) == node  # again: same folder, no error
+    assert mr.node_memory_folder(root, "j", 3) == node  # again: same folder, no error
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError):
-            mr.job_folder(root, "j", bad)
+            mr.node_memory_folder(root, "j", bad)
 
 
 def test_job_folders_lists_only_real_node_folders(tmp_path):
     root = mr.open_root(str(tmp_path / "root"))
-    wanted = [mr.job_folder(root, "j", n) for n in (0, 2, 10)]
+    wanted = [mr.node_memory_folder(root, "j", n) for n in (0, 2, 10)]
     job = os.path.join(root, "j")
     elsewhere = folder(tmp_path / "elsewhere")
     os.symlink(elsewhere, os.path.join(job, "node1"))  # a link: ignored, not followed
     write(os.path.join(job, "node3"), 1)  # a file
     for odd in ("node07", "node", "nodex", "node-1", "Node4", "node5.tmp", "node٣", "other"):
         os.mkdir(os.path.join(job, odd), 0o700)
-    mr.job_folder(root, "other-job", 4)
-    assert mr.job_folders(root, "j") == [(0, wanted[0]), (2, wanted[1]), (10, wanted[2])]
-    assert mr.job_folders(root, "other-job") == [(4, os.path.join(root, "other-job", "node4"))]
+    mr.node_memory_folder(root, "other-job", 4)
+    assert mr.node_folders(root, "j") == [(0, wanted[0]), (2, wanted[1]), (10, wanted[2])]
+    assert mr.node_folders(root, "other-job") == [(4, os.path.join(root, "other-job", "node4"))]
 
 
 def test_job_folders_of_nothing(tmp_path):
-    assert mr.job_folders(str(tmp_path / "absent"), "j") == []
+    assert mr.node_folders(str(tmp_path / "absent"), "j") == []
     assert not os.path.exists(tmp_path / "absent")
     root = mr.open_root(str(tmp_path / "root"))
-    assert mr.job_folders(root, "j") == []
+    assert mr.node_folders(root, "j") == []
     assert os.listdir(root) == []  # listing creates nothing
 
 
@@ -409,8 +412,8 @@ def test_room_arithmetic():
 
 def test_budget_counts_only_the_jobs_tree_and_follows_no_link(tmp_path):
     root = mr.open_root(str(tmp_path / "root"))
-    node0 = mr.job_folder(root, "j", 0)
-    node1 = mr.job_folder(root, "j", 1)
+    node0 = mr.node_memory_folder(root, "j", 0)
+    node1 = mr.node_memory_folder(root, "j", 1)
     write(os.path.join(node0, "a"), MiB)
     os.mkdir(os.path.join(node1, "tag"))
     write(os.path.join(node1, "tag", "b"), MiB)
@@ -421,7 +424,7 @@ def test_budget_counts_only_the_jobs_tree_and_follows_no_link(tmp_path):
     os.symlink(big, os.path.join(node0, "link-to-big"))
     os.symlink(big_dir, os.path.join(node0, "link-to-bigdir"))
     os.symlink(big_dir, os.path.join(root, "j", "node5"))
-    other = mr.job_folder(root, "other", 0)  # another job's bytes are not this job's
+    other = mr.node_memory_folder(root, "other", 0)  # another job's bytes are not this job's
     write(os.path.join(other, "c"), 4 * MiB)
     write(os.path.join(root, "stray"), 4 * MiB)
 
@@ -490,10 +493,10 @@ def test_fits_says_why_in_one_line_in_human_units():
 
 def test_remove_job_removes_that_job_only(tmp_path):
     root = mr.open_root(str(tmp_path / "root"))
-    node = mr.job_folder(root, "j", 0)
+    node = mr.node_memory_folder(root, "j", 0)
     os.mkdir(os.path.join(node, "tag"))
     write(os.path.join(node, "tag", "f"), 100)
-    keep = mr.job_folder(root, "k", 0)
+    keep = mr.node_memory_folder(root, "k", 0)
     write(os.path.join(keep, "g"), 100)
     removed = mr.remove_job(root, "j")
     job = os.path.join(root, "j")
@@ -507,7 +510,7 @@ def test_remove_job_removes_that_job_only(tmp_path):
 
 def test_remove_job_follows_no_link_out_of_the_job_folder(tmp_path):
     root = mr.open_root(str(tmp_path / "root"))
-    node = mr.job_folder(root, "j", 0)
+    node = mr.node_memory_folder(root, "j", 0)
     outside = folder(tmp_path / "outside")
     write(os.path.join(outside, "precious"), 100)
     os.mkdir(os.path.join(outside, "sub"))
@@ -538,7 +541,7 @@ def test_remove_job_unlinks_a_link_in_place_of_the_job_folder(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
 def test_remove_job_refuses_another_users_job_folder(tmp_path):
     root = mr.open_root(str(tmp_path / "root"))
-    node = mr.job_folder(root, "j", 0)
+    node = mr.node_memory_folder(root, "j", 0)
     write(os.path.join(node, "f"), 100)
     job = os.path.dirname(node)
     os.chown(job, OTHER_UID, OTHER_UID)
@@ -548,7 +551,7 @@ def test_remove_job_refuses_another_users_job_folder(tmp_path):
 
 def test_remove_job_refuses_a_job_folder_of_another_effective_uid(tmp_path, monkeypatch):
     root = mr.open_root(str(tmp_path / "root"))
-    node = mr.job_folder(root, "j", 0)
+    node = mr.node_memory_folder(root, "j", 0)
     me = os.geteuid()
     job = os.path.dirname(node)
     real_stat = os.stat
@@ -572,8 +575,8 @@ def test_pyckpt_clean_removes_one_jobs_memory_tier_and_nothing_else(tmp_path):
     import sys
 
     root = tmp_path / "root"
-    mr.job_folder(mr.open_root(str(root)), "mine", 0)
-    mr.job_folder(str(root), "theirs", 0)
+    mr.node_memory_folder(mr.open_root(str(root)), "mine", 0)
+    mr.node_memory_folder(str(root), "theirs", 0)
     (root / "mine" / "node0" / "s1").mkdir()
     (root / "mine" / "node0" / "s1" / "mp_rank_00_model_states.pt").write_bytes(b"x")
     outside = tmp_path / "outside"

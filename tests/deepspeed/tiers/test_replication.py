@@ -773,10 +773,11 @@ def test_a_node_s_next_replica_may_follow_the_verdict_at_once(job, token, tmp_pa
 def leading_node_0(token, address, monkeypatch):
     """This process as node 0's leader of a two-node job, its ring sender aimed at ``address``."""
     from pyckpt.deepspeed.tiers import links
+    from pyckpt.deepspeed.tiers.ring_sender import Sender
 
     found = links.Nodes(rank=0, node=0, count=2, leaders=[0, 2], ranks=[(0, 2), (2, 2)], token=token,
                         addresses=[None, tuple(address)])
-    found.sender = links.Sender(found)
+    found.sender = Sender(found)
     monkeypatch.setitem(links._NODES, ("test", 4, "job", True), found)
     try:
         yield found

@@ -16,7 +16,7 @@ from memory_shares import describe
 
 from pyckpt.deepspeed.tiers import node_manifest as nm
 from pyckpt.deepspeed.tiers.job_identity import Identity
-from pyckpt.deepspeed.tiers.recovery import inventory
+from pyckpt.deepspeed.tiers.resume_choice import inventory
 from pyckpt.deepspeed.tiers.replica_receiver import ReplicaReceiver
 from pyckpt.deepspeed.tiers.replica_sender import send_folder
 from pyckpt.errors import ReplicationError
