@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 
 import pytest
 
 import pyckpt.testing as mc
-from edit import rewrite
+from edit import copy_checkpoint, rewrite
 from pyckpt.deepspeed.load import topology
 from pyckpt.errors import CheckpointFormatError
 from pyckpt.zero.describe import describe
@@ -26,12 +25,6 @@ def made(tmp_path_factory):
     return {"dense": mc.make_checkpoint(root / "dense", params=20_000, dp=2, stage=2),
             "z3": mc.make_checkpoint(root / "z3", params=20_000, dp=3, stage=3),
             "moe": mc.make_checkpoint(root / "moe", params=20_000, dp=4, stage=2, experts=4, ep=2)}
-
-
-def _copy(tag_dir, tmp_path):
-    dst = tmp_path / "ckpt" / tag_dir.name
-    shutil.copytree(tag_dir, dst)
-    return dst
 
 
 def _digests(folder) -> dict:
@@ -52,7 +45,7 @@ def test_the_saved_topology_is_what_the_metadata_says(made):
                                        ("dp_world_size", True), ("dp_world_size", None), ("dp_world_size", 2.0),
                                        ("mp_world_size", 0), ("mp_world_size", [1])])
 def test_a_hostile_world_size_is_one_error_naming_the_file(made, tmp_path, key, value):
-    tag = _copy(made["dense"], tmp_path)
+    _, tag = copy_checkpoint(made["dense"], tmp_path)
     rewrite(tag / MODEL_STATES, lambda obj: obj.__setitem__(key, value))
     before = _digests(tag)
     with pytest.raises(CheckpointFormatError) as err:
@@ -63,7 +56,7 @@ def test_a_hostile_world_size_is_one_error_naming_the_file(made, tmp_path, key, 
 
 @pytest.mark.parametrize("sizes", [[2, 4], [0, 0], ["2", "2"], [True, True], [None, None]])
 def test_hostile_autoep_sizes_are_one_error_naming_the_file(made, tmp_path, sizes):
-    tag = _copy(made["moe"], tmp_path)
+    _, tag = copy_checkpoint(made["moe"], tmp_path)
 
     def edit(obj):
         for layer, size in zip(obj["ds_autoep_layers"], sizes):
@@ -78,7 +71,7 @@ def test_hostile_autoep_sizes_are_one_error_naming_the_file(made, tmp_path, size
 def test_a_hostile_stage_or_expert_count_is_not_believed(made, tmp_path):
     """The stage is only ever one of DeepSpeed's; a file-name fallback says ZeRO-3 or unknown. Expert
     counts that are not positive integers give no expert-parallel sizes to inspect."""
-    tag = _copy(made["moe"], tmp_path)
+    _, tag = copy_checkpoint(made["moe"], tmp_path)
 
     def edit(obj):
         obj["ds_config"]["zero_optimization"]["stage"] = "../../etc"
@@ -91,7 +84,7 @@ def test_a_hostile_stage_or_expert_count_is_not_believed(made, tmp_path):
 
 
 def test_a_model_state_file_linking_out_of_the_folder_is_refused(made, tmp_path):
-    tag = _copy(made["dense"], tmp_path)
+    _, tag = copy_checkpoint(made["dense"], tmp_path)
     outside = tmp_path / "elsewhere.pt"
     os.replace(tag / MODEL_STATES, outside)
     os.symlink(outside, tag / MODEL_STATES)

@@ -12,8 +12,6 @@ parameter to float32.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,11 +22,9 @@ from pyckpt.native import KIND_SOURCE_DTYPE
 from pyckpt.deepspeed.load.gather import TensorFill
 from pyckpt.deepspeed.load.state_files import FolderStates
 from pyckpt.deepspeed.load.zero_view import VirtualStateFile, ZeroView
-# The Megatron TP x PP cases are tests/zero/test_megatron_tp_pp.py's (proven there against DeepSpeed's converter).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "zero"))
-from test_megatron_tp_pp import (LEGACY_INFO, affine_params, AFFINE_INFO, legacy_params,  # noqa: E402
-                                 megatron_info, megatron_params)
-from tp_builder import build  # noqa: E402
+# The Megatron TP x PP cases, proven against DeepSpeed's converter in tests/zero/test_megatron_tp_pp.py.
+from megatron_cases import AFFINE_INFO, LEGACY_INFO, affine_params, legacy_params, megatron_info, megatron_params
+from tp_builder import build
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
