@@ -92,6 +92,21 @@ def model_digest(engine) -> str:
 CRC_CHUNK = 8 << 20
 
 
+def fd_crc(fd: int, size: int, view: memoryview) -> Tuple[int, int]:
+    """(CRC-32, bytes read) of the first ``size`` bytes of the open file ``fd``, read with read(2)
+    through ``view`` (a mapping of a file that shrank would kill the process); fewer bytes where the
+    file ends sooner, which its caller refuses."""
+    crc = 0
+    done = 0
+    while done < size:
+        n = os.readv(fd, [view[:min(len(view), size - done)]])
+        if n == 0:
+            break
+        crc = _core.crc32(view[:n], crc)
+        done += n
+    return crc, done
+
+
 def file_crc(path: str, size: Optional[int] = None, buf: Optional[bytearray] = None) -> Tuple[int, os.stat_result]:
     """(CRC-32 of the regular file ``path``, its fstat), read with read(2) (a mapping of a file that
     shrank would kill the process) without following a link. With ``size``, a file of another size
@@ -105,14 +120,9 @@ def file_crc(path: str, size: Optional[int] = None, buf: Optional[bytearray] = N
         if st.st_size != want:
             raise CheckpointFormatError(f"{path}: {st.st_size} bytes, the manifest records {want}")
         view = memoryview(buf if buf is not None else bytearray(min(CRC_CHUNK, max(want, 1))))
-        crc = 0
-        done = 0
-        while done < want:
-            n = os.readv(fd, [view[:min(len(view), want - done)]])
-            if n == 0:
-                raise CheckpointFormatError(f"{path}: shrank to {done} bytes while being read")
-            crc = _core.crc32(view[:n], crc)
-            done += n
+        crc, done = fd_crc(fd, want, view)
+        if done < want:
+            raise CheckpointFormatError(f"{path}: shrank to {done} bytes while being read")
     finally:
         os.close(fd)
     return crc, st
@@ -271,39 +281,35 @@ def shares(folder: str) -> List[Tuple[str, NodeManifest]]:
     """(tag folder, manifest) of every whole node share directly in ``folder`` (a node's memory folder
     or a replica folder); hidden names (staging) and the tier's own folders are skipped."""
     out = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return out
-    for entry in entries:
-        if entry.name.startswith(".") or tag_reserved(entry.name):
-            continue
-        try:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-        except OSError:
-            continue
-        manifest = read(entry.path)
+    for path in _real_folders(folder, lambda name: not name.startswith(".") and not tag_reserved(name)):
+        manifest = read(path)
         if manifest is not None:
-            out.append((entry.path, manifest))
+            out.append((path, manifest))
     return out
 
 
 def replica_folders(node_folder: str) -> List[str]:
     """The ``replica-of-node<N>`` folders in a node's memory folder (real folders only)."""
-    out = []
+    return sorted(_real_folders(node_folder, is_replica_folder))
+
+
+def _real_folders(folder: str, named) -> List[str]:
+    """The paths of the real folders (no link followed) directly in ``folder`` whose names ``named``
+    takes; none where ``folder`` cannot be listed."""
     try:
-        entries = list(os.scandir(node_folder))
+        entries = list(os.scandir(folder))
     except OSError:
-        return out
+        return []
+    out = []
     for entry in entries:
-        if is_replica_folder(entry.name):
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    out.append(entry.path)
-            except OSError:
-                continue
-    return sorted(out)
+        if not named(entry.name):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                out.append(entry.path)
+        except OSError:
+            continue
+    return out
 
 
 def prune(folder: str, keep: int, owner, model: str, protect: Sequence[str] = (), found=None,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from ...errors import ReplicationError, check_number
-from ...native import _core
 from .folder_walk import tag_files
+from .node_manifest import fd_crc
 from .replica_protocol import (CRC, CRC_CHUNK, END, FIELDS, LABEL_RECEIVER, LABEL_SENDER, MAGIC_RECEIVER,
                                MAGIC_SENDER, MAX_FILES, MAX_NODE, NONCE, OK, VERDICT, Sent, _check_token, _Closed,
                                _mac, _no_delay, _recv_exact, manifest_bytes)
@@ -46,17 +46,11 @@ def _file_crc(f: _File, buf: bytearray) -> int:
     process (SIGBUS), and this runs in a training process."""
     fd = _open(f)
     try:
-        view = memoryview(buf)
-        crc = 0
-        done = 0
-        while done < f.size:
-            n = os.readv(fd, [view[:min(len(buf), f.size - done)]])
-            if n == 0:
-                raise ReplicationError(f"{f.path}: shrank from {f.size} to {done} bytes while being replicated")
-            crc = _core.crc32(view[:n], crc)
-            done += n
+        crc, done = fd_crc(fd, f.size, memoryview(buf))
     finally:
         os.close(fd)
+    if done < f.size:
+        raise ReplicationError(f"{f.path}: shrank from {f.size} to {done} bytes while being replicated")
     return crc
 
 
