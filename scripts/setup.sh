@@ -21,4 +21,7 @@ if [ "${PYCKPT_EXTRAS:-test}" = test ]; then
     # Lightning's DeepSpeedStrategy.save_checkpoint (tests/deepspeed/save/test_enable_save.py): its own code,
     # without the dependencies its Trainer needs (the strategy refuses CPU, so only that function runs)
     python -m pip install --quiet --no-deps lightning lightning-utilities torchmetrics
+    # TRL's SFTTrainer with a PEFT LoRA model (tests/deepspeed/save/test_trl_client.py), with datasets, which TRL
+    # reads its training data through
+    python -m pip install --quiet trl peft datasets
 fi
