@@ -74,7 +74,7 @@ FIRST = ("test_enable_save.py",        # ~1150 s
          "test_torch_save_file.py",    # ~120
          "test_properties.py",         # ~110
          "test_native_faults.py",      # ~100
-         "test_trl_client.py",         # ~90 (50 alone): two launches, each four SFTTrainer jobs
+         "test_trl_client.py",         # ~80 (40 alone): two launches, each four SFTTrainer jobs
          "test_demo.py", "test_dcp_to_universal.py", "test_make_checkpoint.py")
 
 
