@@ -2,7 +2,7 @@
 
 ``pyckpt.deepspeed.save_checkpoint(engine, save_dir, ...)``, called on every rank, runs DeepSpeed's
 own ``save_checkpoint`` into a hidden staging folder, agrees on every rank's success, and only then
-publishes the checkpoint and ``latest`` (see :mod:`.collective_save`).
+publishes the checkpoint and ``latest`` (see :mod:`.entry` and :mod:`.collective_save`).
 
 Import rule: the save glue may import the conversions it can run after a save (``huggingface``'s
 export, ``universal``'s convert) and everything below them; not the load backend (:mod:`..load`).
@@ -12,6 +12,6 @@ from __future__ import annotations
 
 from ...errors import CollectiveCallError, SaveError
 from .background import AsyncSave, wait_for_saves
-from .collective_save import save_checkpoint
+from .entry import save_checkpoint
 
 __all__ = ["save_checkpoint", "wait_for_saves", "AsyncSave", "SaveError", "CollectiveCallError"]

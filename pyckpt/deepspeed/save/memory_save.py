@@ -16,11 +16,8 @@ estimates of that node's ranks. A checkpoint that does not fit is said so in one
 ``save_dir`` instead; never half-written to memory, never a cause of an out-of-memory kill.
 
 Every ``persist_every``-th memory checkpoint (or one saved with ``persist=True``) is then copied to
-``save_dir`` in the background once its memory copy is published, by the node leaders together with
-the durable save's rules: rank 0 takes a hidden staging folder under the tag's lock, every leader
-copies its node's files into it, rank 0 renames it into place once all did, ``latest`` last, an
-existing tag replaced only when it is a checkpoint of the same model, ``keep_last`` after. A failed
-persistence is logged; the memory copy stays.
+``save_dir`` in the background once its memory copy is published (:mod:`.persistence`); a failed
+persistence is logged, the memory copy stays.
 
 A process that saved to the tier and ends without an uncaught exception leaves no memory checkpoint
 behind (unless ``keep_at_exit``): at exit the node leaders join the saves, persist the newest memory
@@ -35,28 +32,27 @@ import atexit
 import dataclasses
 import logging
 import os
-import shutil
 import sys
 from typing import Optional
 
 from ...errors import SaveError
 from ...execution.distributed import TorchRanks, describe_failure
 from ...execution.leftovers import remove_path
-from ...execution.publisher import Publisher
 from ..tiers import free_slot
 from ..tiers import node_manifest as nm
 from ..tiers.folder_names import RESTORE
 from ..tiers.job_identity import agreed_run, bound, foreign, new_run, owns, read_record
 from ..tiers.links import nodes
-from ..tiers.memory_root import budget, fits, this_node
+from ..tiers.memory_root import budget, fits
+from ..tiers.nodes import this_node
 from ..tiers.policy import MemoryTier
 from .arrival import Arrival, _default_store
-from .background import AsyncSave, StoreAgreement
+from .background import AsyncSave
+from .collective_save import save_collectively
 from .in_flight import begin_persistence, join_all
 from .node_share import NodeShare
+from .persistence import persist_checkpoint
 from .request import SaveRequest, check_tag
-from .retention import keep_last as prune
-from .retention import read_checkpoint, replace_problem
 from .space import estimate_rank_bytes
 
 log = logging.getLogger("pyckpt")
@@ -65,9 +61,9 @@ log = logging.getLogger("pyckpt")
 EXIT_TIMEOUT = 120.0
 
 
-def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persist: bool):
-    """``save`` (pyckpt's collective save) into ``memory``'s node folders, or into ``request.save_dir``
-    when it does not fit; then the persistence. Returns what ``save`` returns."""
+def save_to_memory(engine, request: SaveRequest, memory: MemoryTier, persist: bool):
+    """The collective save into ``memory``'s node folders (its destination a :class:`~.node_share.NodeShare`),
+    or into ``request.save_dir`` when it does not fit; then the persistence. Returns what the save returns."""
     group = TorchRanks()
     save_dir = request.save_dir
     memory, identity = bound(memory, save_dir)
@@ -108,7 +104,7 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
     if problem:
         if group.rank == 0:
             log.warning("pyckpt: checkpoint %s goes to %s, not to memory: %s", tag, save_dir, problem)
-        return save(engine, dataclasses.replace(request, tag=tag))
+        return save_collectively(engine, dataclasses.replace(request, tag=tag))
     folder = pre[group.rank]["folder"]
     # the job's run: the one its folder records (on the first node that has a record), else drawn now
     run = agreed_run([p["record"] for p in pre], identity) or pre[0]["run"]
@@ -129,13 +125,13 @@ def save_to_memory(save, engine, request: SaveRequest, memory: MemoryTier, persi
     count = getattr(engine, "_pyckpt_memory_saves", 0) + 1
     engine._pyckpt_memory_saves = count
     durable_keep = request.keep_last
-    result = save(engine, dataclasses.replace(request, save_dir=folder, tag=tag, keep_last=None, share=share))
+    result = save_collectively(engine, dataclasses.replace(request, save_dir=folder, tag=tag, keep_last=None), share)
     if links.leader and (persist or (memory.persist_every and count % memory.persist_every == 0)):
         store = _default_store()
         timeout = request.agree_timeout
         begin_persistence(engine, AsyncSave(f"persisting checkpoint {tag} to {save_dir}", "warn", 0).start(
-            lambda handle: _persist(result, links, share, folder, save_dir, tag, durable_keep,
-                                    request.fsync, store, timeout)))
+            lambda handle: persist_checkpoint(result, links, folder, save_dir, tag, durable_keep, request.fsync,
+                                              store, timeout, share.save_id)))
     return result
 
 
@@ -197,7 +193,7 @@ def _leave() -> None:
     from .background import wait_for_saves
     from ..tiers.links import forget_all
     from ..tiers.memory_root import remove_job
-    from ..tiers.recovery import durable_step
+    from ..tiers.resume_choice import durable_step
 
     for folder, (memory, links, save_dir, fsync, store, identity, run) in list(_AT_EXIT.items()):
         if memory.keep_at_exit:
@@ -214,8 +210,8 @@ def _leave() -> None:
                          default=None)
             durable = durable_step(save_dir)
             if newest is not None and (durable is None or durable < newest[0]):
-                ok, message = _persist(True, links, None, folder, save_dir, os.path.basename(newest[2]), None, fsync,
-                                       store, EXIT_TIMEOUT, save_id=newest[1])
+                ok, message = persist_checkpoint(True, links, folder, save_dir, os.path.basename(newest[2]), None,
+                                                 fsync, store, EXIT_TIMEOUT, save_id=newest[1])
                 if not ok:
                     raise RuntimeError(message)
             remove_job(memory.root_path, memory.job_name)
@@ -226,105 +222,3 @@ def _leave() -> None:
                         describe_failure(exc))
     _AT_EXIT.clear()
     forget_all()
-
-
-def _persist(saved, links, share, folder: str, save_dir: str, tag: str, keep: Optional[int], fsync: bool, store,
-             timeout: float, save_id: Optional[str] = None) -> tuple:
-    """Each node's leader, in the background: the published memory checkpoint copied to
-    ``save_dir/<tag>``. Node 0's leader (rank 0) stages and publishes, the others copy their node's
-    files into its staging folder; they meet in the store under the save's id."""
-    if isinstance(saved, AsyncSave):
-        if saved._thread is not None:
-            saved._thread.join()  # its outcome, without taking its report from the caller's join
-        ok = bool(saved.ok)
-    else:
-        ok = bool(saved)
-    save_id = save_id or (share.save_id if share is not None else None)
-    ns = f"persist/{save_id}/{tag}/"
-    ready = StoreAgreement(store, ns + "ready", links.node, links.count, timeout)
-    done = StoreAgreement(store, ns + "done", links.node, links.count, timeout)
-    source = os.path.join(folder, tag)
-    if links.node != 0:
-        try:
-            go, staging = ready.result()
-        except Exception as exc:
-            return False, f"checkpoint {tag} was not persisted: node 0 did not start it ({describe_failure(exc)})"
-        outcome = None
-        if go:
-            try:
-                if not ok:
-                    raise RuntimeError("its memory save did not succeed")
-                _copy_tree(source, staging, fsync)
-            except Exception as exc:
-                outcome = f"node {links.node}: {describe_failure(exc)}"
-        done.post(outcome)
-        try:
-            return tuple(done.result())
-        except Exception as exc:
-            return False, f"checkpoint {tag}: no outcome of its persistence came ({describe_failure(exc)})"
-    announced = []
-
-    def stage_and_publish() -> tuple:
-        if not ok:
-            return False, f"checkpoint {tag} was not persisted to {save_dir}: its memory save did not succeed"
-        record = read_checkpoint(source)
-        with Publisher(os.path.join(save_dir, tag), overwrite=True, fsync=fsync, pointer="latest") as out:
-            problem = replace_problem(out.output, reference=record)
-            if problem:
-                return False, f"checkpoint {tag} was not persisted: {problem}"
-            ready.announce(True, out.staging)
-            announced.append(True)
-            outcome = None
-            try:
-                _copy_tree(source, out.staging, fsync)
-            except Exception as exc:
-                outcome = f"node 0: {describe_failure(exc)}"
-            done.post(outcome)
-            try:
-                outcomes = done.gather()
-            except TimeoutError as exc:
-                outcomes = [str(exc)]
-            bad = [o for o in outcomes if o]
-            if bad:
-                return False, f"checkpoint {tag} was not persisted to {save_dir}: {'; '.join(bad)}"
-            out.publish()
-        return True, None
-
-    try:
-        result = stage_and_publish()
-    except Exception as exc:
-        result = (False, f"persisting checkpoint {tag} to {save_dir} failed: {describe_failure(exc)}")
-    finally:
-        if not announced:  # the other leaders wait for this: they hear it was not started
-            ready.announce(False, None)
-    if result[0] and keep:
-        try:
-            prune(save_dir, keep, newest=tag)
-        except Exception as exc:
-            log.warning("pyckpt: keep_last=%d could not prune %s: %s", keep, save_dir, describe_failure(exc))
-    done.announce(*result)
-    if result[0]:
-        log.info("pyckpt: persisted %s to %s", tag, os.path.join(save_dir, tag))
-    return result
-
-
-def _copy_tree(source: str, dest: str, fsync: bool, top: bool = True) -> None:
-    """The memory checkpoint's files into the staging folder (the kernel copies: copy_file_range /
-    sendfile, the GIL released); links are not followed (a published checkpoint holds none). The node
-    manifest is pyckpt's, not DeepSpeed's: it stays behind."""
-    for entry in sorted(os.scandir(source), key=lambda e: e.name):
-        if entry.name == nm.NAME and top:
-            continue
-        target = os.path.join(dest, entry.name)
-        if entry.is_dir(follow_symlinks=False):
-            os.mkdir(target)
-            _copy_tree(entry.path, target, fsync, False)
-        elif entry.is_file(follow_symlinks=False):
-            shutil.copyfile(entry.path, target, follow_symlinks=False)
-            if fsync:
-                fd = os.open(target, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-

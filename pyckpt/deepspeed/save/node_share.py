@@ -1,5 +1,6 @@
-"""A memory save's node-local side: each node's leader stages, describes, publishes, prunes and
-replicates its own node's files (:func:`.collective_save.save_collectively` with a request's ``share``).
+"""A memory save's destination: node-local folders, each node's leader staging, describing, publishing,
+pruning and replicating its own node's files (a :class:`~.destination.Destination` for
+:func:`.collective_save.save_collectively`).
 
 Every rank writes DeepSpeed's files into its own node's memory folder under one staging name (rank
 0's, so that DeepSpeed's tag check sees one tag); the ranks agree on every rank's outcome as for a
@@ -14,9 +15,10 @@ their share, which recovery never takes without every other node's share of the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from ...execution.distributed import describe_failure
 from ...execution.leftovers import remove_path
@@ -25,12 +27,22 @@ from ..tiers import free_slot
 from ..tiers import node_manifest as nm
 from ..tiers.job_identity import Identity, claim, owns
 from ..tiers.links import Nodes
-from ..tiers.memory_root import job_folders
+from ..tiers.memory_root import node_folders
+from .destination import Destination
+from .outcome import failed_ranks
+from .request import SaveRequest
+from .snapshot import capture_problem
 
 log = logging.getLogger("pyckpt")
 
 
-class NodeShare:
+class NodeShare(Destination):
+    """This node's folder of the job's memory root; every node agrees, each node's leader publishes."""
+
+    by_node = True
+    # one copy from the state into the tier's files, in the call: nothing is left for a background thread
+    background = False
+
     def __init__(self, links: Nodes, identity: Identity, run: str, model: str, keep: int, root: str,
                  world_size: int):
         self.links = links
@@ -56,7 +68,42 @@ class NodeShare:
     def leader(self) -> bool:
         return self.links.leader
 
-    def agree(self, pre: List[dict], tag: str) -> Optional[str]:
+    def view(self, mine: dict, publisher) -> None:
+        # the folders differ by node: the job is what must be the same
+        mine.update(dir=self.job, node=self.node, owner=publisher.owner if publisher else None)
+
+    def agree(self, pre: List[dict], request: SaveRequest, rank: int, stack: contextlib.ExitStack,
+              prepare: Callable, gather: Callable):
+        """The save's id and the tag's check; then every other node's leader stages under rank 0's name,
+        so that every rank hands DeepSpeed the same tag (its tag validation compares them)."""
+        problem = self._check(pre, request.tag)
+        if problem:
+            return None, problem
+        publisher, error = prepare(request, stack, pre[0]["owner"]) if self.leader and rank != 0 else (None, None)
+        problem = failed_ranks(gather(error)) or None
+        if problem:
+            problem = f"could not start saving {request.tag} in the memory tier: {problem}; nothing was published"
+        return publisher, problem
+
+    def replacement_problem(self, request: SaveRequest, publisher) -> Optional[str]:
+        return self.replace_problem(publisher.output)
+
+    def in_place(self, engine) -> bool:
+        return capture_problem(engine.checkpoint_engine, engine) is None
+
+    def publish(self, engine, request: SaveRequest, group, publisher, failure: Optional[str],
+                described: list) -> Tuple[bool, Optional[str]]:
+        """Each node's leader publishes its node's share, with the sizes and CRC-32s of the files its
+        ranks wrote in place; every rank gathers what the leaders did."""
+        gathered = group.all_gather((failure, described))
+        result = None
+        if self.leader:
+            known = {name: (size, crc) for r, g in enumerate(gathered) if self.links.node_of(r) == self.node
+                     for name, size, crc in g[1]}
+            result = self._publish(publisher, [g[0] for g in gathered], request.tag, engine.global_steps, known)
+        return self.outcome(group.all_gather(result))
+
+    def _check(self, pre: List[dict], tag: str) -> Optional[str]:
         """After the preflight's gather: the save's id (rank 0's staging owner) and the tag's check."""
         problem = nm.tag_reserved(tag)
         if problem:
@@ -82,8 +129,8 @@ class NodeShare:
                     f"own; choose another tag, or remove that folder")
         return None
 
-    def publish(self, publisher: Publisher, outcomes: List[Optional[str]], tag: str, step: int,
-                known: Optional[dict] = None) -> Tuple[bool, Optional[str]]:
+    def _publish(self, publisher: Publisher, outcomes: List[Optional[str]], tag: str, step: int,
+                 known: Optional[dict] = None) -> Tuple[bool, Optional[str]]:
         """This node's leader: the share described and published (or its staging let go). ``known``:
         {name: (size, CRC-32)} of the files written in place (their CRCs computed as they were written)."""
         bad = [(r, m) for r, m in enumerate(outcomes) if m]
@@ -133,7 +180,7 @@ class NodeShare:
         if len(mine) < self.keep:
             return
         floor = mine[self.keep - 1]
-        for node, path in job_folders(self.root, self.job):
+        for node, path in node_folders(self.root, self.job):
             if os.path.normpath(path) == os.path.normpath(folder):
                 continue
             held = [m.step for sub in [path] + nm.replica_folders(path) for _, m in nm.shares(sub)]

@@ -2,10 +2,11 @@
 
 One all-gather carries each rank's view: the tag, the folder, the arguments that shape the save
 (:meth:`~.request.SaveRequest.shape`), its estimated bytes and the folder's free space (:mod:`.space`),
-and whatever went wrong preparing. Rank 0 (with node-local folders: every node's leader) prepares
-first: it makes the save folder, removes what killed saves left, and takes the tag's staging folder
-under the output lock (:class:`~pyckpt.execution.publisher.Publisher`), refusing to go on when an
-existing folder of that name is not what a save may replace. Ranks that differ, a rank that could
+and whatever went wrong preparing. Rank 0 prepares first (with node-local folders, every other node's
+leader once the gather agreed: :mod:`.destination`): it makes the save folder, removes what killed saves
+left, and takes the tag's staging folder under the output lock
+(:class:`~pyckpt.execution.publisher.Publisher`), refusing to go on when an existing folder of that name
+is not what the destination may replace. Ranks that differ, a rank that could
 not prepare, a folder too small: every rank sees the same problem and stops together.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from typing import List, Optional
@@ -21,9 +23,9 @@ from ...execution.distributed import TorchRanks, describe_failure
 from ...execution.leftovers import clean_orphans
 from ...execution.publisher import Publisher
 from .arrival import Arrival, _ranks
+from .destination import Destination
 from .outcome import failed_ranks
 from .request import SaveRequest
-from .retention import replace_problem
 from .space import estimate_rank_bytes, free_bytes, human
 
 log = logging.getLogger("pyckpt")
@@ -43,12 +45,13 @@ class Staged:
     problem: Optional[str]
 
 
-def preflight(engine, request: SaveRequest, group: TorchRanks, arrival: Arrival,
+def preflight(engine, request: SaveRequest, destination: Destination, group: TorchRanks, arrival: Arrival,
               stack: contextlib.ExitStack) -> Staged:
     """Step 2 (see the module doc), every rank; ``arrival`` is left once the gather is done."""
-    save_dir, tag, share = request.save_dir, request.tag, request.share
+    save_dir, tag = request.save_dir, request.tag
     rank = group.rank
-    publisher, local_error = _prepare(request, stack) if rank == 0 else (None, None)
+    prepare = functools.partial(_prepare, destination)
+    publisher, local_error = prepare(request, stack) if rank == 0 else (None, None)
     try:
         need = estimate_rank_bytes(engine)
         free = free_bytes(save_dir)
@@ -58,27 +61,21 @@ def preflight(engine, request: SaveRequest, group: TorchRanks, arrival: Arrival,
     staging_tag = os.path.basename(publisher.staging) if publisher else None
     mine = {"tag": tag, "dir": save_dir, "need": need, "free": free, "error": local_error,
             "staging": staging_tag, "shape": request.shape()}
-    if share is not None:  # folders differ by node: the job is what must be the same
-        mine.update(dir=share.job, node=share.node, owner=publisher.owner if publisher else None)
+    destination.view(mine, publisher)
     pre = group.all_gather(mine)
     arrival.done()
-    problem = _preflight_problem(pre, save_dir, tag, by_node=share is not None)
-    if problem is None and share is not None:
-        problem = share.agree(pre, tag)
-        if problem is None:  # every other node's leader stages under rank 0's name, so every rank
-            # hands DeepSpeed the same tag (its tag validation compares them)
-            if share.leader and rank != 0:
-                publisher, local_error = _prepare(request, stack, pre[0]["owner"])
-            problem = failed_ranks(group.all_gather(local_error)) or None
-            if problem:
-                problem = f"could not start saving {tag} in the memory tier: {problem}; nothing was published"
+    problem = _preflight_problem(pre, save_dir, tag, by_node=destination.by_node)
+    if problem is None:
+        later, problem = destination.agree(pre, request, rank, stack, prepare, group.all_gather)
+        publisher = later or publisher
     return Staged(group, stack, publisher, None if problem else pre[0]["staging"], problem)
 
 
-def _prepare(request: SaveRequest, stack: contextlib.ExitStack, owner: Optional[str] = None):
-    """The publisher's side (rank 0, or every node's leader): the folder made and cleaned, the tag's
-    staging folder taken under its lock, nothing the save would replace someone else's. Returns
-    (the publisher, or None if it could not be made; why the save cannot start, or None)."""
+def _prepare(destination: Destination, request: SaveRequest, stack: contextlib.ExitStack,
+             owner: Optional[str] = None):
+    """A publisher's side (rank 0, or a node's leader): the folder made and cleaned, the tag's staging
+    folder taken under its lock, nothing the save would replace someone else's. Returns (the publisher,
+    or None if it could not be made; why the save cannot start, or None)."""
     save_dir, tag = request.save_dir, request.tag
     publisher = None
     try:
@@ -88,9 +85,7 @@ def _prepare(request: SaveRequest, stack: contextlib.ExitStack, owner: Optional[
         publisher = stack.enter_context(Publisher(os.path.join(save_dir, tag), overwrite=True, fsync=request.fsync,
                                                   pointer="latest" if request.save_latest else None,
                                                   owner=owner))
-        if request.share is not None:
-            return publisher, request.share.replace_problem(publisher.output)
-        return publisher, _replace_problem(save_dir, tag, request.universal, request.export)
+        return publisher, destination.replacement_problem(request, publisher)
     except Exception as exc:
         return publisher, f"preparing {save_dir}: {describe_failure(exc)}"
 
@@ -141,16 +136,3 @@ def _by_value(values: list, limit: int = 4) -> str:
     parts = [f"{value} on rank(s) {_ranks(ranks)}" for value, ranks in list(groups.items())[:limit]]
     return "; ".join(parts) + (f"; {len(groups) - limit} more values" if len(groups) > limit else "")
 
-
-def _replace_problem(save_dir: str, tag: str, universal: bool, export: Optional[str]) -> Optional[str]:
-    """Why this save must not start: a folder it would replace (the tag, or a conversion it was asked
-    for) exists and is not what pyckpt writes there. DeepSpeed's own save would leave such a folder's
-    files alone; replacing it whole would cost the user them."""
-    outputs = [(tag, "checkpoint")] + ([(tag + "_universal", "_universal")] if universal else []) + \
-        ([(tag + "_hf", "_hf")] if export == "hf" else [])
-    for name, kind in outputs:
-        problem = replace_problem(os.path.join(save_dir, name), kind)
-        if problem:
-            return (f"{problem}; a save replaces only a checkpoint of its own tag. Choose another tag, or move "
-                    "that folder away")
-    return None

@@ -20,8 +20,7 @@ from ...execution.tag_rule import tag_problem
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
     """The arguments of :func:`pyckpt.deepspeed.save_checkpoint` (see there), less the engine saved and
-    the memory tier, plus ``share``: a :class:`~.node_share.NodeShare` when the folder is node-local
-    (a memory save), None for one folder all ranks share."""
+    the memory tier."""
 
     save_dir: Any
     tag: Optional[str] = None
@@ -38,7 +37,6 @@ class SaveRequest:
     keep_last: Optional[int] = None
     agree_timeout: float = 1800.0
     snapshot_limit: Optional[int] = None
-    share: Any = None
     # DeepSpeed's own save_checkpoint(save_latest=False) leaves `latest` alone; a save made for DeepSpeed's
     # caller (enable(save=...)) writes only DeepSpeed's files, without pyckpt's training_state.json
     save_latest: bool = True

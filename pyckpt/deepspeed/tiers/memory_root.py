@@ -28,7 +28,6 @@ from typing import List, Optional, Tuple
 from ...errors import MemoryRootError, check_number
 from .folder_names import LEVELS_ABOVE_TAG, check_job_name, node_folder, node_of_folder
 from .folder_walk import TAG_DEPTH, held_bytes, kind_of, open_child
-from .nodes import this_node  # noqa: F401  (save/memory_save imports it from here)
 
 ENV_ROOT = "PYCKPT_MEMORY_ROOT"
 
@@ -407,7 +406,3 @@ def remove_job(root: str, job: str) -> List[str]:
     finally:
         os.close(root_fd)
     return removed
-
-
-# the node folders' former name, which save/node_share imports
-job_folders = node_folders

@@ -22,7 +22,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyckpt.deepspeed.save.preflight import _replace_problem
+from pyckpt.deepspeed.save.destination import SharedFolder
+from pyckpt.deepspeed.save.request import SaveRequest
 from pyckpt.deepspeed.save.retention import (PointerUnreadable, checkpoints, keep_last, read_checkpoint,
                                              read_pointer, replace_problem)
 
@@ -31,6 +32,11 @@ HOLD = ("import sys; from pyckpt.execution.output_lock import OutputLock; lock =
 PARAMS = OrderedDict([("layer.weight", (4, 3)), ("layer.bias", (4,))])
 OTHER_MODEL = OrderedDict([("proj.weight", (8, 8))])
 ZERO12, ZERO3 = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+
+def _replace_problem(save_dir: str, tag: str, universal: bool, export):
+    """What the shared folder refuses to replace, for a save of ``tag`` into ``save_dir``."""
+    return SharedFolder().replacement_problem(SaveRequest(save_dir, tag, universal=universal, export=export), None)
 
 
 def model_states(step: int, params=PARAMS, **extra) -> dict:
@@ -426,9 +432,9 @@ def test_a_persistence_killed_at_any_step_leaves_save_dir_whole_and_the_next_one
     (durable / "latest").write_text("s2")
     # node 0 of a one-node job, meeting no other leader: a store of its own
     code = ("import sys; from types import SimpleNamespace as N; from torch.distributed import HashStore; "
-            "from pyckpt.deepspeed.save.memory_save import _persist; "
-            "print(_persist(True, N(node=0, count=1), None, sys.argv[1], sys.argv[2], 's2', None, False, HashStore(), "
-            "60.0, save_id='x'))")
+            "from pyckpt.deepspeed.save.persistence import persist_checkpoint; "
+            "print(persist_checkpoint(True, N(node=0, count=1), sys.argv[1], sys.argv[2], 's2', None, False, "
+            "HashStore(), 60.0, save_id='x'))")
     run = subprocess.run([sys.executable, "-c", code, str(memory), str(durable)], cwd="/", capture_output=True,
                          text=True, env={**os.environ, "PYCKPT_TEST_KILL_AT": point})
     assert run.returncode == -9, run.stderr[-2000:]
@@ -440,3 +446,33 @@ def test_a_persistence_killed_at_any_step_leaves_save_dir_whole_and_the_next_one
     assert run.returncode == 0 and run.stdout.strip() == "(True, None)", run.stderr[-2000:]
     assert sorted(os.listdir(durable)) == ["latest", "s2"] and read_checkpoint(str(durable / "s2")).step == 2
     assert tree(durable / "s2") == tree(memory / "s2")
+
+
+def test_a_persistence_copies_no_file_a_link_in_the_memory_share_leads_to(tmp_path):
+    """A memory share whose folder holds a link (to a file or a folder outside it) is not persisted: the
+    tier's walk follows no link, so nothing outside the share reaches save_dir, and save_dir keeps what it
+    held."""
+    from types import SimpleNamespace
+
+    from torch.distributed import HashStore
+
+    from pyckpt.deepspeed.save.persistence import persist_checkpoint
+
+    secret = tmp_path / "outside"
+    secret.mkdir()
+    (secret / "key").write_bytes(b"not the checkpoint's")
+    memory, durable = tmp_path / "mem", tmp_path / "ckpt"
+    memory.mkdir()
+    durable.mkdir()
+    for name, target in (("s2", secret / "key"), ("s3", secret)):
+        checkpoint(memory, name, int(name[1:]))
+        os.symlink(target, memory / name / "extra")
+        ok, message = persist_checkpoint(True, SimpleNamespace(node=0, count=1), str(memory), str(durable), name,
+                                         None, False, HashStore(), 60.0, save_id="x")
+        assert not ok and "extra: is a symbolic link" in message, message
+    assert os.listdir(durable) == []
+    (memory / "s3" / "extra").unlink()
+    ok, message = persist_checkpoint(True, SimpleNamespace(node=0, count=1), str(memory), str(durable), "s3", None,
+                                     False, HashStore(), 60.0, save_id="y")
+    assert ok, message
+    assert sorted(os.listdir(durable / "s3")) == sorted(os.listdir(memory / "s3"))
