@@ -113,7 +113,7 @@ def rank_main(args) -> int:
     DeepSpeedEngine.save_checkpoint = timed_engine_save
 
     if args.mode != "none":
-        from pyckpt.deepspeed import trainer_save
+        from pyckpt.deepspeed.integrations import trainer_save
 
         join = trainer_save.join_pending
 

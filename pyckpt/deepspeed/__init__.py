@@ -2,10 +2,11 @@
 
 ``enable()`` / ``disable()`` / ``enabled()`` route DeepSpeed's universal checkpoint loads through
 pyckpt (:mod:`.load`) and, with ``enable(save="atomic" | "async")``, DeepSpeed's own ``save_checkpoint``
-as frameworks call it (:mod:`.enabling`), ``load_checkpoint(engine, dir)`` resumes from plain ZeRO shards at any world
+as frameworks call it (:mod:`.enabling`; every method replaced is a row of :mod:`.integrations`),
+``load_checkpoint(engine, dir)`` resumes from plain ZeRO shards at any world
 size (:mod:`.load.direct`), and ``save_checkpoint(engine, dir)`` saves so that a failure costs
 nothing already saved (:mod:`.save`); ``MemoryCheckpoints`` and ``resume_point`` put the memory tier
-under the Hugging Face Trainer (:mod:`.memory_trainer`), ``wait_for_replication()`` waits until the
+under the Hugging Face Trainer (:mod:`.integrations.trainer_memory`), ``wait_for_replication()`` waits until the
 memory tier's newest checkpoint is on the peer node (:mod:`.replication_wait`), and ``init_distributed``
 is DeepSpeed's own with the process group kept apart per torchrun restart (:mod:`.elastic_group`).
 
@@ -16,10 +17,10 @@ ends and users.
 """
 
 from ..errors import CollectiveCallError, RankLoadError, SaveError
-from .load import enabled, load_checkpoint
-from .enabling import disable, enable
+from .enabling import disable, enable, enabled
+from .integrations.deepspeed_engine import load_checkpoint
 from .save import AsyncSave, save_checkpoint, wait_for_saves
-from .memory_trainer import resume_point
+from .integrations.trainer_memory import resume_point
 from .tiers.policy import MemoryTier
 from .replication_wait import wait_for_replication
 from .elastic_group import init_distributed
@@ -33,7 +34,7 @@ __all__ = ["enable", "disable", "enabled", "load_checkpoint", "save_checkpoint",
 
 def __getattr__(name: str):
     if name == "MemoryCheckpoints":
-        from .memory_trainer import _callback_class
+        from .integrations.trainer_memory import _callback_class
 
         return _callback_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

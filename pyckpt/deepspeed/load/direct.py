@@ -1,40 +1,30 @@
-"""``pyckpt.deepspeed.load_checkpoint``: resume from a ZeRO checkpoint at another world size without
-converting it (the mechanics: :mod:`.resume`)."""
+"""The body of ``pyckpt.deepspeed.load_checkpoint``: resume from a ZeRO checkpoint at another world size
+without converting it (the mechanics: :mod:`.resume`)."""
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from ...zero.discovery import follow_pointer
-from ...errors import CheckpointFormatError, UnsupportedCheckpointError
+from ...errors import CheckpointFormatError
 from . import hooks
 from .resume import is_zero_tag_folder, load_zero, resumable_target
 
 
-def load_checkpoint(engine, load_dir, tag: Optional[str] = None, *, trust_pickles: bool = False, **kwargs):
+def resume(engine, load_dir: str, tag: Optional[str], universal_load: Callable, **kwargs):
     """Restore ``engine`` from a DeepSpeed ZeRO checkpoint saved at any data-parallel world size,
     without converting it: ``load_dir`` is the folder holding ``latest`` (the Hugging Face Trainer's
     ``checkpoint-N/``), or the tag folder itself; ``tag`` overrides ``latest``. Returns what
     DeepSpeed's ``engine.load_checkpoint`` returns: ``(load_path, client_state)``. Called on every
     rank, like ``engine.load_checkpoint``; the other keyword arguments are its own.
-    ``trust_pickles``: as for ``pyckpt.deepspeed.enable``, for this call."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    already = hooks.installed()
-    if not hooks.install():
-        raise UnsupportedCheckpointError("pyckpt resumes from ZeRO checkpoints with DeepSpeed "
-                                         f"{', '.join(hooks.PROVEN_VERSIONS)} only")
-    trust_before = hooks.trust_pickles(trust_pickles)
-    try:
-        hooks.agree_arguments(tag, (), kwargs)
-        # read on every rank, so all agree before any goes on
-        target = hooks.agreed_step("finding the checkpoint", lambda: _target(engine, os.fspath(load_dir), tag))
-        return load_zero(engine, *target, hooks.universal_load(DeepSpeedEngine), **kwargs)
-    finally:
-        hooks.trust_pickles(trust_before)
-        if not already:
-            hooks.uninstall()
+    ``universal_load`` is DeepSpeed's own ``load_checkpoint`` with the model-state file mapped
+    (:func:`.hooks.mapped_load`), called with the optimizers' universal load in place
+    (``pyckpt.deepspeed.load_checkpoint`` puts it there)."""
+    hooks.agree_arguments(tag, (), kwargs)
+    # read on every rank, so all agree before any goes on
+    target = hooks.agreed_step("finding the checkpoint", lambda: _target(engine, load_dir, tag))
+    return load_zero(engine, *target, universal_load, **kwargs)
 
 
 def _target(engine, load_dir: str, tag: Optional[str]):

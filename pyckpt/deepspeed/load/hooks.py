@@ -13,6 +13,9 @@ waiting in DeepSpeed's later collectives. If any rank met a layout this backend 
 all ranks hand the call to DeepSpeed's own method, with a warning, once every rank has found each
 file that method may unpickle parsable by pyckpt's allowlist reader (:mod:`.pickle_policy`; skipped
 for a checkpoint the user trusts).
+
+The replacements themselves are declared, version-guarded and installed by
+``pyckpt.deepspeed.integrations.deepspeed_engine``; this module is what they run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Callable, Dict, Optional, Tuple
 from ...errors import (CheckpointFormatError, RankLoadError, UnsafePickleError, UnsupportedCheckpointError, printable,
                        printable_line)
 from ...execution.distributed import TorchRanks, agreed
+from ..settings import SETTINGS
 from ..tiers import prechecked
 from . import model_state_file
 from . import pickle_policy
@@ -37,11 +41,8 @@ from .unsupported import Unsupported
 
 logger = logging.getLogger("pyckpt")
 
-# The DeepSpeed versions whose load path these hooks were proven against (tests/deepspeed/load/test_load_backend.py).
-PROVEN_VERSIONS = ("0.19.8", )
-
-# (module, class) -> the planner for that optimizer class
-_TARGETS: Dict[Tuple[str, str], Callable] = {
+# (module, class) -> the planner of that optimizer class's universal load
+PLANNERS: Dict[Tuple[str, str], Callable] = {
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"):
         lambda opt, folder, los, lfp32, states: zero12.plan(opt, "bit16_groups", states, folder),
     ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer"):
@@ -49,12 +50,8 @@ _TARGETS: Dict[Tuple[str, str], Callable] = {
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"):
         lambda opt, folder, los, lfp32, states: zero3.plan(opt, folder, los, lfp32, states),
 }
-_ORIGINALS: Dict[type, Callable] = {}
-_ENGINE_ORIGINAL: Dict[type, Callable] = {}
 # What the last load through pyckpt did on this rank, for tests and benchmarks.
 last_load: Dict[str, object] = {}
-# enable(trust_pickles=...): whether files pyckpt's allowlist refuses may go to DeepSpeed's readers
-_settings = {"trust_pickles": False, "reshard": True, "memory": None}
 
 
 def trust_pickles(value: Optional[bool] = None) -> bool:
@@ -69,18 +66,18 @@ def reshard(value: Optional[bool] = None) -> bool:
 
 
 def _setting(key: str, value: Optional[bool]) -> bool:
-    previous = _settings[key]
+    previous = getattr(SETTINGS, key)
     if value is not None:
-        _settings[key] = bool(value)
+        setattr(SETTINGS, key, bool(value))
     return previous
 
 
 def memory_tier(value=False):
     """The memory tier a resume looks in (a :class:`~pyckpt.deepspeed.tiers.policy.MemoryTier`, or
     None); with ``value`` (a tier or None), set it and return the previous one."""
-    previous = _settings["memory"]
+    previous = SETTINGS.resume_tier
     if value is not False:
-        _settings["memory"] = value
+        SETTINGS.resume_tier = value
         if value is not None:  # a restarted job checks its newest memory files while it builds its engine
             prechecked.start(value)
     return previous
@@ -92,14 +89,14 @@ def _newest_tier(engine, load_dir, tag):
     unchanged (and False) where no tier is set, a tag was named, or the durable one is the newest."""
     from . import memory_recovery
 
-    tier = _settings["memory"]
+    tier = SETTINGS.resume_tier
     if tier is None or tag is not None:
         return load_dir, tag, False
-    found = memory_recovery.recover(tier, os.fspath(load_dir), _ranks())
+    found = memory_recovery.recover(tier, os.fspath(load_dir), job_ranks())
     return (*found, True) if found is not None else (load_dir, tag, False)
 
 
-def _ranks() -> Optional[TorchRanks]:
+def job_ranks() -> Optional[TorchRanks]:
     """The job's ranks to agree with, or None alone (no process group, or a group of one)."""
     import torch.distributed as tdist
 
@@ -112,17 +109,17 @@ def agreed_step(what: str, step: Callable):
     """``step()`` on every rank, then one agreement: a failure on any rank raises on every rank before
     any of them goes on (where a rank raised alone, the others would wait in the next collective
     until the process group's timeout). Every rank must call it, in the same order."""
-    with agreed(_ranks(), what, error=RankLoadError, own=True) as vote:
+    with agreed(job_ranks(), what, error=RankLoadError, own=True) as vote:
         vote.value = step()
     return vote.value
 
 
-def _load(planner: Callable, original: Callable):
+def universal_load_of(planner: Callable, original: Callable):
     def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
         t0 = time.perf_counter()
         apply = None
         direct = zero_view.registered(checkpoint_folder)
-        ranks = _ranks()
+        ranks = job_ranks()
         with agreed(ranks, "the universal load", error=RankLoadError, own=True) as vote:
             try:
                 # a ZeRO checkpoint read as its universal view (zero_view), or the universal folder
@@ -137,7 +134,7 @@ def _load(planner: Callable, original: Callable):
         unsupported_all = [(rank, reason) for rank, reason in enumerate(vote.values) if reason]
         if unsupported_all:
             rank, reason = unsupported_all[0]
-            if not _settings["trust_pickles"]:
+            if not SETTINGS.trust_pickles:
                 # DeepSpeed unpickles with torch.load(weights_only=False): every rank checks the files
                 # first, and all stop together if any was refused, before DeepSpeed reads one
                 with agreed(ranks, "checking the universal folder's pickles", error=RankLoadError,
@@ -167,7 +164,7 @@ def _load(planner: Callable, original: Callable):
     return _load_universal_checkpoint
 
 
-def _with_mapped_model_states(original: Callable) -> Callable:
+def mapped_load(original: Callable) -> Callable:
     """``original`` (DeepSpeed's ``load_checkpoint``) with the model-state file mapped once."""
 
     def call(self, load_dir, tag=None, *args, **kwargs):
@@ -176,7 +173,7 @@ def _with_mapped_model_states(original: Callable) -> Callable:
             return _deepspeed_load(original, self, load_dir, tag, *args, **kwargs)
         last_load.clear()
         inner = self.checkpoint_engine
-        wrapper = model_state_file.MappedModelStates(inner, _settings["trust_pickles"])
+        wrapper = model_state_file.MappedModelStates(inner, SETTINGS.trust_pickles)
         # DeepSpeed reads these files before the optimizer load, the first step pyckpt agrees on: a
         # file that fails on one rank only would leave the others waiting there.
         tag = agreed_step("reading the model-state file",
@@ -227,12 +224,12 @@ def _restore_counters(engine, saved: tuple) -> None:
         getattr(engine, k).load_state_dict(state)
 
 
-def _engine_load(original: Callable):
+def engine_load(original: Callable):
     """``DeepSpeedEngine.load_checkpoint`` under ``enable()``: a universal load maps the model-state
     file once, and one that names a plain ZeRO checkpoint resumes from it directly (:mod:`.resume`);
     so does a plain load of a ZeRO checkpoint saved at another topology, which DeepSpeed's own load
     refuses (``enable(reshard=False)`` leaves that to DeepSpeed)."""
-    mapped = _with_mapped_model_states(original)
+    mapped = mapped_load(original)
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         try:
@@ -244,16 +241,16 @@ def _engine_load(original: Callable):
         agree_arguments(tag, args, kwargs)
         load_dir, tag, from_memory = _newest_tier(self, load_dir, tag)
         if not self.load_universal_checkpoint():
-            if not _settings["reshard"] or kwargs.get("load_module_only"):
+            if not SETTINGS.reshard or kwargs.get("load_module_only"):
                 return _deepspeed_load(original, self, load_dir, tag, *args, **kwargs)
             found = agreed_step("comparing the checkpoint's topology with the engine's",
-                                lambda: resume.reshard_target(self, load_dir, tag, _settings["trust_pickles"]))
+                                lambda: resume.reshard_target(self, load_dir, tag, SETTINGS.trust_pickles))
             if found is None and from_memory:
                 return _memory_load(self, load_dir, tag, mapped, original, args, kwargs)
             if found is None:  # the topology it was saved at: DeepSpeed's own load
                 return _deepspeed_load(original, self, load_dir, tag, *args, **kwargs)
             folder, tag_found, was, now = found
-            ranks = _ranks()
+            ranks = job_ranks()
             if ranks is None or ranks.rank == 0:
                 logger.warning("pyckpt: resharding %s from %s to %s, straight from the ZeRO shards "
                                "(pyckpt.deepspeed.enable(reshard=False) leaves such loads to DeepSpeed)",
@@ -279,7 +276,7 @@ def _memory_load(engine, load_dir, tag, mapped: Callable, original: Callable, ar
     not know is planned as such on every rank before any state changes: the load is then DeepSpeed's
     own, said in one line."""
     target = agreed_step("finding the memory checkpoint", lambda: _memory_target(engine, load_dir, tag))
-    ranks = _ranks()
+    ranks = job_ranks()
     if isinstance(target, str):
         why = target
     else:
@@ -335,9 +332,9 @@ def _check_pickles(engine, load_dir, tag, skip: str = "") -> None:
     DeepSpeed unpickles any of them. Nothing is checked for a checkpoint the user trusts. Under ZeRO-3
     the folder ``latest`` names is checked too: DeepSpeed's load without optimizer states rebuilds the
     weights from it (``get_fp32_state_dict_from_zero_checkpoint(load_dir)``), whatever the tag."""
-    if _settings["trust_pickles"]:
+    if SETTINGS.trust_pickles:
         return
-    ranks = _ranks()
+    ranks = job_ranks()
     rank, size = (0, 1) if ranks is None else (ranks.rank, ranks.size)
     pointer = "latest_universal" if engine.load_universal_checkpoint() else "latest"
 
@@ -374,56 +371,5 @@ def agree_arguments(tag, args: tuple, kwargs: dict) -> None:
 
     shape = (None if tag is None else str(tag), tuple(plain(a) for a in args),
              tuple(sorted((k, plain(v)) for k, v in kwargs.items())))
-    with agreed(_ranks(), "comparing the load's tag and options", same=True, error=RankLoadError) as vote:
+    with agreed(job_ranks(), "comparing the load's tag and options", same=True, error=RankLoadError) as vote:
         vote.value = shape
-
-
-def universal_load(engine_cls) -> Callable:
-    """DeepSpeed's own ``load_checkpoint`` with the model-state file mapped (hooks installed)."""
-    return _with_mapped_model_states(_ENGINE_ORIGINAL[engine_cls])
-
-
-def install() -> bool:
-    """Replace the three optimizers' universal load and the engine's load; False (and DeepSpeed untouched) on a
-    DeepSpeed version these hooks were not proven against, or one lacking a class or method they replace
-    (one warning: all are found before any is replaced)."""
-    import importlib
-
-    import deepspeed
-
-    from ..framework_patch import apply, need
-
-    if deepspeed.__version__ not in PROVEN_VERSIONS:
-        logger.warning("pyckpt: the accelerated universal load is proven against DeepSpeed %s, not %s; DeepSpeed's "
-                       "own loader stays in place", ", ".join(PROVEN_VERSIONS), deepspeed.__version__)
-        return False
-
-    def patch() -> None:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-
-        found = []
-        for (module, name), planner in _TARGETS.items():
-            cls = need(importlib.import_module(module), name)
-            found.append((cls, planner, need(cls, "_load_universal_checkpoint")))
-        engine_load = need(DeepSpeedEngine, "load_checkpoint")
-        for cls, planner, original in found:
-            if cls not in _ORIGINALS:
-                _ORIGINALS[cls] = original
-                cls._load_universal_checkpoint = _load(planner, original)
-        if DeepSpeedEngine not in _ENGINE_ORIGINAL:
-            _ENGINE_ORIGINAL[DeepSpeedEngine] = engine_load
-            DeepSpeedEngine.load_checkpoint = _engine_load(engine_load)
-    return apply("deepspeed", patch, "DeepSpeed's own loader stays in place")
-
-
-def uninstall() -> None:
-    for cls, original in _ORIGINALS.items():
-        cls._load_universal_checkpoint = original
-    _ORIGINALS.clear()
-    for cls, original in _ENGINE_ORIGINAL.items():
-        cls.load_checkpoint = original
-    _ENGINE_ORIGINAL.clear()
-
-
-def installed() -> bool:
-    return bool(_ORIGINALS)

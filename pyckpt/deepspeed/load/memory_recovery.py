@@ -46,7 +46,9 @@ log = logging.getLogger("pyckpt")
 last_recovery: dict = {}
 
 
-class _Alone:
+class Alone:
+    """The ranks of a job of one process, as a recovery's gathers take them."""
+
     rank, size = 0, 1
 
     def all_gather(self, obj) -> list:
@@ -56,7 +58,8 @@ class _Alone:
         return obj
 
 
-def _failed(results: list, what: str) -> None:
+def raise_failures(results: list, what: str) -> None:
+    """RankLoadError naming every rank whose entry of ``results`` (one per rank) is a failure, if any is."""
     bad = {r: e for r, e in enumerate(results) if e}
     if bad:
         raise RankLoadError(what, bad, len(results))
@@ -72,7 +75,7 @@ def recover(tier, load_dir: str, ranks=None, save_dir: Optional[str] = None) -> 
 
     t0 = time.perf_counter()
     last_recovery.clear()
-    group = ranks or _Alone()
+    group = ranks or Alone()
     tier, identity = bound(tier, load_dir if save_dir is None else save_dir)
     links = nodes(group, tier.folder, tier.keep, tier.job_name)
     mine = {"node": links.node, "held": None, "durable": None, "error": None, "assembled": False, "record": None,
@@ -91,7 +94,7 @@ def recover(tier, load_dir: str, ranks=None, save_dir: Optional[str] = None) -> 
     except Exception as exc:
         mine["error"] = describe_failure(exc)
     pre = group.all_gather(mine)
-    _failed([p["error"] for p in pre], "looking for the newest checkpoint in the memory tier")
+    raise_failures([p["error"] for p in pre], "looking for the newest checkpoint in the memory tier")
     assembled = {p["assembled"] for p in pre}
     if assembled == {True}:  # put together by a recovery just now (resume_point): read as it is
         return None
@@ -209,7 +212,7 @@ def _assemble(plan: RecoveryPlan, tier, folder: str, identity, run: str) -> Opti
                     taken.add(name)
                     target = os.path.join(out.staging, name)
                     os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-                    _link(os.path.join(source, name), target)
+                    link_or_copy(os.path.join(source, name), target)
                     linked.append((target, size, crc, origin, name))
             # the files DeepSpeed will read, each read once: a byte that changed in memory since the
             # save (the CRC-32 recorded then) passes this checkpoint over
@@ -224,7 +227,8 @@ def _assemble(plan: RecoveryPlan, tier, folder: str, identity, run: str) -> Opti
     return None
 
 
-def _link(source: str, target: str) -> None:
+def link_or_copy(source: str, target: str) -> None:
+    """``target`` a hard link to ``source`` (never following a link), or a copy where no link can be made."""
     try:
         os.link(source, target, follow_symlinks=False)
     except OSError as exc:  # another filesystem (a root spread over mounts): a copy, then

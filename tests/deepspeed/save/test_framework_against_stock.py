@@ -1,5 +1,5 @@
-"""What pyckpt's framework saves (pyckpt/deepspeed/framework_folders.py, accelerate_save.py) keep and replace in
-a folder, against stock transformers 5.22 and accelerate 1.15 on the same layouts: stock, run on CPU in one
+"""What pyckpt's framework saves (pyckpt/deepspeed/integrations/: staged_folders.py, accelerate_save.py) keep
+and replace in a folder, against stock transformers 5.22 and accelerate 1.15 on the same layouts: stock, run on CPU in one
 process without DeepSpeed (tests/workers/framework_stock_worker.py: ``Trainer._save_checkpoint``,
 ``Accelerator.save_state``), is the oracle for what a checkpoint folder's publication (``into_place``, the
 check at the save's start) and accelerate's rotation leave. The part of stock these rules mirror (where the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pyckpt.deepspeed import accelerate_save, framework_folders
+from pyckpt.deepspeed.integrations import accelerate_save, staged_folders
 
 WORKER = Path(__file__).resolve().parents[2] / "workers" / "framework_stock_worker.py"
 
@@ -130,7 +130,7 @@ def _publish(reference: Path, final: Path) -> None:
     staging = final.parent / f".{final.name}.pyckpt-test"
     shutil.copytree(reference, staging / final.name)
     try:
-        framework_folders.into_place(str(staging / final.name), str(final))
+        staged_folders.into_place(str(staging / final.name), str(final))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -185,7 +185,7 @@ def test_a_link_named_like_the_checkpoint_is_refused_where_stock_writes_through_
     os.symlink(target, run / "checkpoint-3")
     before = _tree(tmp_path)
     with pytest.raises(FileExistsError, match="link"):
-        framework_folders.check_target(str(run / "checkpoint-3"))
+        staged_folders.check_target(str(run / "checkpoint-3"))
     with pytest.raises(FileExistsError, match="link"):
         _publish(root / "trainer" / "absent" / "checkpoint-3", run / "checkpoint-3")
     assert _tree(tmp_path) == before
@@ -199,9 +199,9 @@ def test_a_file_where_the_checkpoint_goes_stops_the_save_before_it_writes(tmp_pa
     (tmp_path / "folder").mkdir()
     for name in ("file", "dangling"):
         with pytest.raises(FileExistsError, match=name):
-            framework_folders.check_target(str(tmp_path / name))
-    framework_folders.check_target(str(tmp_path / "folder"))
-    framework_folders.check_target(str(tmp_path / "absent"))
+            staged_folders.check_target(str(tmp_path / name))
+    staged_folders.check_target(str(tmp_path / "folder"))
+    staged_folders.check_target(str(tmp_path / "absent"))
     assert (tmp_path / "file").read_text() == "mine" and os.path.islink(tmp_path / "dangling")
 
 

@@ -1,5 +1,5 @@
-"""A framework's checkpoint folder staged and renamed into place (pyckpt/deepspeed/framework_folders.py), without a
-training job: what the next save cleans and what it leaves, the rename over an existing folder, and a pending
+"""A framework's checkpoint folder staged and renamed into place (pyckpt/deepspeed/integrations/staged_folders.py),
+without a training job: what the next save cleans and what it leaves, the rename over an existing folder, and a pending
 folder published only when DeepSpeed's files and the framework's own background write both succeeded. The
 Trainer, accelerate and Lightning runs are in test_enable_save.py."""
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from pyckpt.deepspeed.framework_folders import PendingFolder, clean_staging, into_place, join_pending
+from pyckpt.deepspeed.integrations.staged_folders import PendingFolder, clean_staging, into_place, join_pending
 
 SUFFIX = ".pyckpt-trainer"
 
@@ -125,8 +125,8 @@ def test_a_pending_folder_with_a_failed_write_is_never_published(tmp_path, faili
 
 
 def test_a_held_on_save_and_push_run_once_the_folder_is_in_place_in_stocks_order(tmp_path):
-    """What the Trainer runs right after a save (pyckpt/deepspeed/trainer_after_save.py), one process: the on_save
-    that follows an asynchronous save is held (should_save cleared now), nothing runs while the folder is being
+    """What the Trainer runs right after a save (pyckpt/deepspeed/integrations/trainer_after_save.py), one process:
+    the on_save that follows an asynchronous save is held (should_save cleared now), nothing runs while the folder is being
     written, then the push and on_save run in that order with the state as it was at the save, leaving the next
     save's should_save alone; a folder that was not published gets neither (test_enable_save.py runs the real
     Trainer)."""
@@ -134,7 +134,7 @@ def test_a_held_on_save_and_push_run_once_the_folder_is_in_place_in_stocks_order
 
     from transformers.trainer_callback import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 
-    from pyckpt.deepspeed import trainer_after_save as after
+    from pyckpt.deepspeed.integrations import trainer_after_save as after
 
     order = []
 

@@ -22,7 +22,7 @@ import torch
 from memory_shares import claim, describe
 
 import pyckpt.deepspeed as pd
-from pyckpt.deepspeed import memory_trainer as mt
+from pyckpt.deepspeed.integrations import trainer_memory as mt
 from pyckpt.deepspeed.load.memory_recovery import recover
 from pyckpt.errors import CheckpointFormatError
 

@@ -15,24 +15,24 @@ its rule read from ``save_state``), but after the new folder is in place, so a c
 complete checkpoints than before; where accelerate's rotation fails (an entry of ``checkpoints/`` whose
 name holds no number), the save fails the same way before anything is written or removed. A folder of the
 user's given as ``output_dir`` keeps its files, as accelerate writes beside them
-(:func:`.framework_folders.into_place`).
+(:func:`.staged_folders.into_place`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-import logging
 import shutil
 from typing import Callable, List, Optional
 
-log = logging.getLogger("pyckpt")
+from ...errors import printable
+from ..save.in_flight import save_in_flight
+from ..settings import save_mode
+from .patching import Row, install_save_patch, save_patch
+from .staged_folders import PendingFolder, agree, barrier, check_target, clean_staging, join_pending
 
-from ..errors import printable
-from .framework_folders import (MethodOnImport, PendingFolder, agree, barrier, check_target, clean_staging,
-                                join_pending)
-from .save import engine_hook
-from .save.in_flight import save_in_flight
+log = logging.getLogger("pyckpt")
 
 STAGING_SUFFIX = ".pyckpt-accelerate"
 
@@ -104,7 +104,7 @@ def _wrap(original: Callable, module=None) -> Callable:
     def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
         from accelerate.utils import DistributedType
 
-        mode = engine_hook.mode()
+        mode = save_mode()
         if mode is None or self.distributed_type != DistributedType.DEEPSPEED:
             return original(self, output_dir, safe_serialization, **kwargs)
         join_pending(self)
@@ -161,12 +161,14 @@ def _wrap(original: Callable, module=None) -> Callable:
     return save_state
 
 
-_SAVE_STATE = MethodOnImport("accelerate.accelerator", "Accelerator", {"save_state": _wrap})
+PROVEN = ("1.15.0", )
+ROW = Row("accelerate", "accelerate.accelerator", "Accelerator", {"save_state": _wrap}, PROVEN)
+PATCH = save_patch("accelerate's staged save_state folder", ROW)
 
 
 def install() -> None:
-    _SAVE_STATE.install()
+    install_save_patch(PATCH)
 
 
 def uninstall() -> None:
-    _SAVE_STATE.uninstall()
+    PATCH.uninstall()

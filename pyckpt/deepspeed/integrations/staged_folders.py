@@ -19,19 +19,14 @@ earlier save); a file, or a link, where the folder goes stops the save, as it st
 from __future__ import annotations
 
 import atexit
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import shutil
-import sys
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
-from ..errors import printable
-from ..native import _core
-from .framework_patch import apply, need
-from .save import engine_hook
+from ...errors import printable
+from ...native import _core
 
 log = logging.getLogger("pyckpt")
 
@@ -273,88 +268,3 @@ def agree(problem: Optional[BaseException]) -> None:
         problem = next((p for p in found if p is not None), None)
     if problem is not None:
         raise problem
-
-
-class PatchOnImport(importlib.abc.MetaPathFinder):
-    """Calls ``patch(module)`` when the module ``name`` is imported after ``enable()`` (transformers and
-    accelerate load theirs lazily), while a save mode is set. A patch that cannot apply never fails the
-    import: it warns once and the framework stays stock (:func:`.framework_patch.apply`); DeepSpeed's saves
-    are then atomic, not asynchronous, since a stock framework would go on (rotate, remove the older
-    checkpoint, call it complete) while a background write is still running."""
-
-    def __init__(self, name: str, patch: Callable, stock: str):
-        self.name, self.patch, self.stock = name, patch, stock
-
-    def find_spec(self, name, path, target=None):
-        if name != self.name:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        run = loader.exec_module
-
-        def exec_module(mod):
-            run(mod)
-            if engine_hook.mode() is not None:
-                self.try_patch(mod)
-        loader.exec_module = exec_module
-        return spec
-
-    def try_patch(self, module) -> bool:
-        if apply(self.name, lambda: self.patch(module), self.stock + "; DeepSpeed's saves are atomic, not "
-                 "asynchronous, while it is (it would not wait for a background write)"):
-            return True
-        engine_hook.hold_async()
-        return False
-
-    def install(self) -> None:
-        """Patch the module now if it is loaded, else when it is imported."""
-        module = sys.modules.get(self.name)
-        if module is not None:
-            self.try_patch(module)
-        elif self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
-
-    def uninstall(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-
-
-_MISSING = object()
-
-
-class MethodOnImport:
-    """Methods of ``<module>.<class_name>`` replaced, each ``name`` by ``wrap(original, module)``, when the
-    module is loaded (now, or on its import after ``enable()``), all or none: the class, each method and
-    each module attribute in ``needs`` are looked up first. :meth:`uninstall` puts them back as they were."""
-
-    def __init__(self, module: str, class_name: str, wraps: Dict[str, Callable], needs: Tuple[str, ...] = ()):
-        self.class_name, self.wraps, self.needs = class_name, wraps, needs
-        self.saved: dict = {}  # class -> {name: its own attribute before, or _MISSING where it inherited one}
-        self.finder = PatchOnImport(module, self._patch, f"{class_name} stays stock under enable(save=...)")
-
-    def _patch(self, module) -> None:
-        cls = need(module, self.class_name)
-        if cls in self.saved:
-            return
-        for name in self.needs:
-            need(module, name)
-        originals = {name: need(cls, name) for name in self.wraps}
-        replaced = {name: wrap(originals[name], module) for name, wrap in self.wraps.items()}
-        self.saved[cls] = {name: cls.__dict__.get(name, _MISSING) for name in self.wraps}
-        for name, method in replaced.items():
-            setattr(cls, name, method)
-
-    def install(self) -> None:
-        self.finder.install()
-
-    def uninstall(self) -> None:
-        self.finder.uninstall()
-        for cls, own in list(self.saved.items()):
-            for name, value in own.items():
-                if value is _MISSING:
-                    delattr(cls, name)
-                else:
-                    setattr(cls, name, value)
-            del self.saved[cls]

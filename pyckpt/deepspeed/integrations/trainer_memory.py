@@ -6,13 +6,13 @@ state (``trainer_state.json``: the step, the epoch, the data position, the log) 
 as ``resume_from_checkpoint``. So two pieces close the gap:
 
 * :class:`MemoryCheckpoints`, a ``TrainerCallback``: every ``every``-th step, on every rank, the
-  DeepSpeed engine the Trainer runs is saved to the memory tier (:func:`~.save.save_checkpoint` with
+  DeepSpeed engine the Trainer runs is saved to the memory tier (:func:`~..save.save_checkpoint` with
   ``memory=``), the Trainer's state riding along in the checkpoint's ``client_state``
   (``hf_trainer_state``: the JSON the Trainer's own save writes; ``hf_lr_scheduler``: the scheduler's
   state where the Trainer, not DeepSpeed, steps it, as the Trainer's ``scheduler.pt``).
 * :func:`resume_point`, called on every rank before ``trainer.train(resume_from_checkpoint=...)``: the
   newest of the Trainer's last durable ``checkpoint-N`` and the newest recoverable memory checkpoint
-  (:func:`.load.memory_recovery.recover`, compared with the DeepSpeed checkpoint inside
+  (:func:`..load.memory_recovery.recover`, compared with the DeepSpeed checkpoint inside
   ``checkpoint-N``). Where memory wins, each node's leader builds a folder the Trainer reads as one of
   its own, ``<node folder>/restore/checkpoint-<step>/``: ``latest``, the tag folder (hard links to the
   recovered files, no second copy) and ``trainer_state.json`` (and ``scheduler.pt``) written from the
@@ -38,8 +38,8 @@ import os
 import stat
 from typing import Optional
 
-from ..errors import CheckpointFormatError, RankLoadError, check_number, printable
-from .tiers.policy import MemoryTier
+from ...errors import CheckpointFormatError, RankLoadError, check_number, printable
+from ..tiers.policy import MemoryTier
 
 log = logging.getLogger("pyckpt")
 
@@ -57,7 +57,7 @@ class _MemoryCheckpoints:
     ``pyckpt.deepspeed.save_checkpoint(engine, trainer.args.output_dir, tag="global_step<step>",
     memory=tier, async_save=async_save)`` with the Trainer's state in its ``client_state``, so that
     :func:`resume_point` can hand the Trainer a folder of its own shape. ``handle`` is the last save's
-    outcome (an :class:`~.save.AsyncSave` under ``async_save``); the end of training joins it. The
+    outcome (an :class:`~..save.AsyncSave` under ``async_save``); the end of training joins it. The
     Trainer must run DeepSpeed (``TrainingArguments(deepspeed=...)``)."""
 
     def __init__(self, trainer, tier: MemoryTier, every: int, async_save: bool = True):
@@ -78,7 +78,7 @@ class _MemoryCheckpoints:
             return
         from deepspeed.runtime.engine import DeepSpeedEngine
 
-        from .save import save_checkpoint
+        from ..save import save_checkpoint
 
         engine = self.trainer.model_wrapped
         if not isinstance(engine, DeepSpeedEngine):
@@ -92,7 +92,7 @@ class _MemoryCheckpoints:
                                       memory=self.tier, async_save=self.async_save, client_state=client_state)
 
     def on_train_end(self, args, state, control, **kwargs):
-        from .save import AsyncSave
+        from ..save import AsyncSave
 
         if isinstance(self.handle, AsyncSave):
             self.handle.wait()  # train() returns with its last memory checkpoint published (or its failure said)
@@ -165,15 +165,15 @@ def resume_point(output_dir, tier: MemoryTier) -> Optional[str]:
     path, once every leader has succeeded. A memory checkpoint saved without :class:`MemoryCheckpoints`
     (no Trainer state in it) stops every rank with RankLoadError. Where ``output_dir`` holds no
     ``checkpoint-N``, memory is compared with ``output_dir/latest`` (where the tier persists)."""
-    from .load.hooks import _ranks
-    from .load.memory_recovery import _Alone, _failed, recover
-    from .tiers.job_identity import bound
-    from .tiers.links import nodes
+    from ..load.hooks import job_ranks
+    from ..load.memory_recovery import Alone, raise_failures, recover
+    from ..tiers.job_identity import bound
+    from ..tiers.links import nodes
 
     if not isinstance(tier, MemoryTier):
         raise TypeError(f"tier must be a pyckpt.deepspeed.MemoryTier, not {type(tier).__name__}")
     output_dir = os.fspath(output_dir)
-    ranks = _ranks()
+    ranks = job_ranks()
     if ranks is None and _launched_size() > 1:
         raise RuntimeError("pyckpt.deepspeed.resume_point is collective, and torch.distributed is not initialised "
                            "in this process of a launch of several: call it after creating the TrainingArguments")
@@ -183,7 +183,7 @@ def resume_point(output_dir, tier: MemoryTier) -> Optional[str]:
     if found is None:
         return last
     restore, tag = found
-    group = ranks or _Alone()
+    group = ranks or Alone()
     tier, _ = bound(tier, output_dir)
     links = nodes(group, tier.folder, tier.keep, tier.job_name)
     outcome = None
@@ -191,11 +191,11 @@ def resume_point(output_dir, tier: MemoryTier) -> Optional[str]:
         try:
             outcome = {"error": None, "name": _trainer_folder(restore, tag)}
         except Exception as exc:
-            from ..execution.distributed import describe_failure
+            from ...execution.distributed import describe_failure
 
             outcome = {"error": describe_failure(exc), "name": None}
     outcomes = group.all_gather(outcome)
-    _failed([o["error"] if o else None for o in outcomes], "putting the Trainer's checkpoint folder together")
+    raise_failures([o["error"] if o else None for o in outcomes], "putting the Trainer's checkpoint folder together")
     name = outcomes[links.leaders[0]]["name"]
     other = {leader: f"its node made {outcomes[leader]['name']} of {tag}, node 0 {name}" for leader in links.leaders
              if outcomes[leader]["name"] != name}
@@ -224,15 +224,15 @@ def _last_checkpoint(output_dir: str) -> Optional[str]:
 def _trainer_folder(restore: str, tag: str) -> str:
     """This node's leader: ``restore/checkpoint-<step>`` built beside the assembled ``restore/<tag>``,
     published whole. Returns its name."""
-    from ..execution.publisher import Publisher
-    from .load.memory_recovery import _link
+    from ...execution.publisher import Publisher
+    from ..load.memory_recovery import link_or_copy
 
     source = os.path.join(restore, tag)
     text, scheduler = _trainer_records(source)
     name = f"checkpoint-{_global_step(text, source)}"
     with Publisher(os.path.join(restore, name), overwrite=True, pointer=None) as out:
         os.chmod(out.staging, 0o700)  # as private as the memory tier's other folders
-        _link_tree(source, os.path.join(out.staging, tag), _link)
+        _link_tree(source, os.path.join(out.staging, tag), link_or_copy)
         with open(os.path.join(out.staging, "latest"), "w", encoding="utf-8") as f:
             f.write(tag)
         with open(os.path.join(out.staging, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
@@ -248,9 +248,9 @@ def _trainer_folder(restore: str, tag: str) -> str:
 def _trainer_records(folder: str):
     """(the Trainer state's JSON, the Trainer's scheduler state or None) from the ``client_state`` in
     the model-state file of model-parallel rank 0, read by pyckpt's allowlist reader."""
-    from ..formats.torch_zip import SourceFile
-    from ..zero.model_states import read_model_states
-    from .tiers.checkpoint_record import FIRST_MODEL_STATES
+    from ...formats.torch_zip import SourceFile
+    from ...zero.model_states import read_model_states
+    from ..tiers.checkpoint_record import FIRST_MODEL_STATES
 
     for name in FIRST_MODEL_STATES:
         path = os.path.join(folder, name)

@@ -17,7 +17,7 @@ model, which may be the last checkpoint, and before ``save_total_limit=1`` delet
 the interpreter's exit join that wait. The hub push and the ``on_save`` callbacks stock runs right after a
 save run once the folder is in place (:mod:`.trainer_after_save`). Staging folders of a killed run are
 removed by the next save; a ``checkpoint-N`` that is not the Trainer's keeps what the Trainer would not
-overwrite, and a file of that name stops the save as it stops the Trainer's (:mod:`.framework_folders`).
+overwrite, and a file of that name stops the save as it stops the Trainer's (:mod:`.staged_folders`).
 """
 
 from __future__ import annotations
@@ -27,18 +27,19 @@ import os
 import shutil
 from typing import Callable, Optional
 
+from ..save.in_flight import save_in_flight
+from ..save.shared_copies import SharedCopies, recording
+from ..settings import save_mode
 from . import trainer_after_save as after_save
-from .framework_folders import MethodOnImport, PendingFolder, agree, barrier, check_target, clean_staging, join_pending
-from .save import engine_hook
-from .save.in_flight import save_in_flight
-from .save.shared_copies import SharedCopies, recording
+from .patching import Row, install_save_patch, save_patch
+from .staged_folders import PendingFolder, agree, barrier, check_target, clean_staging, join_pending
 
 STAGING_SUFFIX = ".pyckpt-trainer"
 
 
 def _wrap(original: Callable, module) -> Callable:
     def _save_checkpoint(self, model, trial):
-        mode = engine_hook.mode()
+        mode = save_mode()
         if mode is None or not getattr(self, "is_deepspeed_enabled", False):
             return original(self, model, trial)
         after_save.run(self, wait=True)  # the previous checkpoint in place, its push and on_save run
@@ -104,7 +105,7 @@ def _wrap_log_save_evaluate(original: Callable, module) -> Callable:
     is held until the checkpoint is in place, and at the end of each step what is in place runs
     (:mod:`.trainer_after_save`)."""
     def _maybe_log_save_evaluate(self, *args, **kwargs):
-        if engine_hook.mode() != "async" or not getattr(self, "is_deepspeed_enabled", False):
+        if save_mode() != "async" or not getattr(self, "is_deepspeed_enabled", False):
             return original(self, *args, **kwargs)
         handler = self.callback_handler
         shadowed = _shadow(handler, on_save=after_save.on_save_stand_in(self, handler.on_save))
@@ -124,7 +125,7 @@ def _wrap_finalize(original: Callable, module) -> Callable:
     before it loads the best checkpoint (which may be the last) and, with ``save_total_limit=1``, deletes
     every checkpoint but the best (stock deletes the last one there too)."""
     def _finalize_training(self, *args, **kwargs):
-        if engine_hook.mode() is not None and getattr(self, "is_deepspeed_enabled", False):
+        if save_mode() is not None and getattr(self, "is_deepspeed_enabled", False):
             after_save.run(self, wait=True)
         return original(self, *args, **kwargs)
     _finalize_training.__wrapped__ = original
@@ -171,7 +172,7 @@ class DeferredModelWrite:
 
     A clone accelerate's ``get_state_dict`` made in this call (with ZeRO-1/2) is a private host tensor already
     and is kept as it is: it is filled in the background from DeepSpeed's snapshot of the same weights
-    (:mod:`.save.shared_copies`), so the call copies the weights once. Any other tensor is copied, keeping
+    (:mod:`..save.shared_copies`), so the call copies the weights once. Any other tensor is copied, keeping
     the tensors' sharing as it was: one new storage per storage of the original, every tensor a view of it
     at the same offset, size and stride. ``save_pretrained`` finds tied weights by shared storage
     (transformers' ``remove_tied_weights_from_state_dict``), so a tensor-by-tensor clone could write a tied
@@ -260,16 +261,18 @@ def _fix_best(trainer, staged: str, final: str, run_dir: str, module, lead: bool
         state.save_to_json(os.path.join(staged, module.TRAINER_STATE_NAME))
 
 
-# Methods and module names of transformers.trainer this relies on, all found or none replaced.
-_TRAINER = MethodOnImport("transformers.trainer", "Trainer",
-                          {"_save_checkpoint": _wrap, "_maybe_log_save_evaluate": _wrap_log_save_evaluate,
-                           "_finalize_training": _wrap_finalize, "train": _wrap_train},
-                          needs=("PREFIX_CHECKPOINT_DIR", "TRAINER_STATE_NAME", "rotate_checkpoints"))
+PROVEN = ("5.22.2", )
+# Trainer's methods replaced, and the module names of transformers.trainer they use: all found or none replaced
+ROW = Row("transformers", "transformers.trainer", "Trainer",
+          {"_save_checkpoint": _wrap, "_maybe_log_save_evaluate": _wrap_log_save_evaluate,
+           "_finalize_training": _wrap_finalize, "train": _wrap_train},
+          PROVEN, needs=("PREFIX_CHECKPOINT_DIR", "TRAINER_STATE_NAME", "rotate_checkpoints"))
+PATCH = save_patch("the Trainer's staged checkpoint-N", ROW)
 
 
 def install() -> None:
-    _TRAINER.install()
+    install_save_patch(PATCH)
 
 
 def uninstall() -> None:
-    _TRAINER.uninstall()
+    PATCH.uninstall()

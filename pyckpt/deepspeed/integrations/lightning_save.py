@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .framework_folders import MethodOnImport
-from .save import engine_hook
-from .save.in_flight import save_in_flight
+from ..save.in_flight import save_in_flight
+from ..settings import save_mode
+from .patching import Row, install_save_patch, save_patch
 
 log = logging.getLogger("pyckpt")
 
@@ -27,7 +27,7 @@ MODULE = "lightning.pytorch.strategies.deepspeed"
 
 def _wrap(original: Callable, module=None) -> Callable:
     def remove_checkpoint(self, filepath) -> None:
-        engine = getattr(self, "deepspeed_engine", None) if engine_hook.mode() == "async" else None
+        engine = getattr(self, "deepspeed_engine", None) if save_mode() == "async" else None
         handle = save_in_flight(engine)
         if handle is None or (handle.done() and handle.ok):
             return original(self, filepath)
@@ -47,12 +47,14 @@ def _wrap(original: Callable, module=None) -> Callable:
     return remove_checkpoint
 
 
-_REMOVE = MethodOnImport(MODULE, "DeepSpeedStrategy", {"remove_checkpoint": _wrap})
+PROVEN = ("2.6.6", )
+ROW = Row("lightning", MODULE, "DeepSpeedStrategy", {"remove_checkpoint": _wrap}, PROVEN)
+PATCH = save_patch("Lightning's removal after the newer checkpoint", ROW)
 
 
 def install() -> None:
-    _REMOVE.install()
+    install_save_patch(PATCH)
 
 
 def uninstall() -> None:
-    _REMOVE.uninstall()
+    PATCH.uninstall()
