@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import logging
+import os
 import pathlib
 import sys
 import types
@@ -33,10 +34,18 @@ def async_mode():
         settings.set_save_mode(before)
 
 
+_INSTALLED_VERSION = patching.version
+_USER_ACCEPTS = os.environ.get(patching.UNPROVEN_OK)
+_PROVEN = {row.framework: row.proven[0] for row in ROWS}
+
+
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    """Each test sees its own first warning (a process warns once per cause)."""
+    """Each test sees its own first warning (a process warns once per cause), and every framework reports the
+    version its rows were proven on, whatever is installed (the compatibility run installs newer ones), unless a
+    test says otherwise; no version is accepted unproven."""
     monkeypatch.setattr(patching, "_WARNED", set())
+    monkeypatch.setattr(patching, "version", lambda framework: _PROVEN.get(framework, "(version unknown)"))
     monkeypatch.delenv(patching.UNPROVEN_OK, raising=False)
 
 
@@ -154,8 +163,8 @@ def test_deepspeed_lacking_save_checkpoint_leaves_it_stock(monkeypatch, caplog):
         finally:
             deepspeed_engine.SAVE.uninstall()
     assert "save_checkpoint" not in vars(stand_in)
-    assert len(_warnings(caplog, "DeepSpeedEngine has no save_checkpoint")) == 1
-    assert _warnings(caplog, "DeepSpeedEngine has no save_checkpoint")[0].startswith("pyckpt: deepspeed 0.19.8: ")
+    lines = _warnings(caplog, "DeepSpeedEngine has no save_checkpoint")
+    assert len(lines) == 1 and lines[0].startswith("pyckpt: deepspeed 0.19.8: ")
 
 
 def test_deepspeed_lacking_a_class_the_load_replaces_is_left_whole(monkeypatch, caplog):
@@ -263,11 +272,14 @@ def test_pyckpt_unproven_ok_all_accepts_every_framework(monkeypatch):
     assert patching.unproven_accepted("transformers") and not patching.unproven_accepted("deepspeed")
 
 
-def test_the_rows_are_every_class_attribute_enable_replaces(async_mode):
+def test_the_rows_are_every_class_attribute_enable_replaces(monkeypatch, async_mode):
     """enable(save="async") on the real frameworks: every attribute it changes on a class of the frameworks'
     modules is a declared row's, every row's attribute is changed, and disable() puts every class back."""
     import pyckpt.deepspeed as pd
 
+    monkeypatch.setattr(patching, "version", _INSTALLED_VERSION)  # the frameworks as installed, as a user has them
+    if _USER_ACCEPTS is not None:
+        monkeypatch.setenv(patching.UNPROVEN_OK, _USER_ACCEPTS)
     names = sorted({row.module for row in ROWS})
     modules = [importlib.import_module(name) for name in names]
     classes = {(m.__name__, n): c for m in modules for n, c in vars(m).items() if isinstance(c, type)}
@@ -324,3 +336,11 @@ def test_only_the_patch_machinery_writes_a_framework_class():
                                         "E.save_checkpoint = None\nsetattr(cls, 'x', 1)\n"))) == [2, 3]
     assert len(list(_class_writes(ast.parse((PACKAGE / "deepspeed" / "integrations" / "patching.py")
                                             .read_text())))) >= 2
+
+
+def test_the_rows_claim_the_versions_the_suite_runs():
+    """A row's proven versions are the pins the suite tests with (constraints.txt): a pin moved without the rows
+    would leave that framework stock in every test, and rows claiming a version no test ran would be unproven."""
+    pins = dict(line.split("==", 1) for line in (PACKAGE.parent / "constraints.txt").read_text().split()
+                if "==" in line and not line.startswith("#"))
+    assert {row.framework: row.proven for row in ROWS} == {name: (pins[name], ) for name in _PROVEN}
