@@ -23,6 +23,7 @@ from ..formats.torch_zip import open_regular
 from ..native import execute_into, op_table, series_layout, write_archives
 from ..planning.plan import Plan
 from ..planning.collector import pauses_collector
+from .durable import fsync_path
 
 
 # The top folder of each archive in a series: what torch.save names it when writing to a stream
@@ -71,15 +72,6 @@ def copy_checked(src, dst: str, fsync: bool = False) -> None:
         shutil.copystat(src.path, dst)
     finally:
         os.close(fin)
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or a folder (a folder's fsync makes the names in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _archive_records(obj):

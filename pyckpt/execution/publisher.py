@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from ..errors import OutputExistsError
 from ..native import _core
+from .durable import fsync_path
 from .fault_points import fault_point
 from .leftovers import clean, remove_path
 from .output_lock import OutputLock
@@ -102,7 +103,7 @@ class Publisher:
         self.published = True
         fault_point("after-publish")
         if self.fsync:
-            _fsync_dir(self.parent)
+            fsync_path(self.parent)
         if self.pointer:
             self._write_pointer()
         fault_point("after-pointer")
@@ -165,12 +166,4 @@ class Publisher:
             raise
         self.pointer_written = True
         if self.fsync:
-            _fsync_dir(self.parent)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_path(self.parent)

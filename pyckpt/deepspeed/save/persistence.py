@@ -16,6 +16,7 @@ import shutil
 from typing import Optional
 
 from ...execution.distributed import describe_failure
+from ...execution.durable import fsync_path
 from ...execution.publisher import Publisher
 from ..tiers import node_manifest as nm
 from ..tiers.folder_walk import tag_files
@@ -122,8 +123,4 @@ def copy_share(source: str, dest: str, fsync: bool) -> None:
             made.add(folder)
         shutil.copyfile(found.path, target, follow_symlinks=False)
         if fsync:
-            fd = os.open(target, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(target)
