@@ -30,7 +30,7 @@ from ...errors import printable
 from ..save.in_flight import save_in_flight
 from ..settings import save_mode
 from .patching import Row, install_save_patch, save_patch
-from .staged_folders import PendingFolder, agree, barrier, check_target, clean_staging, join_pending
+from .staged_folders import PendingFolder, agree, barrier, check_target, join_pending, make_staging
 
 log = logging.getLogger("pyckpt")
 
@@ -132,9 +132,7 @@ def _wrap(original: Callable, module=None) -> Callable:
                 os.makedirs(parent, exist_ok=True)
                 if automatic:  # chosen as accelerate chooses them before its save; removed after this one
                     victims = rotation_victims(parent, config.total_limit)
-                clean_staging(beside, STAGING_SUFFIX, keep=staging_run)
-                shutil.rmtree(staging_run, ignore_errors=True)
-                os.makedirs(staging_run)
+                make_staging(beside, staging_run, STAGING_SUFFIX)
             except Exception as exc:  # raised on every process, below
                 problem = exc
         agree(problem)

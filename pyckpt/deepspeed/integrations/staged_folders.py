@@ -249,6 +249,14 @@ def clean_staging(parent: str, suffix: str, keep: str) -> None:
             log.info("pyckpt: removed %s, left by a save that did not finish", path)
 
 
+def make_staging(beside: str, staging_run: str, suffix: str) -> None:
+    """A new, empty ``staging_run`` (``beside/.<name><suffix>``): the staging folders a killed run left in
+    ``beside`` removed first, this one's included."""
+    clean_staging(beside, suffix, keep=staging_run)
+    shutil.rmtree(staging_run, ignore_errors=True)
+    os.makedirs(staging_run)
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from typing import Callable, Optional
 
 from ..save.in_flight import save_in_flight
@@ -32,7 +31,7 @@ from ..save.shared_copies import SharedCopies, recording
 from ..settings import save_mode
 from . import trainer_after_save as after_save
 from .patching import Row, install_save_patch, save_patch
-from .staged_folders import PendingFolder, agree, barrier, check_target, clean_staging, join_pending
+from .staged_folders import PendingFolder, agree, barrier, check_target, join_pending, make_staging
 
 STAGING_SUFFIX = ".pyckpt-trainer"
 
@@ -54,9 +53,7 @@ def _wrap(original: Callable, module) -> Callable:
             try:
                 check_target(final)
                 os.makedirs(run_dir, exist_ok=True)
-                clean_staging(run_dir, STAGING_SUFFIX, keep=staging_run)
-                shutil.rmtree(staging_run, ignore_errors=True)
-                os.makedirs(staging_run)
+                make_staging(run_dir, staging_run, STAGING_SUFFIX)
             except Exception as exc:  # raised on every process, below
                 problem = exc
         agree(problem)
