@@ -26,6 +26,7 @@ import threading
 from typing import Callable, List, Optional, Tuple
 
 from ...errors import printable
+from ...execution.durable import fsync_path
 from ...native import _core
 
 log = logging.getLogger("pyckpt")
@@ -136,14 +137,14 @@ def into_place(staged: str, final: str) -> None:
     check_target(final)
     try:
         _core.rename_noreplace(staged, final)
-        _fsync_dir(os.path.dirname(final))
+        fsync_path(os.path.dirname(final))
         return
     except FileExistsError:
         check_target(final)
     if _overwrites_all(staged, final):
         _core.rename_exchange(staged, final)
         shutil.rmtree(staged, ignore_errors=True)  # the old folder, now at the staged name
-        _fsync_dir(os.path.dirname(final))
+        fsync_path(os.path.dirname(final))
         return
     moves = _merge_moves(staged, final)
     for source, target, over in moves:
@@ -152,17 +153,9 @@ def into_place(staged: str, final: str) -> None:
         else:
             _core.rename_noreplace(source, target)
     for folder in dict.fromkeys(os.path.dirname(target) for _, target, _ in moves):
-        _fsync_dir(folder)
+        fsync_path(folder)
     log.info("pyckpt: %s held files the checkpoint does not write: its files were moved in beside them",
              printable(final))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _overwrites_all(new: str, old: str) -> bool:
