@@ -39,6 +39,7 @@ import stat
 from typing import Optional
 
 from ...errors import CheckpointFormatError, RankLoadError, check_number, printable
+from ..tiers.folder_walk import tag_files
 from ..tiers.policy import MemoryTier
 
 log = logging.getLogger("pyckpt")
@@ -300,12 +301,11 @@ def _global_step(text: str, where: str) -> int:
 
 
 def _link_tree(source: str, target: str, link) -> None:
-    """Every file under ``source`` linked at the same place under ``target`` (folders made); links and
-    anything that is not a regular file or a folder are not followed nor taken."""
+    """Every file under ``source`` linked at the same place under ``target`` (folders made), found by the
+    tier's one walk (:func:`..tiers.folder_walk.tag_files`): a link, or anything but a regular file or a
+    folder, is refused in one line naming it, never followed (the assembled folder holds none)."""
     os.mkdir(target)
-    with os.scandir(source) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                _link_tree(entry.path, os.path.join(target, entry.name), link)
-            elif entry.is_file(follow_symlinks=False):
-                link(entry.path, os.path.join(target, entry.name))
+    for found in tag_files(source):
+        dest = os.path.join(target, *found.name.split("/"))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        link(found.path, dest)
