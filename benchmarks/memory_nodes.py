@@ -14,7 +14,7 @@ data-parallel size (2 ranks), two ways per round, in alternating order:
 * ``deepspeed``: DeepSpeed's convert-then-load: ``ds_to_universal.py`` on OUT/durable's checkpoint
   (its wall time), then 2 ranks with ``"checkpoint": {"load_universal": true}`` and
   ``engine.load_checkpoint(OUT/universal)``;
-* ``pyckpt``: 2 ranks under ``pyckpt.deepspeed.enable(memory=tier)`` and ``engine.load_checkpoint(OUT/durable)``:
+* ``pyckpt``: 2 ranks under ``pyckpt.deepspeed.enable(resume_tier=tier)`` and ``engine.load_checkpoint(OUT/durable)``:
   the newest recoverable checkpoint is in memory (node 0's own share and node 1's replica), linked
   together and resharded straight from the shards.
 
@@ -41,7 +41,8 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # pagecache: eviction; rendezvous: a store held for the agents
+# tests/helpers: pagecache (eviction) and rendezvous (a store held for the agents)
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))
 
 GOALS = {"deepspeed_over_pyckpt": 20.0, "replication_over_cp": 1.3}
 CLIENT = {"universal_checkpoint_info": {}}
@@ -103,7 +104,7 @@ def worker(mode: str, spec_path: str) -> int:
         _step(engine, args["width"])
         # the memory checkpoint of the save dir the restart loads (a memory checkpoint belongs to its save dir);
         # nothing is written there but DeepSpeed's own save below (no persistence asked)
-        pd.save_checkpoint(engine, os.path.join(args["out"], "durable"), memory=tier, client_state=CLIENT)
+        pd.save_checkpoint(engine, os.path.join(args["out"], "durable"), save_tier=tier, client_state=CLIENT)
         sent = None
         for found in links._NODES.values():
             if found.sender is not None:
@@ -119,7 +120,7 @@ def worker(mode: str, spec_path: str) -> int:
         return 0
     engine = _engine(args, universal=mode == "deepspeed")
     if mode == "pyckpt":
-        pd.enable(memory=tier)
+        pd.enable(resume_tier=tier)
     dist.barrier()
     profile = os.environ.get("PYCKPT_BENCH_PROFILE") if rank == 0 else None  # a folder for rank 0's cProfile
     if profile:

@@ -13,7 +13,7 @@ machine four 201M ranks peak at 12.7 GB in a step with DeepSpeed's default bucke
 checkpoints (3.2 GB each, tmpfs pages are memory) and the snapshot arena (3.2 GB) must fit beside them.
 
 1. Saving to memory every step: ``--steps`` training steps with no save against ``--steps`` steps each
-   followed by ``save_checkpoint(engine, OUT, memory=tier, async_save=True)``. Per step the slowest
+   followed by ``save_checkpoint(engine, OUT, save_tier=tier, async_save=True)``. Per step the slowest
    rank's step, the call's wall time (which holds the join of the previous save's write and the tier's
    budget check) and ``handle.stall_s`` (the snapshot: from the save proper to the return); medians over
    the steps. The floor for the stall: a plain ``Tensor.copy_`` of the bytes the snapshot holds (each
@@ -24,13 +24,13 @@ checkpoints (3.2 GB each, tmpfs pages are memory) and the snapshot arena (3.2 GB
    to OUT; then per way a fresh engine (built untimed, like a restarted worker's), OUT's files synced and
    evicted from the page cache (``posix_fadvise(DONTNEED)``; ``mincore`` then counts what stayed
    resident), and from a barrier: ``stock``, DeepSpeed's own ``engine.load_checkpoint(OUT)``, or
-   ``memory``, ``engine.load_checkpoint(OUT)`` under ``pyckpt.deepspeed.enable(memory=tier)`` (it takes the
+   ``memory``, ``engine.load_checkpoint(OUT)`` under ``pyckpt.deepspeed.enable(resume_tier=tier)`` (it takes the
    memory copy: same step, memory first among equals); the load to the slowest rank's return, and the
    load plus the first training step (a seeded batch) to the slowest rank's end of it. The model's
    weights after that step are summed on rank 0 in float64: both ways must give the same sum. Before the
    rounds rank 0 reads the checkpoint's files alone (OUT evicted, OUT again, the memory copy): what the
    two tiers cost to read without DeepSpeed's own work.
-3. Persistence: ``save_checkpoint(..., memory=tier, persist=True)`` (synchronous, so the memory copy is
+3. Persistence: ``save_checkpoint(..., save_tier=tier, persist=True)`` (synchronous, so the memory copy is
    published when it returns), then ``join_persistence(engine)``: rank 0's copy of the tag folder
    to OUT in the background, from the call's return to the join (and from the call, for reference);
    against ``cp -r`` of the same memory folder to a fresh folder beside it in OUT. Both into the page
@@ -203,7 +203,7 @@ def main() -> int:
     # retired checkpoint's files
     firsts = []
     for _ in range(3):
-        handle = pd.save_checkpoint(engine, out, client_state=client, memory=tier, async_save=True)
+        handle = pd.save_checkpoint(engine, out, client_state=client, save_tier=tier, async_save=True)
         firsts.append(_slowest(handle.stall_s))
         handle.wait()
     first_stall = firsts[0]
@@ -237,7 +237,7 @@ def main() -> int:
             for _ in range(args.steps):
                 steps.append(step(engine))
                 t0 = time.perf_counter()
-                handle = pd.save_checkpoint(engine, out, client_state=client, memory=tier, async_save=True)
+                handle = pd.save_checkpoint(engine, out, client_state=client, save_tier=tier, async_save=True)
                 calls.append(time.perf_counter() - t0)
                 stalls.append(handle.stall_s)
             ok = handle.wait()
@@ -264,13 +264,13 @@ def main() -> int:
         row = {"round": r, "order": order}
         tag = f"global_step{engine.global_steps}"
         # the cp way's source, whichever way goes first (the persist way saves this tag again)
-        assert pd.save_checkpoint(engine, out, client_state=client, memory=tier)
+        assert pd.save_checkpoint(engine, out, client_state=client, save_tier=tier)
         for way in order:
             clear_out()
             dist.barrier()
             t0 = time.perf_counter()
             if way == "persist":
-                assert pd.save_checkpoint(engine, out, client_state=client, memory=tier, persist=True)
+                assert pd.save_checkpoint(engine, out, client_state=client, save_tier=tier, persist=True)
                 t1 = time.perf_counter()
                 ok = join_persistence(engine)
                 t2 = time.perf_counter()
@@ -299,7 +299,7 @@ def main() -> int:
     # -- 2. recovery: the same step in memory and, by DeepSpeed, in OUT ------------------------------
     clear_out()
     clear_tier()
-    assert pd.save_checkpoint(engine, out, client_state=client, memory=tier)
+    assert pd.save_checkpoint(engine, out, client_state=client, save_tier=tier)
     engine.save_checkpoint(out, client_state=client)
     saved_step = engine.global_steps
     tag = f"global_step{saved_step}"
@@ -332,7 +332,7 @@ def main() -> int:
     def recover(way: str) -> dict:
         fresh = make_engine()
         resident = _gather(_evict(os.path.join(out, tag)) if rank == 0 else None)[0]
-        enabled = pd.enable(memory=tier) if way == "memory" else None
+        enabled = pd.enable(resume_tier=tier) if way == "memory" else None
         lines = []
         said = logging.Handler(logging.WARNING)
         said.emit = lambda record: lines.append(record.getMessage())

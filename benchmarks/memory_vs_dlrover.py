@@ -10,8 +10,8 @@ One job, the benchmarks' Linear stack (make_real_checkpoint.py's model and DeepS
 round), a *training* job and, after SIGKILLing that job's whole process group, *restart* jobs (a new torchrun of
 the same job, same ``--rdzv-id``). The ways:
 
-- ``pyckpt_sync`` / ``pyckpt_async``: ``pyckpt.deepspeed.save_checkpoint(engine, OUT, memory=MemoryTier(root=...,
-  keep=2), async_save=False/True)``; the restart builds the engine under ``pyckpt.deepspeed.enable(memory=tier)``
+- ``pyckpt_sync`` / ``pyckpt_async``: ``pyckpt.deepspeed.save_checkpoint(engine, OUT, save_tier=MemoryTier(root=...,
+  keep=2), async_save=False/True)``; the restart builds the engine under ``pyckpt.deepspeed.enable(resume_tier=tier)``
   and calls ``engine.load_checkpoint(OUT)``.
 - ``dlrover``: DLRover 0.6.1's ``DeepSpeedCheckpointer.save_checkpoint(OUT, tag=step,
   storage_type=StorageType.MEMORY)`` (DLRover's memory save is synchronous; its asynchronous part is the copy
@@ -120,7 +120,7 @@ def worker(args) -> None:
     out = os.path.abspath(args.out)
     tier = pd.MemoryTier(root=args.memory_root, job=args.job, keep=2) if way.startswith("pyckpt") else None
     if tier is not None and args.phase == "resume":
-        pd.enable(memory=tier)
+        pd.enable(resume_tier=tier)
     model, _ = build_model(args.params, args.width)
     cfg = ds_config(2, "fp32")
     if args.bucket:  # smaller buckets: less transient memory in a step, nothing else changes
@@ -153,9 +153,9 @@ def worker(args) -> None:
         handle = None
         t0 = time.perf_counter()
         if way == "pyckpt_sync":
-            wrote = bool(pd.save_checkpoint(engine, out, memory=tier, async_save=False))
+            wrote = bool(pd.save_checkpoint(engine, out, save_tier=tier, async_save=False))
         elif way == "pyckpt_async":
-            handle = pd.save_checkpoint(engine, out, memory=tier, async_save=True)
+            handle = pd.save_checkpoint(engine, out, save_tier=tier, async_save=True)
             wrote = handle is not None
         elif way == "dlrover":
             before = checkpointer._async_save_engine._cached_step

@@ -16,6 +16,7 @@ from .integrations import accelerate_save, deepspeed_engine, lightning_save, tra
 from .save import memory_save
 from .settings import SETTINGS, check_save_mode, release_async, save_mode, set_save_mode
 from .tiers import resume_events
+from .tiers.policy import one_tier
 
 log = logging.getLogger("pyckpt")
 
@@ -47,7 +48,7 @@ class Enabled:
                f"save {save or 'DeepSpeed' + chr(39) + 's own'}>"
 
 
-def enable(trust_pickles: bool = False, *, reshard: bool = True, memory=None, save=None) -> Enabled:
+def enable(trust_pickles: bool = False, *, reshard: bool = True, resume_tier=None, save=None, memory=None) -> Enabled:
     """Route DeepSpeed's universal checkpoint loads through pyckpt. Returns a falsy handle (and leaves
     DeepSpeed alone, with one warning) on a DeepSpeed version pyckpt was not proven against
     (``PYCKPT_UNPROVEN_OK=deepspeed`` accepts it).
@@ -63,7 +64,8 @@ def enable(trust_pickles: bool = False, *, reshard: bool = True, memory=None, sa
     holding such a file, stops the load with ``UnsafePickleError`` naming the file.
     ``trust_pickles=True`` gives those files to DeepSpeed's own readers instead, as without pyckpt.
 
-    ``memory`` (a :class:`pyckpt.deepspeed.MemoryTier`, the one the saves use) is where a resume looks: a
+    ``resume_tier`` (a :class:`pyckpt.deepspeed.MemoryTier`, the one the saves use; ``memory=`` is its former
+    name, still taken) is where a resume looks: a
     load that names no tag (``engine.load_checkpoint(save_dir)``; the Trainer's resume through
     :func:`pyckpt.deepspeed.resume_point`) takes the newest checkpoint of the memory tier and ``save_dir``
     by recorded step, agreed by every rank, and says so in one line on rank 0. A load naming a tag
@@ -79,6 +81,7 @@ def enable(trust_pickles: bool = False, *, reshard: bool = True, memory=None, sa
     comma-separated list of framework names or ``all``, accepts it); saves are then atomic, not
     asynchronous."""
     mode = check_save_mode(save)
+    memory = one_tier(resume_tier, memory, "resume_tier")
     loaded = deepspeed_engine.enable_load(trust_pickles, reshard=reshard, memory=memory)
     if memory is not None:  # a job that resumes from memory persists it at its end, as one that saved does
         resume_events.listen(memory_save.after_resume)

@@ -16,7 +16,7 @@ SAVE_MODES = ("atomic", "async")
 class Settings:
     """``trust_pickles``: files pyckpt's allowlist refuses may go to DeepSpeed's own readers;
     ``reshard``: a plain load of a ZeRO checkpoint saved at another topology reshards;
-    ``resume_tier``: the memory tier a resume looks in (``enable(memory=)``), or None;
+    ``resume_tier``: the memory tier a resume looks in (``enable(resume_tier=)``), or None;
     ``save``: None (DeepSpeed's own save), "atomic" or "async"; ``save_held``: an asynchronous save mode
     made atomic because a framework above DeepSpeed runs stock (:func:`hold_async`)."""
 

@@ -9,11 +9,11 @@ job ends normally), "persist_every": P, "kill_mid_write": whether rank 1 dies wh
 save is being written rather than after it is published, "job": the tier's job id (default "crash";
 null: none of its own), "other_job": {"save_dir": name under root, "step": S} or absent: before it
 starts, another job naming no id either saves step S of the same model to the same memory root and
-leaves it there as a crashed job does; this job then loads its own save dir under enable(memory=...)
+leaves it there as a crashed job does; this job then loads its own save dir under enable(resume_tier=...)
 first and writes what that found to root/first_load.json}. The first run trains, saving s<global_steps> to the memory tier asynchronously
 after every step (every P-th persisted to root/durable); once the save after step K is published,
 rank 1 kills itself and rank 0 is left in a collective. The restarted run (TORCHELASTIC_RESTART_COUNT
-1) calls engine.load_checkpoint(root/durable) under enable(memory=...), and rank 0 writes what it
+1) calls engine.load_checkpoint(root/durable) under enable(resume_tier=...), and rank 0 writes what it
 resumed to root/resumed.pt: the gathered state, global_steps and the lines pyckpt logged.
 """
 
@@ -60,7 +60,7 @@ def main() -> int:
     other = job.get("other_job")
     if other:
         _other_job(cfg, ws, rank, root, other)
-    pd.enable(memory=tier)
+    pd.enable(resume_tier=tier)
     engine = W.make_engine(cfg, ws)
     if other:  # a fresh start that asks for its newest checkpoint: the other job's is not its own
         path, _ = engine.load_checkpoint(durable)
@@ -75,7 +75,7 @@ def main() -> int:
                        os.path.join(root, "resumed.pt"))
         W.train_step(engine, cfg, rank, engine.global_steps + 1)  # and training goes on
         if job.get("kill_mid_write"):  # the next save clears what the killed one left in memory
-            pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier)
+            pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", save_tier=tier)
             if rank == 0:
                 folder = tier.folder()
                 torch.save({**torch.load(os.path.join(root, "resumed.pt"), weights_only=False),
@@ -97,9 +97,9 @@ def main() -> int:
 
             slot_save.write_archives = write_then_never
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
-            pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
+            pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", save_tier=tier, async_save=True)
             time.sleep(600)
-        handle = pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True)
+        handle = pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", save_tier=tier, async_save=True)
         if step == job["kill_at"] and job.get("kill_mid_write"):  # never: rank 0 waits in the save for rank 1
             time.sleep(600)
         if step == job["kill_at"]:
@@ -122,7 +122,7 @@ def _other_job(cfg, ws: int, rank: int, root: str, other: dict) -> None:
     engine = W.make_engine(cfg, ws)
     W.train_step(engine, cfg, rank, 1)
     engine.global_steps = other["step"]  # further on than this job will get: the newer checkpoint by step
-    assert pd.save_checkpoint(engine, os.path.join(root, other["save_dir"]), tag=f"s{other['step']}", memory=tier)
+    assert pd.save_checkpoint(engine, os.path.join(root, other["save_dir"]), tag=f"s{other['step']}", save_tier=tier)
     engine.destroy()
 
 

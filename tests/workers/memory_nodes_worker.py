@@ -14,7 +14,7 @@ train: steps 1..N, each saved asynchronously to memory as s<step> (every P-th pe
 root/durable); after the last, pyckpt.deepspeed.wait_for_replication (durable reference saves of
 the last two steps went to root/ref), and each rank writes root/ready-<rank>.json (its node, its root,
 what the wait returned) and waits to be killed.
-resume: engine.load_checkpoint(root/durable) under enable(memory=...); rank 0 writes
+resume: engine.load_checkpoint(root/durable) under enable(resume_tier=...); rank 0 writes
 root/resumed-<world size>.pt (the gathered state, global_steps, what pyckpt logged); then one more
 step is trained and saved to memory, and the job ends normally.
 """
@@ -64,7 +64,7 @@ def main() -> int:
     tier = pd.MemoryTier(job=job["job"], keep=2, persist_every=job["persist_every"],
                          keep_at_exit=job["phase"] == "train")
     lines = pyckpt_warnings()
-    pd.enable(memory=tier)
+    pd.enable(resume_tier=tier)
     engine = W.make_engine(cfg, ws)
     if job["phase"] == "resume":
         state, _, _ = W.resume(engine, durable)
@@ -72,13 +72,14 @@ def main() -> int:
             torch.save({"state": state, "global_steps": engine.global_steps, "log": list(lines)},
                        os.path.join(root, f"resumed-{ws}.pt"))
         W.train_step(engine, cfg, rank, engine.global_steps + 1)  # and training goes on
-        pd.save_checkpoint(engine, durable, memory=tier, client_state=UC_INFO)  # on the new topology, and the job ends normally
+        # on the new topology, and the job ends normally
+        pd.save_checkpoint(engine, durable, save_tier=tier, client_state=UC_INFO)
         engine.destroy()
         dist.barrier()
         return 0
     for step in range(1, job["steps"] + 1):
         W.train_step(engine, cfg, rank, step)
-        pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", memory=tier, async_save=True,
+        pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", save_tier=tier, async_save=True,
                            client_state=UC_INFO)
         if step >= job["steps"] - 1:  # durable references of the last two steps, for the test's comparisons
             pd.save_checkpoint(engine, os.path.join(root, "ref"), tag=f"s{engine.global_steps}", client_state=UC_INFO)

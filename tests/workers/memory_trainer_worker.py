@@ -9,7 +9,7 @@ scheduler (no optimizer in the DeepSpeed config: the scheduler is the Trainer's,
 The first run (TORCHELASTIC_RESTART_COUNT 0) trains into root/out; once step K's memory save is
 published, rank 1 kills itself and rank 0 waits for torchrun. The restart calls
 ``trainer.train(resume_from_checkpoint=pyckpt.deepspeed.resume_point(out, tier))`` under
-``enable(memory=tier)``, then trains the same job uninterrupted into root/ref (another memory job) as
+``enable(resume_tier=tier)``, then trains the same job uninterrupted into root/ref (another memory job) as
 the reference. Rank 0 writes root/result.json: each run's loss per step and rank (as Python floats:
 JSON keeps them exact), the resume point and the folder it named, and the lines pyckpt logged.
 """
@@ -106,7 +106,7 @@ def main() -> int:
     lines = pyckpt_warnings()
     out, ref = os.path.join(root, "out"), os.path.join(root, "ref")
     tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="trainer", keep=2)
-    assert pd.enable(memory=tier)
+    assert pd.enable(resume_tier=tier)
 
     class KillAfter(TrainerCallback):
         """Rank 1 dies once step ``step``'s memory save is published on every rank; rank 0 waits for

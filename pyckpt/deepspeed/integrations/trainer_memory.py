@@ -90,7 +90,7 @@ class _MemoryCheckpoints:
         if scheduler is not None:
             client_state[SCHEDULER_KEY] = scheduler.state_dict()
         self.handle = save_checkpoint(engine, self.trainer.args.output_dir, tag=f"global_step{state.global_step}",
-                                      memory=self.tier, async_save=self.async_save, client_state=client_state)
+                                      save_tier=self.tier, async_save=self.async_save, client_state=client_state)
 
     def on_train_end(self, args, state, control, **kwargs):
         from ..save import AsyncSave

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..tiers.policy import one_tier
 from .collective_save import save_collectively
 from .memory_save import save_to_memory
 from .request import SaveRequest
@@ -18,8 +19,8 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
                     export: Optional[str] = None, exclude_frozen_parameters: bool = False,
                     arrival_timeout: float = 300.0, fsync: bool = False, async_save: bool = False,
                     keep_last: Optional[int] = None, agree_timeout: float = 1800.0,
-                    snapshot_limit: Optional[int] = None, memory=None, persist: bool = False,
-                    save_latest: bool = True, training_state: bool = True):
+                    snapshot_limit: Optional[int] = None, save_tier=None, persist: bool = False,
+                    save_latest: bool = True, training_state: bool = True, memory=None):
     """Save ``engine``'s training checkpoint as ``save_dir/<tag>``; call it on **every** rank.
 
     What DeepSpeed writes is DeepSpeed's own ``save_checkpoint`` output (the same files, bit for
@@ -57,14 +58,14 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     it past the limit is written during the call instead (so the call blocks for its write); the
     ``engine.destroy()`` join also frees the snapshot.
 
-    ``memory=MemoryTier(...)`` (:class:`pyckpt.deepspeed.MemoryTier`) saves into the job's node-local
-    memory folder (tmpfs) instead, by the same rules, keeping the tier's ``keep`` newest there: one copy
-    from the state into the files, made in the call with or without ``async_save`` (which then returns a
-    finished handle), over the files of a checkpoint that left the tier (:mod:`.slot_save`); one that
-    does not fit the tier's budget goes to ``save_dir`` with a warning. Every ``persist_every``-th memory
-    checkpoint, or one saved with ``persist=True``, is also copied to ``save_dir`` in the background
-    (``keep_last`` then applies there). Under ``pyckpt.deepspeed.enable(memory=...)`` a resume reads the
-    newest of the two (:mod:`.memory_save`).
+    ``save_tier=MemoryTier(...)`` (:class:`pyckpt.deepspeed.MemoryTier`; ``memory=`` is its former name,
+    still taken) saves into the job's node-local memory folder (tmpfs) instead, by the same rules, keeping
+    the tier's ``keep`` newest there: one copy from the state into the files, made in the call with or
+    without ``async_save`` (which then returns a finished handle), over the files of a checkpoint that left
+    the tier (:mod:`.slot_save`); one that does not fit the tier's budget goes to ``save_dir`` with a
+    warning. Every ``persist_every``-th memory checkpoint, or one saved with ``persist=True``, is also
+    copied to ``save_dir`` in the background (``keep_last`` then applies there). Under
+    ``pyckpt.deepspeed.enable(resume_tier=...)`` a resume reads the newest of the two (:mod:`.memory_save`).
 
     ``keep_last=K`` removes this job's older checkpoints of ``save_dir`` beyond the K newest (by the
     step each records) once this one is published: only folders whose model-state file is
@@ -81,6 +82,7 @@ def save_checkpoint(engine, save_dir, tag=None, *, tokenizer=None, model_config=
     ``training_state=False`` leaves pyckpt's ``training_state.json`` out, so the folder holds DeepSpeed's
     files alone (what ``enable(save=...)`` writes for a caller of DeepSpeed's own method).
     """
+    memory = one_tier(save_tier, memory, "save_tier")
     request = SaveRequest(save_dir, tag, tokenizer=tokenizer, model_config=model_config, client_state=client_state,
                           on_error=on_error, universal=universal, export=export,
                           exclude_frozen_parameters=exclude_frozen_parameters, arrival_timeout=arrival_timeout,

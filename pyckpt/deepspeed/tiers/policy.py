@@ -71,3 +71,11 @@ class MemoryTier:
     def folder(self, node: Optional[int] = None) -> str:
         """This node's folder of the job (created mode 0700, checked), where its ranks' files go."""
         return node_memory_folder(self.root_path, self.job_name, this_node() if node is None else node)
+
+
+def one_tier(tier, memory, name: str):
+    """The tier a call was given as ``name=`` or by its former keyword ``memory=`` (which named both where a
+    save goes and where a resume looks); ValueError when it was given two different ones."""
+    if tier is not None and memory is not None and tier is not memory:
+        raise ValueError(f"{name}= and memory= (its former name) were both given; pass {name}= only")
+    return tier if tier is not None else memory

@@ -472,3 +472,24 @@ def test_the_read_ahead_reads_no_file_a_folder_link_in_a_share_leads_to(tier_lay
         assert opened == [] and nm.read(str(share)) is None
     finally:
         prechecked.forget()
+
+
+def test_the_tier_keywords_say_which_tier_and_take_their_former_name(tier_layout, monkeypatch):
+    """enable(resume_tier=) is where a resume looks, save_checkpoint(save_tier=) where a save goes; the
+    former keyword of both, memory=, is still taken; two different tiers given both ways are refused
+    before anything is set or saved."""
+    import pyckpt.deepspeed as pd
+    from pyckpt.deepspeed.settings import SETTINGS
+
+    tier, other = tier_layout.tier, dataclasses.replace(tier_layout.tier, keep=3)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # no read ahead of the node's share: not its first local rank
+    with pytest.raises(ValueError, match=r"resume_tier= and memory= \(its former name\) were both given"):
+        pd.enable(resume_tier=tier, memory=other)
+    assert SETTINGS.resume_tier is None
+    for keyword in ("resume_tier", "memory"):
+        with pd.enable(**{keyword: tier}):
+            assert SETTINGS.resume_tier is tier
+        assert SETTINGS.resume_tier is None
+    with pytest.raises(ValueError, match=r"save_tier= and memory= \(its former name\) were both given"):
+        pd.save_checkpoint(None, str(tier_layout.save_dir), save_tier=tier, memory=other)
+
