@@ -25,6 +25,7 @@
 #include "fd.hpp"
 #include "file_destination.hpp"
 #include "gather.hpp"
+#include "output_maps.hpp"
 #include "parallel.hpp"
 #include "sources.hpp"
 #include "torch_save_format.hpp"
@@ -39,7 +40,8 @@ namespace {
 
 constexpr auto kTickInterval = std::chrono::milliseconds(100);
 // Zero-copy writes go out in slices small enough to still be in L2 when pwrite copies them
-// right after the CRC pass read them.
+// right after the CRC pass read them; copies into a destination's memory are checksummed in
+// slices of this size right after each is copied.
 constexpr uint64_t kDirectSlice = 256u << 10;
 // Staging buffer per worker; windows larger than this are gathered in slices.
 constexpr uint64_t kStagingBytes = 1u << 20;
@@ -66,8 +68,18 @@ struct WindowRunner {
         int64_t src = -1;
         uint64_t src_off = 0;
         if (uint8_t* mem = dest.memory(o, off, len)) {
-            gather_window(w, plan, pieces, sources, mem, drops);
-            if (want_crc) crc = crc32(0, mem, len);
+            // With a CRC, slice by slice: it then reads the bytes just copied from the cache, one
+            // pass over memory instead of two.
+            const uint64_t slice = want_crc ? kDirectSlice : std::max<uint64_t>(len, 1);
+            uint64_t at = 0;
+            do {
+                Window part = w;
+                part.begin = w.begin + at;
+                part.end = std::min(w.end, part.begin + slice);
+                gather_window(part, plan, pieces, sources, mem + at, drops);
+                if (want_crc) crc = crc32(crc, mem + at, part.end - part.begin);
+                at += slice;
+            } while (at < len);
         } else if (const uint8_t* run = window_as_source_run(w, plan, pieces, sources, src, src_off)) {
             // In the kernel where no CRC is wanted and source and output pages line up: as fast as
             // cp, no source page mapped here. Where they do not (a safetensors payload starts at its
@@ -268,6 +280,7 @@ WriteStats write_archives(const std::vector<std::string>& sources, const std::ve
                           const ProgressFn& progress) {
     const unsigned workers = resolve_workers(options.workers);
     validate_outputs(outputs, options.root);
+    if (options.reuse_outputs) output_maps::begin_call();
     if (options.file_crcs)
         for (const OutputSpec& out : outputs)
             if (out.container != Container::TorchSave)

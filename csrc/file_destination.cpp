@@ -8,11 +8,13 @@
 #include <atomic>
 #include <cerrno>
 #include <mutex>
+#include <utility>
 
 #include "crc32.hpp"
 #include "errors.hpp"
 #include "fault_injection.hpp"
 #include "fd.hpp"
+#include "output_maps.hpp"
 #include "torch_save_format.hpp"
 
 namespace pyckpt {
@@ -45,6 +47,9 @@ struct OutputState {
     std::atomic<int> open_fd{-1};
     bool created = false;
     bool reused = false;  // an existing file written over in place (WriteOptions::reuse_outputs)
+    // Such a file's cached writable mapping (output_maps), held until finish/abandon; windows
+    // are copied into it instead of written.
+    uint8_t* map = nullptr;
     uint32_t file_crc = 0;
 };
 
@@ -74,7 +79,10 @@ public:
 
     bool wants_crc(std::size_t o) const noexcept override { return outputs_[o].container != Container::Raw; }
     void prepare(std::size_t o) override { open_output(o); }
-    uint8_t* memory(std::size_t, uint64_t, uint64_t) override { return nullptr; }
+    uint8_t* memory(std::size_t o, uint64_t offset, uint64_t) override {
+        uint8_t* map = state_[o].map;  // set under the mutex by prepare(), which ran first on this thread
+        return map ? map + offset : nullptr;
+    }
     void write(std::size_t o, const uint8_t* p, uint64_t len, uint64_t offset) override {
         int fd = state_[o].open_fd.load(std::memory_order_acquire);
         pwrite_all(fd >= 0 ? fd : open_output(o), p, len, offset, outputs_[o].path);
@@ -197,6 +205,9 @@ public:
             }
         }
         flush();
+        if (uint8_t* map = std::exchange(state_[o].map, nullptr)) {
+            if (!output_maps::done(map)) throw_errno_code(EIO, "write (the file shrank while it was written)", out.path);
+        }
         if (options_.fsync) {
             if (int e = fi::next_failure(fi::Call::Fsync)) throw_errno_code(e, "fsync", out.path);
             if (::fsync(fd) != 0) throw_errno("fsync", out.path);
@@ -232,6 +243,7 @@ public:
     void abandon() noexcept override {
         for (std::size_t o = 0; o < outputs_.size(); ++o) {
             OutputState& st = state_[o];
+            if (uint8_t* map = std::exchange(st.map, nullptr)) output_maps::done(map);
             st.open_fd.store(-1, std::memory_order_relaxed);
             st.fd.reset();
             if (st.created) ::unlink(outputs_[o].path.c_str());
@@ -290,7 +302,8 @@ private:
         if (int e = fi::next_failure(fi::Call::Open)) throw_errno_code(e, "open", path);
         UniqueFd fd;
         if (options_.reuse_outputs) {
-            fd = UniqueFd(::open(path.c_str(), O_WRONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+            // O_RDWR: a shared writable mapping needs a descriptor open for reading too.
+            fd = UniqueFd(::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
             if (!fd && errno != ENOENT) throw_errno("open", path);
             if (fd) {
                 struct stat sb;
@@ -307,6 +320,11 @@ private:
         // Sizing the file up front lets windows land in any order and leaves all-zero windows
         // as holes that read back as zeros.
         if (::ftruncate(st.fd.get(), static_cast<off_t>(layouts_[o].file_size)) != 0) throw_errno("truncate", path);
+        // A file written over in place again and again (a memory tier's slot): copied into its
+        // kept mapping, a plain memcpy into the file's own pages (output_maps.hpp has the
+        // figures). Not where the file is fsynced: that path stays the descriptor's.
+        if (st.reused && !options_.fsync && layouts_[o].file_size >= output_maps::kMinBytes)
+            st.map = output_maps::acquire(st.fd.get(), layouts_[o].file_size, path);
         st.open_fd.store(st.fd.get(), std::memory_order_release);
         return st.fd.get();
     }

@@ -62,8 +62,9 @@ void on_sigbus(int sig, siginfo_t* info, void*) {
             if (addr >= e) continue;
             const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
             const uintptr_t lo = addr / page * page;
-            // The whole tail at once: every page past the new end would fault in turn.
-            void* p = ::mmap(reinterpret_cast<void*>(lo), e - lo, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+            // The whole tail at once: every page past the new end would fault in turn. Writable,
+            // so that a write into a mapped output (output_maps) completes as a read does.
+            void* p = ::mmap(reinterpret_cast<void*>(lo), e - lo, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
                              -1, 0);
             if (p == MAP_FAILED) break;
             s.tripped.store(true, std::memory_order_release);

@@ -1,4 +1,4 @@
-// Survives inputs that shrink while they are memory-mapped.
+// Survives files that shrink while they are memory-mapped (inputs read, outputs written in place).
 //
 // Touching a mapped page past a file's end raises SIGBUS, which would kill the process (and,
 // for a loader inside a training job, the job). Every MappedFile registers its range here; a

@@ -3,6 +3,7 @@
 
 #include "../dtype_kernels.hpp"
 #include "../executor.hpp"
+#include "../output_maps.hpp"
 #include "../zip_format.hpp"
 
 namespace pyckpt::bindings {
@@ -138,7 +139,20 @@ void register_executor(py::module_& m) {
         "PlanError for a bad table, OSError naming the file for I/O errors, SourceChangedError if a source shrank "
         "while read; outputs created by a failed call are removed. reuse_outputs: an existing regular file with one link "
         "at an output path is written over in place (its pages reused) instead of refused. file_crcs: the result's "
-        "'file_crcs' lists each torch.save output's whole-file CRC-32, computed without reading the file back.");
+        "'file_crcs' lists each torch.save output's whole-file CRC-32, computed without reading the file back. A "
+        "reused file of 1 MiB or more (not fsynced) is copied into through a writable mapping kept for later calls "
+        "(released by release_output_maps, or at the next call once the file is removed).");
+
+    m.def("release_output_maps", [] { pyckpt::output_maps::release_all(); },
+          "Unmap the writable mappings write_archives(reuse_outputs=True) keeps of files it wrote over in place "
+          "(the memory of removed files is returned at once instead of at the next such call).");
+    m.def("output_maps_info", [] {
+              py::dict d;
+              d["count"] = pyckpt::output_maps::count();
+              d["bytes"] = pyckpt::output_maps::mapped_bytes();
+              return d;
+          },
+          "{'count', 'bytes'} of the writable mappings write_archives keeps of files written over in place.");
 
     m.def(
         "series_layout",

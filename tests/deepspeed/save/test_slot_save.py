@@ -183,3 +183,31 @@ def test_device_storages_are_copied_through_pinned_memory_into_torch_saves_bytes
     data = open(path, "rb").read()
     assert data == _torch_save(str(tmp_path), state, os.path.basename(path))
     assert described[0][2] == zlib.crc32(data)
+
+
+def test_a_file_rewritten_save_after_save_is_copied_through_one_kept_mapping(tmp_path):
+    """Files of 1 MiB or more written over in place go through a writable mapping the writer keeps from
+    one save to the next (one mapping per file, however many saves); the bytes and CRCs stay torch.save's,
+    at a new size too, and the mapping of a file that was removed goes at the next save."""
+    from pyckpt import _core
+
+    _core.release_output_maps()
+    node = str(tmp_path / "node0")
+    os.makedirs(free_slot.path(node))
+    inode = None
+    for seed, n in ((1, 60000), (2, 60000), (3, 60000), (4, 90000)):
+        state = _state(seed, n)
+        path, described = _write(str(tmp_path), state, name="f.pt", node=node)
+        data = open(path, "rb").read()
+        assert len(data) >= 1 << 20
+        assert data == _torch_save(str(tmp_path), state, "f.pt") and described[0][2] == zlib.crc32(data)
+        inode = inode or os.stat(path).st_ino
+        assert os.stat(path).st_ino == inode
+        # the first save creates the file (written, not mapped); every later one writes over it
+        assert _core.output_maps_info() == ({"count": 0, "bytes": 0} if seed == 1 else {"count": 1, "bytes": len(data)})
+        os.rename(path, os.path.join(free_slot.path(node), "f.pt"))
+        os.rmdir(os.path.join(str(tmp_path), "staging"))
+    free_slot.discard(node)  # the file is gone: its pages are held only by the mapping, until the next save
+    _write(str(tmp_path), _state(5, 100), name="g.pt", node=node)
+    assert _core.output_maps_info()["count"] == 0
+    _core.release_output_maps()

@@ -1,0 +1,149 @@
+#include "output_maps.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "errors.hpp"
+#include "fd.hpp"
+#include "mapping_guard.hpp"
+
+namespace pyckpt::output_maps {
+
+namespace {
+
+// A slot is reused every max(keep, 2) saves; an entry idle for longer than this many calls
+// belongs to no live slot.
+constexpr uint64_t kIdleCalls = 8;
+// Virtual address space only (the pages are the files'), but bounded all the same.
+constexpr std::size_t kMaxEntries = 4096;
+
+struct Entry {
+    UniqueFd fd;  // pins the inode: (dev, ino) cannot name another file while this is open
+    uint8_t* base = nullptr;
+    uint64_t size = 0;
+    int guard = -1;
+    uint64_t last_call = 0;
+    int users = 0;  // calls holding it (acquire .. done): never unmapped while held
+};
+
+using Key = std::pair<uint64_t, uint64_t>;  // (st_dev, st_ino)
+
+std::mutex g_mu;
+std::map<Key, Entry> g_entries;
+uint64_t g_call = 0;
+
+void unmap(Entry& e) noexcept {
+    mapping_guard::withdraw(e.guard);
+    if (e.base) ::munmap(e.base, e.size);
+    e.base = nullptr;
+}
+
+}  // namespace
+
+void begin_call() {
+    std::lock_guard<std::mutex> lk(g_mu);
+    ++g_call;
+    for (auto it = g_entries.begin(); it != g_entries.end();) {
+        struct stat sb;
+        const bool gone = ::fstat(it->second.fd.get(), &sb) != 0 || sb.st_nlink == 0;
+        if (it->second.users > 0) {
+            ++it;
+            continue;
+        }
+        if (gone || g_call - it->second.last_call > kIdleCalls || mapping_guard::tripped(it->second.guard)) {
+            unmap(it->second);
+            it = g_entries.erase(it);
+        } else {
+            ++it;
+        }
+    }
+}
+
+uint8_t* acquire(int fd, uint64_t size, const std::string& path) {
+    struct stat sb;
+    if (::fstat(fd, &sb) != 0) throw_errno("stat", path);
+    const Key key{static_cast<uint64_t>(sb.st_dev), static_cast<uint64_t>(sb.st_ino)};
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_entries.find(key);
+    if (it != g_entries.end() && it->second.users > 0) return nullptr;  // a file is one output of one call
+    if (it != g_entries.end() && (it->second.size != size || mapping_guard::tripped(it->second.guard))) {
+        unmap(it->second);
+        g_entries.erase(it);
+        it = g_entries.end();
+    }
+    if (it == g_entries.end()) {
+        if (g_entries.size() >= kMaxEntries) {
+            // Drop the least recently used one no call holds: a mapping is only ever a cache.
+            auto oldest = g_entries.end();
+            for (auto j = g_entries.begin(); j != g_entries.end(); ++j)
+                if (j->second.users == 0 && (oldest == g_entries.end() || j->second.last_call < oldest->second.last_call))
+                    oldest = j;
+            if (oldest == g_entries.end()) return nullptr;
+            unmap(oldest->second);
+            g_entries.erase(oldest);
+        }
+        UniqueFd own(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+        if (!own) throw_errno("dup", path);
+        // MAP_POPULATE: the page tables for the whole file in one pass, not one fault per page.
+        void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, own.get(), 0);
+        if (p == MAP_FAILED) throw_errno("mmap", path);
+        Entry e;
+        e.fd = std::move(own);
+        e.base = static_cast<uint8_t*>(p);
+        e.size = size;
+        // Another process truncating the file would make our writes fault; the guard turns that
+        // into a report (shrank) instead of killing the training job.
+        e.guard = mapping_guard::enroll(p, size);
+        it = g_entries.emplace(key, std::move(e)).first;
+    }
+    it->second.last_call = g_call;
+    ++it->second.users;
+    return it->second.base;
+}
+
+bool done(const uint8_t* base) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (auto it = g_entries.begin(); it != g_entries.end(); ++it) {
+        if (it->second.base != base) continue;
+        --it->second.users;
+        if (!mapping_guard::tripped(it->second.guard)) return true;
+        if (it->second.users == 0) {
+            unmap(it->second);
+            g_entries.erase(it);
+        }
+        return false;
+    }
+    return true;
+}
+
+void release_all() {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (auto it = g_entries.begin(); it != g_entries.end();) {
+        if (it->second.users > 0) {
+            ++it;
+            continue;
+        }
+        unmap(it->second);
+        it = g_entries.erase(it);
+    }
+}
+
+std::size_t count() {
+    std::lock_guard<std::mutex> lk(g_mu);
+    return g_entries.size();
+}
+
+uint64_t mapped_bytes() {
+    std::lock_guard<std::mutex> lk(g_mu);
+    uint64_t n = 0;
+    for (const auto& kv : g_entries) n += kv.second.size;
+    return n;
+}
+
+}  // namespace pyckpt::output_maps

@@ -1,0 +1,45 @@
+// Writable shared mappings of output files that are written over in place, kept from one call
+// to the next.
+//
+// A memory save writes the same files again and again (a retired checkpoint's files become the
+// next save's, same inodes). Copying into a mapping that stays from one save to the next is a
+// plain memcpy into pages already the file's: on tmpfs it measured 2.4x faster than pwrite of
+// the same bytes, and 1.6x faster than mapping the file anew each time (the page-table setup).
+//
+// A cached mapping holds its own descriptor, so its inode cannot be freed and its number reused
+// by another file while the entry lives: an entry is found by (device, inode) and is that file.
+// Entries of files that no longer have a name, and those not used for several calls, are dropped
+// at the start of the next call (begin_call), so a removed checkpoint's memory is not held for
+// longer than until the next save, and release_all() drops every one at once.
+//
+// Thread/GIL contract: every function is thread-safe (one mutex; acquire runs once per output and
+// call, not per window). Nothing here touches Python.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace pyckpt::output_maps {
+
+// Files smaller than this are written with pwrite: the mapping costs more than it saves.
+constexpr uint64_t kMinBytes = 1u << 20;
+
+// Starts a call: drops the entries whose file lost its last name or that went unused for the
+// last few calls.
+void begin_call();
+// The writable mapping of the open regular file `fd` of `size` bytes (mapped now if it is not
+// cached yet, or was cached at another size), held for the caller until done(); null when the
+// cache is full of held mappings (the caller writes through the descriptor). Throws
+// std::system_error naming `path` if the file cannot be mapped.
+uint8_t* acquire(int fd, uint64_t size, const std::string& path);
+// Gives back a mapping acquire() returned. Returns false if its file shrank under it while held
+// (the bytes written past the new end went nowhere); the entry is then dropped.
+bool done(const uint8_t* base);
+// Unmaps every cached mapping no call holds.
+void release_all();
+// How many mappings are cached and their bytes (for tests and diagnostics).
+std::size_t count();
+uint64_t mapped_bytes();
+
+}  // namespace pyckpt::output_maps
