@@ -8,6 +8,11 @@
 
 #include "../dtype_kernels.hpp"
 #include "../fault_injection.hpp"
+#include "../fd.hpp"
+#include "../output_maps.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
 
 namespace pyckpt::bindings {
 
@@ -48,6 +53,30 @@ void register_testing(py::module_& core) {
         "Test hook: the (after+1)-th next output `call` (open/write/fsync/close) of the executor fails with errno, "
         "once.");
     m.def("clear_faults", &fault_injection::disarm, "Test hook: disarms every inject_fault.");
+    m.def(
+        "write_past_a_shrunk_output_map",
+        [](const std::string& path) {
+            // What another process truncating a memory-tier file under a save does to the writer: the
+            // file's kept mapping written past its new end.
+            UniqueFd fd(::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC));
+            if (!fd) throw py::value_error("cannot open " + path);
+            const off_t size = ::lseek(fd.get(), 0, SEEK_END);
+            if (size < static_cast<off_t>(output_maps::kMinBytes)) throw py::value_error("the file is under 1 MiB");
+            uint8_t* map = output_maps::acquire(fd.get(), static_cast<uint64_t>(size), path);
+            if (!map) throw py::value_error("no mapping free");
+            if (::ftruncate(fd.get(), size / 2) != 0) throw py::value_error("cannot truncate " + path);
+            bool reported = false;
+            {
+                py::gil_scoped_release nogil;
+                for (off_t at = size / 2; at < size; at += 4096) map[at] = 0x5a;
+                reported = !output_maps::done(map);
+            }
+            return reported;
+        },
+        py::arg("path"),
+        "Test hook: maps `path` (1 MiB or more) as write_archives maps a file it writes over, truncates it to half "
+        "and writes its second half through the mapping; whether the writer's check reports the file as shrunk "
+        "(without the guard the writes kill the process with SIGBUS).");
 }
 
 }  // namespace pyckpt::bindings

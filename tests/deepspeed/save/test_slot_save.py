@@ -211,3 +211,18 @@ def test_a_file_rewritten_save_after_save_is_copied_through_one_kept_mapping(tmp
     _write(str(tmp_path), _state(5, 100), name="g.pt", node=node)
     assert _core.output_maps_info()["count"] == 0
     _core.release_output_maps()
+
+
+def test_a_file_truncated_under_the_saves_mapping_is_reported_not_a_sigbus(tmp_path):
+    """Another process truncating a memory-tier file while a save copies into its kept mapping: the copy
+    completes into throwaway pages and the writer reports the file as shrunk (write_archives then fails
+    naming it) instead of the training process dying of SIGBUS."""
+    from native_hooks import hooks
+
+    from pyckpt import _core
+
+    path = tmp_path / "f.pt"
+    path.write_bytes(bytes(4 << 20))
+    assert hooks().write_past_a_shrunk_output_map(str(path)) is True
+    assert path.stat().st_size == 2 << 20 and path.read_bytes() == bytes(2 << 20)
+    assert _core.output_maps_info()["count"] == 0  # the broken mapping is not kept
