@@ -163,3 +163,55 @@ def test_deepspeeds_own_plain_load_is_checked_file_by_file_shared_among_the_rank
     with pytest.raises(Exception, match="latest"):
         deepspeed_tag_folder(tmp_path, None)
     assert RAN == []
+
+
+_READ_IN_A_FRESH_PROCESS = """
+import sys
+import pyckpt.deepspeed
+from pyckpt.deepspeed.load.pickle_policy import read_model_states
+before = "torch.distributed.checkpoint" in sys.modules
+state = read_model_states(sys.argv[1])
+print(before, "torch.distributed.checkpoint" in sys.modules, sorted(state))
+"""
+
+
+def _read_fresh(path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _READ_IN_A_FRESH_PROCESS, str(path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()[-1].split(maxsplit=2)  # after any line DeepSpeed logs
+
+
+def test_a_model_state_file_is_read_without_importing_what_it_does_not_name(tmp_path):
+    """DeepSpeed's model states name classes of modules a DeepSpeed job has loaded; reading them imports
+    nothing else (torch.distributed.checkpoint, whose records the allowlist also takes, cost a resume
+    0.1-0.2 s)."""
+    import argparse
+
+    torch.save({"module": {"w": torch.ones(3)}, "args": argparse.Namespace(lr=0.1), "global_steps": 4},
+               tmp_path / "mp_rank_00_model_states.pt")
+    before, after, keys = _read_fresh(tmp_path / "mp_rank_00_model_states.pt")
+    assert (before, after, keys) == ("False", "False", "['args', 'global_steps', 'module']")
+
+
+def test_a_file_naming_an_allowed_class_of_a_module_not_imported_yet_is_still_read(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    torch.save({"module": {"w": torch.ones(3)}, "chunk": ChunkStorageMetadata(torch.Size([1]), torch.Size([3]))},
+               tmp_path / "mp_rank_00_model_states.pt")
+    before, after, keys = _read_fresh(tmp_path / "mp_rank_00_model_states.pt")
+    assert (before, after, keys) == ("False", "True", "['chunk', 'module']")
+
+
+def test_a_global_outside_the_allowlist_is_refused_after_the_second_reading(tmp_path):
+    from pyckpt.deepspeed.load.pickle_policy import read_model_states
+    import pickle
+
+    RAN.clear()
+    torch.save({"p": _payload()}, tmp_path / "m.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        read_model_states(str(tmp_path / "m.pt"))
+    assert RAN == []
