@@ -323,7 +323,7 @@ private:
         // A file written over in place again and again (a memory tier's slot): copied into its
         // kept mapping, a plain memcpy into the file's own pages (output_maps.hpp has the
         // figures). Not where the file is fsynced: that path stays the descriptor's.
-        if (st.reused && !options_.fsync && layouts_[o].file_size >= output_maps::kMinBytes)
+        if (st.reused && !options_.fsync && layouts_[o].file_size >= output_maps::min_bytes())
             st.map = output_maps::acquire(st.fd.get(), layouts_[o].file_size, path);
         st.open_fd.store(st.fd.get(), std::memory_order_release);
         return st.fd.get();

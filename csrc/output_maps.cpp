@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -45,6 +47,17 @@ void unmap(Entry& e) noexcept {
 }
 
 }  // namespace
+
+uint64_t min_bytes() {
+    static const uint64_t value = [] {
+        const char* env = std::getenv("PYCKPT_MAP_MIN_BYTES");
+        if (!env || !*env) return kMinBytes;
+        char* end = nullptr;
+        const unsigned long long v = std::strtoull(env, &end, 10);
+        return end && *end == '\0' ? std::max<uint64_t>(v, 1) : kMinBytes;
+    }();
+    return value;
+}
 
 void begin_call() {
     std::lock_guard<std::mutex> lk(g_mu);

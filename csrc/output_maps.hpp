@@ -24,6 +24,9 @@ namespace pyckpt::output_maps {
 
 // Files smaller than this are written with pwrite: the mapping costs more than it saves.
 constexpr uint64_t kMinBytes = 1u << 20;
+// The size from which a file written over in place is mapped: kMinBytes, or $PYCKPT_MAP_MIN_BYTES
+// (read once; at least 1), which lets the tests take small checkpoints through the mapped path.
+uint64_t min_bytes();
 
 // Starts a call: drops the entries whose file lost its last name or that went unused for the
 // last few calls.

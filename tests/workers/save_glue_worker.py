@@ -588,6 +588,9 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
         tag_dir = os.path.join(folder, f"s{s}")
         inodes.append({n: os.stat(os.path.join(tag_dir, n)).st_ino for n in sorted(os.listdir(tag_dir))
                        if n.endswith(".pt")})
+    from pyckpt import _core
+
+    mapped = _core.output_maps_info()["count"]  # this rank's files written over through a kept mapping
     at_save = W.gather_state(engine)
     at_save["meta"]["global_steps"] = engine.global_steps
     persisted = join_persistence(engine)
@@ -609,7 +612,7 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
             "mode": mode, "path": path, "log": _gather(log), "stock_path": str(stock_path),
             "vs_stock": compare_states(stock, resumed), "vs_save": compare_states(at_save, resumed),
             "latest_durable": open(os.path.join(durable, "latest")).read(), "inodes": inodes,
-            "vs_deepspeed": vs_deepspeed}
+            "vs_deepspeed": vs_deepspeed, "mapped": _gather(mapped)}
 
 
 def memory_refusals(task: dict, rank: int, ws: int) -> dict:

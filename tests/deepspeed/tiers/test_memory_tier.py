@@ -16,6 +16,14 @@ from dsharness import _launch
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(autouse=True)
+def _mapped_writes(monkeypatch):
+    """A memory save writes a file it writes over through a kept mapping from 1 MiB on; these checkpoints'
+    files are smaller, so every file written over here takes that path (the production one for real models:
+    the files byte-equal to DeepSpeed's own save, the crash cases, the inodes)."""
+    monkeypatch.setenv("PYCKPT_MAP_MIN_BYTES", "1")
+
 WORKER = str(Path(__file__).resolve().parents[2] / "workers" / "save_glue_worker.py")
 TIMEOUT_S = 300
 
@@ -35,7 +43,8 @@ def _crash_job(tmp_path, ds_environ, cfg: h.Config, **job) -> None:
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 6, "kill_at": 4,
                                 "persist_every": 3, **job}))
-    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
+           "PYCKPT_MAP_MIN_BYTES": "1"}
     env.pop("PYCKPT_JOB_ID", None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "--max-restarts", "1", "--monitor-interval", "0.5", WORKER.replace("save_glue_worker",
@@ -72,6 +81,9 @@ def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     ino = res["inodes"]
     assert ino[0] and ino[1] and set(ino[0].values()).isdisjoint(ino[1].values())
     assert ino[2] == ino[0] and ino[3] == ino[1] and ino[4] == ino[0]
+    # and written over through kept mappings (PYCKPT_MAP_MIN_BYTES=1 here): each rank's files of the last two
+    # saves, its optimizer states and, on rank 0, the model states (ZeRO-3: every rank's)
+    assert all(n >= 2 for n in res["mapped"]) and res["mapped"][0] >= 4, res["mapped"]
 
 
 def test_what_does_not_fit_or_is_not_safe_goes_to_save_dir_with_one_line(tmp_path):
@@ -157,7 +169,8 @@ def test_a_job_that_ends_normally_leaves_its_newest_checkpoint_on_disk_and_nothi
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"cfg": dataclasses.asdict(cfg), "root": str(tmp_path), "steps": 5, "kill_at": None,
                                "persist_every": 3, "job": None, "other_job": {"save_dir": "durable-b", "step": 7}}))
-    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**ds_environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
+           "PYCKPT_MAP_MIN_BYTES": "1"}
     env.pop("PYCKPT_JOB_ID", None)
     with held_rendezvous() as rendezvous:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
