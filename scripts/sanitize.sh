@@ -43,7 +43,7 @@ if [ $# -eq 0 ]; then
   set -- tests/native/test_core.py tests/native/test_native_faults.py tests/native/test_archive_window.py \
     tests/dcp/test_dcp_hostile.py \
     tests/universal/test_hostile_paths_and_metadata.py tests/cli/test_hostile_cli_input.py \
-    tests/formats/test_torch_save_file.py \
+    tests/formats/test_torch_save_file.py tests/deepspeed/save/test_slot_save.py \
     $(ls tests/planning/test_properties.py tests/formats/test_fuzz.py tests/formats/test_fuzz_regressions.py 2>/dev/null)
 fi
 status=0
