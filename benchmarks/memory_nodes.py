@@ -14,7 +14,8 @@ data-parallel size (2 ranks), two ways per round, in alternating order:
 * ``deepspeed``: DeepSpeed's convert-then-load: ``ds_to_universal.py`` on OUT/durable's checkpoint
   (its wall time), then 2 ranks with ``"checkpoint": {"load_universal": true}`` and
   ``engine.load_checkpoint(OUT/universal)``;
-* ``pyckpt``: 2 ranks under ``pyckpt.deepspeed.enable(resume_tier=tier)`` and ``engine.load_checkpoint(OUT/durable)``:
+* ``pyckpt``: 2 ranks under ``pyckpt.deepspeed.enable(resume_tier=tier)`` (called before the engine is built, as
+  a job does) and ``engine.load_checkpoint(OUT/durable)``:
   the newest recoverable checkpoint is in memory (node 0's own share and node 1's replica), linked
   together and resharded straight from the shards.
 
@@ -118,9 +119,11 @@ def worker(mode: str, spec_path: str) -> int:
         engine.destroy()
         dist.barrier()
         return 0
-    engine = _engine(args, universal=mode == "deepspeed")
     if mode == "pyckpt":
+        # before the engine is built, as the manual has a job do: the node's newest memory files are read
+        # for their CRC-32 while the engine is built, not in the load
         pd.enable(resume_tier=tier)
+    engine = _engine(args, universal=mode == "deepspeed")
     dist.barrier()
     profile = os.environ.get("PYCKPT_BENCH_PROFILE") if rank == 0 else None  # a folder for rank 0's cProfile
     if profile:
