@@ -226,6 +226,9 @@ def worker(args) -> None:
             saved_step=engine.global_steps, saved_weights_sum=weights_sum())
         result["first_call"] = result["calls"][0]
         result["later_call"] = statistics.median(result["calls"][1:]) if n > 1 else None
+        # from the third save on, a tier that keeps two checkpoints writes over the oldest one's files
+        # (pyckpt) or its one buffer (DLRover): what a job saving every step pays for hours
+        result["steady_call"] = statistics.median(result["calls"][2:]) if n > 2 else None
         result["stall"] = statistics.median(result["calls"])
         result["step_with_save_over_plain"] = result["step_with_save"] / result["plain_step"]
         if rank == 0:
@@ -513,7 +516,8 @@ class Driver:
 
 def _brief(row: dict) -> dict:
     t, out = row.get("train", {}), {"round": row.get("round"), "way": row["way"]}
-    for k in ("plain_step", "stall", "first_call", "later_call", "step_with_save_over_plain", "skipped_saves"):
+    for k in ("plain_step", "stall", "first_call", "later_call", "steady_call", "step_with_save_over_plain",
+              "skipped_saves"):
         out[k] = t.get(k)
     for key in ("resume", "resume_evicted", "resume_no_tag"):
         if key in row:
@@ -535,7 +539,8 @@ def _medians(rows: list) -> dict:
             continue
         m: dict = {}
         if name == base:
-            for k in ("plain_step", "stall", "first_call", "later_call", "step_with_save", "step_with_save_over_plain"):
+            for k in ("plain_step", "stall", "first_call", "later_call", "steady_call", "step_with_save",
+                      "step_with_save_over_plain"):
                 vals = [r["train"][k] for r in mine if r["train"].get(k) is not None]
                 if vals:
                     m[k] = statistics.median(vals)
