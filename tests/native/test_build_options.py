@@ -3,12 +3,16 @@
 CMakeLists.txt's option PYCKPT_TESTING (default OFF) compiles csrc/bindings/register_testing.cpp and its
 registration; scripts/setup.sh turns it on for the test extras and scripts/sanitize.sh for the sanitizer
 build, while a plain `pip install .` leaves it off. The fast checks hold the installed test build to having
-the hooks and the library to never needing them; the slow one configures and builds the module both ways
-with the compiler and flags of CMakeLists.txt into a scratch folder and looks at what each build registers.
+the hooks and the library to never needing them; the slow one builds the release module with the compiler
+and flags of CMakeLists.txt into a scratch folder and looks at what it registers, then configures the same
+folder with the option and compiles what the option changes, by the commands CMake gives for them.
 """
 
+import json
 import os
 import pathlib
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,7 +48,9 @@ print(hasattr(_core, "write_archives"), hasattr(_core, "testing"))
 """
 
 
-def _configure(build: pathlib.Path, *defines: str) -> None:
+def _configure(build: pathlib.Path, *defines: str) -> dict:
+    """Configures ``build``; returns each source's compile command (CMAKE_EXPORT_COMPILE_COMMANDS, which changes
+    no flag): source path relative to ROOT -> (folder, argv)."""
     cmake = shutil.which("cmake")
     assert cmake, "cmake not found: building the native module needs it (as scripts/sanitize.sh does)"
     try:
@@ -55,7 +61,11 @@ def _configure(build: pathlib.Path, *defines: str) -> None:
     # Release, as pyproject.toml's [tool.scikit-build] cmake.build-type; CMakeLists.txt adds the rest.
     subprocess.run([cmake, "-S", str(ROOT), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
                     f"-DPython_EXECUTABLE={sys.executable}", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
-                    *defines], check=True, capture_output=True, text=True, timeout=300)
+                    "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON", *defines], check=True, capture_output=True, text=True,
+                   timeout=300)
+    entries = json.loads((build / "compile_commands.json").read_text())
+    return {str(pathlib.Path(e["file"]).resolve().relative_to(ROOT)):
+            (e["directory"], e["arguments"] if "arguments" in e else shlex.split(e["command"])) for e in entries}
 
 
 def _build(build: pathlib.Path) -> pathlib.Path:
@@ -79,15 +89,55 @@ def _registered(module: pathlib.Path):
     return works, testing, [name for name in HOOKS if name.encode() in data]
 
 
+MODULE = "csrc/bindings/module.cpp"
+TESTING = "csrc/bindings/register_testing.cpp"
+REGISTER = "pyckpt::bindings::register_testing(pybind11::module_&)"
+
+
+def _object(command) -> pathlib.Path:
+    folder, argv = command
+    return pathlib.Path(folder, argv[argv.index("-o") + 1])
+
+
+def _compiled(command) -> pathlib.Path:
+    """Runs one compile command as the build would; returns the object it wrote."""
+    folder, argv = command
+    subprocess.run(argv, cwd=folder, check=True, capture_output=True, text=True, timeout=300)
+    return _object(command)
+
+
+def _symbols(obj: pathlib.Path) -> dict:
+    """Demangled symbol -> its nm type letter ("T" defined, "U" needed) of an object file. The objects are GCC
+    LTO objects (pybind11's Release flags: -flto -fno-fat-lto-objects): gcc-nm reads their symbol tables."""
+    nm = shutil.which("gcc-nm") or shutil.which("nm")
+    assert nm, "gcc-nm not found: reading the objects' symbols needs binutils"
+    out = subprocess.run([nm, "-C", str(obj)], check=True, capture_output=True, text=True, timeout=60).stdout
+    lines = (re.match(r"\s*(?:[0-9a-fA-F]+\s+)?([A-Za-z])\s+(.+)$", line) for line in out.splitlines())
+    return {m.group(2): m.group(1) for m in lines if m}
+
+
 @pytest.mark.slow
 def test_a_release_build_has_no_hooks_and_the_option_adds_them(tmp_path):
     build = tmp_path / "build"
-    _configure(build)  # what `pip install .` configures: no PYCKPT_TESTING
+    release = _configure(build)  # what `pip install .` configures: no PYCKPT_TESTING
+    assert TESTING not in release and MODULE in release
     assert _registered(_build(build)) == (True, False, [])
-    # The same tree with the option (only the registration recompiles): the hooks are there, so it is the
-    # option, not the tree, that leaves them out above.
-    _configure(build, "-DPYCKPT_TESTING=ON")
-    assert _registered(_build(build)) == (True, True, list(HOOKS))
+    released = _symbols(_object(release[MODULE]))  # the registration's object in the module just built
+    assert REGISTER not in released and "pyckpt::bindings::register_fsops(pybind11::module_&)" in released
+    # The same tree with the option: every source compiles by the same command as above but the registration,
+    # which gains the define, and register_testing.cpp joins them; the registration then calls what
+    # register_testing.cpp defines. So the option, not the tree, leaves the hooks out above; that the test
+    # build (this CMakeLists.txt with the option, scripts/setup.sh) has every hook is
+    # test_the_installed_test_build_has_the_hooks. Only those two sources are compiled here: a link redoes
+    # the whole module's LTO code generation.
+    testing = _configure(build, "-DPYCKPT_TESTING=ON")
+    assert sorted(testing) == sorted([*release, TESTING])
+    assert [source for source in release if testing[source] != release[source]] == [MODULE]
+    folder, argv = testing[MODULE]
+    assert (folder, [arg for arg in argv if arg != "-DPYCKPT_TESTING"]) == release[MODULE]
+    assert argv.count("-DPYCKPT_TESTING") == 1
+    assert _symbols(_compiled(testing[MODULE])).get(REGISTER) == "U"
+    assert _symbols(_compiled(testing[TESTING])).get(REGISTER) == "T"
 
 
 def test_the_build_scripts_ask_for_the_hooks():
