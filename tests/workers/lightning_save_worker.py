@@ -10,11 +10,13 @@ DeepSpeed engine (ZeRO-2, bf16, a tiny Llama) and Lightning's checkpoint diction
 after four, into ``OUT/epoch=0-step=2.ckpt`` and ``OUT/epoch=0-step=4.ckpt``.
 
     torchrun --nproc_per_node W lightning_save_worker.py OUT TOKENIZER --mode none|atomic|async [--kill-second]
-        [--remove-first]
+        [--remove-first [--copy-first DIR]]
 
 ``--kill-second``: rank 1 SIGKILLs itself as its background write of the second save starts (async).
 ``--remove-first``: after the second save, Lightning's ``remove_checkpoint`` of the first, as
-``ModelCheckpoint(save_top_k=1)`` calls it.
+``ModelCheckpoint(save_top_k=1)`` calls it. ``--copy-first DIR``: rank 0 copies the first checkpoint to DIR just
+before asking its removal (the second save's call has joined the first save by then, so the copy is the first
+checkpoint as published), for a test to compare with stock's.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> int:
     ap.add_argument("--mode", choices=("none", "atomic", "async"), default="none")
     ap.add_argument("--kill-second", action="store_true")
     ap.add_argument("--remove-first", action="store_true")
+    ap.add_argument("--copy-first")
     args = ap.parse_args()
 
     import deepspeed
@@ -86,6 +89,10 @@ def main() -> int:
                           "callbacks": {}, "lr_schedulers": []}
             DeepSpeedStrategy.save_checkpoint(strategy, checkpoint, os.path.join(args.out, f"epoch=0-step={step}.ckpt"))
             if step == 4 and args.remove_first:  # what ModelCheckpoint(save_top_k=1) does next
+                if args.copy_first and rank == 0:
+                    import shutil
+
+                    shutil.copytree(os.path.join(args.out, "epoch=0-step=2.ckpt"), args.copy_first)
                 DeepSpeedStrategy.remove_checkpoint(strategy, os.path.join(args.out, "epoch=0-step=2.ckpt"))
                 print(f"rank {rank}: removal of step 2 asked", flush=True)
                 open(asked, "w").close()

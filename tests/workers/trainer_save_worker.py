@@ -56,10 +56,11 @@ def main() -> int:
     rank, _, tokenizer = hf.start_save_job(args.mode, args.tokenizer)
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    unslowed = None
     if args.slow_write:
         from pyckpt.deepspeed.save import async_save
 
-        write = async_save.write_files
+        write = unslowed = async_save.write_files
 
         def slow(*a, **k):  # the background write starts late: the steps after the save run meanwhile
             time.sleep(args.slow_write)
@@ -122,6 +123,8 @@ def main() -> int:
                        "best_model_checkpoint": trainer.state.best_model_checkpoint,
                        "weights": _digest(trainer.model)}, f)
     if args.extras:
+        if unslowed is not None:  # the extras slow the background write by their own amount
+            async_save.write_files = unslowed
         _extras(args, rank, tokenizer, data)
     return 0
 

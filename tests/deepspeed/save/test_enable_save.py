@@ -64,7 +64,8 @@ def hidden(run: Path) -> list:
 def runs(tmp_path_factory):
     """The same Trainer job three ways, each into a folder named alike (the Trainer records its output folder
     in training_args.bin): stock DeepSpeed, enable(save="atomic"), enable(save="async"), ZeRO-2; and ZeRO-3
-    stock and async."""
+    stock and async. The ZeRO-2 async run's background writes and model files are slowed by 3 s, so that the
+    steps after each save run during its write (test_async_steps_go_on_during_the_write)."""
     root = tmp_path_factory.mktemp("trainer-save")
     tokenizer = root / "tokenizer"
     made = {}
@@ -74,7 +75,8 @@ def runs(tmp_path_factory):
             # ZeRO-2 stock and async also run the worker's short extra jobs (callbacks, hub push, best-model
             # retention, a file where a checkpoint goes) into <out>/../extras
             extras = ("--extras", out.parent / "extras") if stage == 2 and mode != "atomic" else ()
-            launch(root, out, tokenizer, "--stage", stage, "--mode", mode, *extras)
+            slow = ("--slow-write", 3) if (stage, mode) == (2, "async") else ()
+            launch(root, out, tokenizer, "--stage", stage, "--mode", mode, *slow, *extras)
             made[(stage, mode)] = out
     return root, tokenizer, made
 
@@ -169,10 +171,9 @@ def test_resume_from_an_async_run_equals_resume_from_a_stock_one(runs, tmp_path,
     assert losses["async"] == losses["none"] and {"7", "8"} <= set(losses["none"])
 
 
-def test_async_steps_go_on_during_the_write(runs, tmp_path):
-    root, tokenizer, made = runs
-    out = tmp_path / "run"
-    launch(root, out, tokenizer, "--stage", 2, "--mode", "async", "--slow-write", 3)
+def test_async_steps_go_on_during_the_write(runs):
+    _, _, made = runs
+    out = made[(2, "async")]  # its writes slowed by 3 s (runs)
     result = json.loads((out / "result.json").read_text())
     (step2, _, returned), (step4, called4, returned4) = result["saves"][:2]
     assert (step2, step4) == (2, 4)
@@ -305,18 +306,17 @@ def test_lightning_deepspeed_strategy_save_checkpoint(runs, tmp_path):
     CPU: see the worker): the same folders as stock under enable(save="async"); a rank killed in the second
     save's background write leaves the first complete and no half-written tag folder in the second."""
     root, tokenizer, _ = runs
-    made = {}
-    for mode in ("none", "async"):
-        made[mode] = tmp_path / mode / "out"
-        launch(root, made[mode], tokenizer, "--mode", mode, worker=LIGHTNING)
-    stock, mine = files(made["none"]), files(made["async"])
-    assert "epoch=0-step=4.ckpt/checkpoint/mp_rank_00_model_states.pt" in mine
-    assert sorted(stock) == sorted(mine) and [k for k in stock if stock[k] != mine[k]] == []
-    # the removal of the older checkpoint (ModelCheckpoint's save_top_k=1) once the newer one is published
-    removed = tmp_path / "removed" / "out"
-    launch(root, removed, tokenizer, "--mode", "async", "--remove-first", worker=LIGHTNING)
+    stock, removed, first = tmp_path / "none" / "out", tmp_path / "async" / "out", tmp_path / "first"
+    launch(root, stock, tokenizer, "--mode", "none", worker=LIGHTNING)
+    # under async, the removal of the older checkpoint (ModelCheckpoint's save_top_k=1) asked after the second
+    # save's call, done once the newer one is published; rank 0 copied the first, as published, before asking
+    launch(root, removed, tokenizer, "--mode", "async", "--remove-first", "--copy-first", first, worker=LIGHTNING)
     assert sorted(os.listdir(removed)) == ["epoch=0-step=4.ckpt"]
-    assert {k: v for k, v in files(removed).items()} == {k: v for k, v in mine.items() if "step=4" in k}
+    stock = files(stock)
+    mine = files(removed) | {f"epoch=0-step=2.ckpt/{k}": v for k, v in files(first).items()}
+    assert "epoch=0-step=4.ckpt/checkpoint/mp_rank_00_model_states.pt" in mine
+    assert "epoch=0-step=2.ckpt/checkpoint/mp_rank_00_model_states.pt" in mine
+    assert sorted(stock) == sorted(mine) and [k for k in stock if stock[k] != mine[k]] == []
     # a rank killed in the second save's background write, after the removal of the first was asked: the first
     # stays whole (the second was never published), the second has no half-written tag folder
     killed = tmp_path / "killed" / "out"
