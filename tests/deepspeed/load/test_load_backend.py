@@ -152,40 +152,85 @@ def batched(universal, tmp_path_factory):
     return out
 
 
+# z2-bf16's run saved without universal_checkpoint_info (as --inject_missing_state does): DIRECT's "-nouc"
+NOUC = dataclasses.replace(CASES["z2-bf16"][0], uc_info=False)
+# Wide models for the page-cache counts (test_each_rank_brings_only_its_share_into_the_page_cache)
+PAGE_CASES = {"z2-fp32-wide": h.Config(2, "fp32", 2, model="wide"), "z3-fp32-wide": h.Config(3, "fp32", 2, model="wide")}
+
+
 @pytest.fixture(scope="session")
-def universal(tmp_path_factory):
-    """Every case's checkpoint, saved by DeepSpeed and converted by DeepSpeed's ds_to_universal."""
+def saved(tmp_path_factory):
+    """Every checkpoint this file reads, saved by DeepSpeed in one launch per world size (make_checkpoints) and
+    converted by one run of DeepSpeed's ds_to_universal: CASES, z2-bf16-nouc (trained right after z2-bf16, whose
+    converted folder its resume is compared with) and PAGE_CASES (last: nothing compares their values)."""
     base = tmp_path_factory.mktemp("load_backend")
     # Saved in a launch of its own, as the run without checkpoint it is compared with to the last bit
     # is: saved after a ZeRO-3 bf16 engine had trained in the same processes, its Adam moments
     # differed from a fresh run's in the last bit (the cause was not pinned down).
     alone = {"z2-fp32-groups"}
-    made = dict(zip([n for n in CASES if n not in alone],
-                    h.make_checkpoints([(cfg, base / n) for n, (cfg, _) in CASES.items() if n not in alone])))
+    batch = {}
+    for name, (cfg, _) in CASES.items():
+        if name not in alone:
+            batch[name] = cfg
+        if name == "z2-bf16":
+            batch["z2-bf16-nouc"] = NOUC
+    batch.update(PAGE_CASES)
+    made = dict(zip(batch, h.make_checkpoints([(cfg, base / name) for name, cfg in batch.items()])))
     for name in alone:
         made[name] = h.make_checkpoints([(CASES[name][0], base / name)])[0]
-    cks = [made[name] for name in CASES]
-    h.run_ds_to_universal_many([(ck.tag_dir, ck.root / TAG) for ck in cks])
-    for ck in cks:
+    converted = [made[name] for name in (*CASES, *PAGE_CASES)]
+    h.run_ds_to_universal_many([(ck.tag_dir, ck.root / TAG) for ck in converted])
+    for ck in converted:
         (ck.root / "latest_universal").write_text(TAG)
-    return {name: ck for name, ck in zip(CASES, cks)}
+    return made
 
 
 @pytest.fixture(scope="session")
-def loads(universal):
-    """Each case loaded at each target world size, stock and pyckpt in the same ranks: one launch per
-    world size."""
+def universal(saved):
+    """Every case's checkpoint, saved by DeepSpeed and converted by DeepSpeed's ds_to_universal."""
+    return {name: saved[name] for name in CASES}
+
+
+# Resuming straight from the ZeRO checkpoint: (case, target world size); "-nouc" reads the same run
+# saved without universal_checkpoint_info (as --inject_missing_state does) against the case's
+# converted folder.
+DIRECT = [(name, target) for name in ("z1-fp32", "z1-bf16", "z2-bf16", "z2-fp32-groups", "bf16_optimizer",
+                                      "z3-fp32-subgroups", "z3-bf16-frozen_tied", "z2-fp32-frozen_tied",
+                                      "z1-fp32-autoep", "z3-fp32-autoep", "z2-fp32-autotp", "z3-bf16-autotp")
+          for target in CASES[name][1]] + [("z2-bf16-nouc", 3)]
+DIRECT_IDS = [f"{n}-{_tid(t)}" for n, t in DIRECT]
+
+
+@pytest.fixture(scope="session")
+def launched(saved):
+    """Each case loaded at each target world size, stock and pyckpt in the same ranks ("run"), and each of
+    DIRECT resumed straight from its ZeRO checkpoint ("direct"): one launch per world size for both (a launch's
+    start costs more than most of its tasks), the AutoTP cases last (AutoTP leaves process-wide state behind:
+    see CASES)."""
     by_ws = {}
     for name, (cfg, targets) in CASES.items():
         for target in targets:
-            by_ws.setdefault(_target(cfg, target).world_size, []).append((name, target))
-    results = {}
+            task = _call("run", _target(cfg, target), root=str(saved[name].root), tag=TAG,
+                         correct=name in SHARED_STEP_DIVERGES | GROUP0_HYPER)
+            by_ws.setdefault(_target(cfg, target).world_size, []).append((("run", name, _tid(target)), task))
+    for name, target in DIRECT:
+        case = name.removesuffix("-nouc")
+        cfg = _target(CASES[case][0], target)
+        extra = {"direct_root": str(saved[name].root)} if name.endswith("-nouc") else {}
+        task = _call("direct", cfg, root=str(saved[case].root), tag=TAG, **extra)
+        by_ws.setdefault(cfg.world_size, []).append((("direct", name, _tid(target)), task))
+    results = {"run": {}, "direct": {}}
     for ws, items in sorted(by_ws.items()):
-        tasks = [_call("run", _target(CASES[name][0], target), root=str(universal[name].root), tag=TAG,
-                       correct=name in SHARED_STEP_DIVERGES | GROUP0_HYPER) for name, target in items]
-        for (name, target), res in zip(items, _launch(ws, tasks, None, f"load backend ws{ws}", 300)):
-            results[name, _tid(target)] = res["ranks"]
+        items.sort(key=lambda item: item[0][1].endswith("-autotp"))  # stable: the rest keep their order
+        for (way, name, target), res in zip([k for k, _ in items], _launch(ws, [t for _, t in items], None,
+                                                                          f"load backend ws{ws}", 300 * 2)):
+            results[way][name, target] = res["ranks"]
     return results
+
+
+@pytest.fixture(scope="session")
+def loads(launched):
+    return launched["run"]
 
 
 PAIRS = [(name, _tid(t)) for name, (_, targets) in CASES.items() for t in targets]
@@ -495,34 +540,9 @@ def test_fuzz_universal_load_state_files(universal, tmp_path):
     print(outcomes)
 
 
-# Resuming straight from the ZeRO checkpoint: (case, target world size); "-nouc" reads the same run
-# saved without universal_checkpoint_info (as --inject_missing_state does) against the case's
-# converted folder.
-DIRECT = [(name, target) for name in ("z1-fp32", "z1-bf16", "z2-bf16", "z2-fp32-groups", "bf16_optimizer",
-                                      "z3-fp32-subgroups", "z3-bf16-frozen_tied", "z2-fp32-frozen_tied",
-                                      "z1-fp32-autoep", "z3-fp32-autoep", "z2-fp32-autotp", "z3-bf16-autotp")
-          for target in CASES[name][1]] + [("z2-bf16-nouc", 3)]
-DIRECT_IDS = [f"{n}-{_tid(t)}" for n, t in DIRECT]
-
-
 @pytest.fixture(scope="session")
-def direct_loads(universal, tmp_path_factory):
-    base = tmp_path_factory.mktemp("direct")
-    nouc = h.make_checkpoints([(dataclasses.replace(CASES["z2-bf16"][0], uc_info=False), base / "z2-bf16-nouc")])[0]
-    by_ws = {}
-    for name, target in DIRECT:
-        case = name.removesuffix("-nouc")
-        cfg = _target(CASES[case][0], target)
-        by_ws.setdefault(cfg.world_size, []).append((name, case, cfg, target))
-    results = {}
-    for ws, items in sorted(by_ws.items()):
-        tasks = []
-        for name, case, cfg, _ in items:
-            extra = {"direct_root": str(nouc.root)} if name.endswith("-nouc") else {}
-            tasks.append(_call("direct", cfg, root=str(universal[case].root), tag=TAG, **extra))
-        for (name, _, _, target), res in zip(items, _launch(ws, tasks, None, f"direct resume ws{ws}", 300)):
-            results[name, _tid(target)] = res["ranks"]
-    return results
+def direct_loads(launched):
+    return launched["direct"]
 
 
 @pytest.mark.parametrize("name,target", DIRECT, ids=DIRECT_IDS)
@@ -745,15 +765,9 @@ def test_a_broken_zero_checkpoint_fails_every_rank_and_changes_nothing(batched):
         assert x["changed"] == [], (rank, x["changed"])
 
 
-PAGE_CASES = {"z2-fp32-wide": h.Config(2, "fp32", 2, model="wide"), "z3-fp32-wide": h.Config(3, "fp32", 2, model="wide")}
-
-
 @pytest.fixture(scope="session")
-def wide(tmp_path_factory):
-    base = tmp_path_factory.mktemp("wide")
-    cks = h.make_checkpoints([(cfg, base / name) for name, cfg in PAGE_CASES.items()])
-    h.run_ds_to_universal_many([(ck.tag_dir, ck.root / TAG) for ck in cks])
-    return {name: ck for name, ck in zip(PAGE_CASES, cks)}
+def wide(saved):
+    return {name: saved[name] for name in PAGE_CASES}
 
 
 PAGE_HOWS = ("universal", "direct")
