@@ -3,7 +3,7 @@
 
     torchrun --nproc_per_node W trainer_save_worker.py OUT TOKENIZER --stage S --mode none|atomic|async
         [--steps N] [--resume] [--slow-write SECONDS] [--kill POINT --kill-step K] [--best first|last]
-        [--extras DIR]
+        [--best-runs DIR] [--extras DIR]
 
 A LlamaForCausalLM with tied embeddings in bf16 (DeepSpeed's mixed precision), ``save_steps=2``,
 ``save_total_limit=2``, a linear schedule. ``--resume`` continues OUT's run from
@@ -18,7 +18,9 @@ Rank 0 writes OUT/result.json: the losses by step, the global step, the
 time each save call took, for each step when it started and, with ``--slow-write``, when each checkpoint's
 model files were written (to show the steps going on during a write), and how many storages of each
 asynchronous save's model clones (the Trainer's, for model.safetensors) were filled from DeepSpeed's snapshot.
-``--extras DIR``: after that job, more short ones in the same process (see :func:`_extras`).
+``--best-runs DIR``: after that job, the same job with ``--best first`` and with ``--best last``, ``--slow-write 2``,
+in the same process, into DIR/first/run and DIR/last/run.
+``--extras DIR``: after those, more short ones in the same process (see :func:`_extras`).
 """
 
 from __future__ import annotations
@@ -51,82 +53,98 @@ def main() -> int:
     ap.add_argument("--kill-step", type=int, default=4)
     ap.add_argument("--best", choices=("first", "last"))
     ap.add_argument("--extras")
+    ap.add_argument("--best-runs")
     args = ap.parse_args()
 
     rank, _, tokenizer = hf.start_save_job(args.mode, args.tokenizer)
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    unslowed = None
-    if args.slow_write:
-        from pyckpt.deepspeed.save import async_save
-
-        write = unslowed = async_save.write_files
-
-        def slow(*a, **k):  # the background write starts late: the steps after the save run meanwhile
-            time.sleep(args.slow_write)
-            return write(*a, **k)
-        async_save.write_files = slow
-
-    model = hf.make_model({"model": "llama", "tie": True}, len(tokenizer))
-    ds = hf.ds_config({"stage": args.stage, "dtype": "bf16"})
-    ds.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
-    targs = TrainingArguments(output_dir=args.out, deepspeed=ds, per_device_train_batch_size=2,
-                              max_steps=args.steps + (2 if args.resume else 0), save_strategy="steps", save_steps=2,
-                              save_total_limit=2, logging_steps=1, learning_rate=1e-2, report_to=[], use_cpu=True,
-                              seed=1234, bf16=True, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1,
-                              **_best_args(args.best))
-    ids = hf.batch(tokenizer)
-    data = [{"input_ids": row, "labels": row} for _ in range(8) for row in ids]
-    starts, saves, model_written, filled_from_snapshot = {}, [], {}, []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            starts[state.global_step + 1] = time.time()
-
-    trainer = Trainer(model=model, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()],
-                      eval_dataset=data[:2] if args.best else None)
-    if args.mode == "async":
-        from pyckpt.deepspeed.save.shared_copies import SharedCopies
-
-        resolve = SharedCopies.resolve
-
-        def counted(self):
-            fill = resolve(self)
-            filled_from_snapshot.append(self.from_snapshot)
-            return fill
-        SharedCopies.resolve = counted
-    if args.slow_write:
-        model_files = trainer._save
-
-        def slow_model_files(output_dir, *a, **k):
-            time.sleep(args.slow_write)
-            model_files(output_dir, *a, **k)
-            model_written[os.path.basename(output_dir)] = time.time()
-        trainer._save = slow_model_files
-    if args.kill:
-        _arm(args.kill, args.kill_step, trainer, rank)
-    save = trainer._save_checkpoint
-
-    def timed(model, trial):
-        t0 = time.time()
-        save(model, trial)
-        saves.append((trainer.state.global_step, t0, time.time()))
-    trainer._save_checkpoint = timed
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
-    losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
-    if rank == 0:
-        with open(os.path.join(args.out, "result.json" if not args.resume else "result_resume.json"), "w") as f:
-            json.dump({"losses": losses, "global_step": trainer.state.global_step, "saves": saves,
-                       "starts": starts, "model_written": model_written,
-                       "filled_from_snapshot": filled_from_snapshot,
-                       "state_dict_entries": len(trainer.model.state_dict()),
-                       "best_model_checkpoint": trainer.state.best_model_checkpoint,
-                       "weights": _digest(trainer.model)}, f)
+    data = _job(args, rank, tokenizer)
+    if args.best_runs:  # before the extras, which leave their own slowed write in place
+        for best in ("first", "last"):
+            _job(argparse.Namespace(**{**vars(args), "out": os.path.join(args.best_runs, best, "run"), "best": best,
+                                       "slow_write": 2.0}), rank, tokenizer)
     if args.extras:
-        if unslowed is not None:  # the extras slow the background write by their own amount
-            async_save.write_files = unslowed
         _extras(args, rank, tokenizer, data)
     return 0
+
+
+def _job(args, rank: int, tokenizer) -> list:
+    """The job of the module doc into args.out; what it patched in this process is put back when it ends (the
+    next job here starts from the same code). Returns its training data."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    restore = []
+    try:
+        if args.slow_write:
+            from pyckpt.deepspeed.save import async_save
+
+            write = async_save.write_files
+            restore.append((async_save, "write_files", write))
+
+            def slow(*a, **k):  # the background write starts late: the steps after the save run meanwhile
+                time.sleep(args.slow_write)
+                return write(*a, **k)
+            async_save.write_files = slow
+
+        model = hf.make_model({"model": "llama", "tie": True}, len(tokenizer))
+        ds = hf.ds_config({"stage": args.stage, "dtype": "bf16"})
+        ds.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
+        targs = TrainingArguments(output_dir=args.out, deepspeed=ds, per_device_train_batch_size=2,
+                                  max_steps=args.steps + (2 if args.resume else 0), save_strategy="steps", save_steps=2,
+                                  save_total_limit=2, logging_steps=1, learning_rate=1e-2, report_to=[], use_cpu=True,
+                                  seed=1234, bf16=True, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1,
+                                  **_best_args(args.best))
+        ids = hf.batch(tokenizer)
+        data = [{"input_ids": row, "labels": row} for _ in range(8) for row in ids]
+        starts, saves, model_written, filled_from_snapshot = {}, [], {}, []
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, a, state, control, **kw):
+                starts[state.global_step + 1] = time.time()
+
+        trainer = Trainer(model=model, args=targs, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()],
+                          eval_dataset=data[:2] if args.best else None)
+        if args.mode == "async":
+            from pyckpt.deepspeed.save.shared_copies import SharedCopies
+
+            resolve = SharedCopies.resolve
+            restore.append((SharedCopies, "resolve", resolve))
+
+            def counted(self):
+                fill = resolve(self)
+                filled_from_snapshot.append(self.from_snapshot)
+                return fill
+            SharedCopies.resolve = counted
+        if args.slow_write:
+            model_files = trainer._save
+
+            def slow_model_files(output_dir, *a, **k):
+                time.sleep(args.slow_write)
+                model_files(output_dir, *a, **k)
+                model_written[os.path.basename(output_dir)] = time.time()
+            trainer._save = slow_model_files
+        if args.kill:
+            _arm(args.kill, args.kill_step, trainer, rank)
+        save = trainer._save_checkpoint
+
+        def timed(model, trial):
+            t0 = time.time()
+            save(model, trial)
+            saves.append((trainer.state.global_step, t0, time.time()))
+        trainer._save_checkpoint = timed
+        trainer.train(resume_from_checkpoint=True if args.resume else None)
+        losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+        if rank == 0:
+            with open(os.path.join(args.out, "result.json" if not args.resume else "result_resume.json"), "w") as f:
+                json.dump({"losses": losses, "global_step": trainer.state.global_step, "saves": saves,
+                           "starts": starts, "model_written": model_written,
+                           "filled_from_snapshot": filled_from_snapshot,
+                           "state_dict_entries": len(trainer.model.state_dict()),
+                           "best_model_checkpoint": trainer.state.best_model_checkpoint,
+                           "weights": _digest(trainer.model)}, f)
+    finally:
+        for owner, name, value in reversed(restore):
+            setattr(owner, name, value)
+    return data
 
 
 COMBOS = {f"limit{limit}-{metric or 'nometric'}-{'loadbest' if load else 'noload'}": (limit, metric, load)

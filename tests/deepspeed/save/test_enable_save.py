@@ -65,7 +65,8 @@ def runs(tmp_path_factory):
     """The same Trainer job three ways, each into a folder named alike (the Trainer records its output folder
     in training_args.bin): stock DeepSpeed, enable(save="atomic"), enable(save="async"), ZeRO-2; and ZeRO-3
     stock and async. The ZeRO-2 async run's background writes and model files are slowed by 3 s, so that the
-    steps after each save run during its write (test_async_steps_go_on_during_the_write)."""
+    steps after each save run during its write (test_async_steps_go_on_during_the_write); the same launch then
+    runs the job with --best first and --best last (test_the_best_checkpoint_is_kept_...)."""
     root = tmp_path_factory.mktemp("trainer-save")
     tokenizer = root / "tokenizer"
     made = {}
@@ -75,7 +76,8 @@ def runs(tmp_path_factory):
             # ZeRO-2 stock and async also run the worker's short extra jobs (callbacks, hub push, best-model
             # retention, a file where a checkpoint goes) into <out>/../extras
             extras = ("--extras", out.parent / "extras") if stage == 2 and mode != "atomic" else ()
-            slow = ("--slow-write", 3) if (stage, mode) == (2, "async") else ()
+            # ZeRO-2 async also runs the job with --best first and last into <out>/../best (the best checkpoint)
+            slow = ("--slow-write", 3, "--best-runs", out.parent / "best") if (stage, mode) == (2, "async") else ()
             launch(root, out, tokenizer, "--stage", stage, "--mode", mode, *slow, *extras)
             made[(stage, mode)] = out
     return root, tokenizer, made
@@ -192,7 +194,7 @@ def test_async_steps_go_on_during_the_write(runs):
 
 
 @pytest.mark.parametrize("best", ["first", "last"])
-def test_the_best_checkpoint_is_kept_and_loaded_as_stock_keeps_and_loads_it(runs, tmp_path, best):
+def test_the_best_checkpoint_is_kept_and_loaded_as_stock_keeps_and_loads_it(runs, best):
     """load_best_model_at_end under enable(save="async"): the rotation keeps the best checkpoint beside the newest
     (as stock transformers does: checkpoint-2 and checkpoint-6 when the best is the first, 4 and 6 when it is the
     last), and the best one is what the model holds after train(), loaded even when it is the last, whose
@@ -202,9 +204,8 @@ def test_the_best_checkpoint_is_kept_and_loaded_as_stock_keeps_and_loads_it(runs
     import torch
     from safetensors.torch import load_file
 
-    root, tokenizer, _ = runs
-    out = tmp_path / "run"
-    launch(root, out, tokenizer, "--stage", 2, "--mode", "async", "--best", best, "--slow-write", 2)
+    _, _, made = runs
+    out = made[(2, "async")].parent / "best" / best / "run"  # --best, --slow-write 2, in the ZeRO-2 async launch
     result = json.loads((out / "result.json").read_text())
     assert visible(out) == (["checkpoint-2", "checkpoint-6"] if best == "first" else ["checkpoint-4", "checkpoint-6"])
     assert hidden(out) == []
