@@ -50,32 +50,35 @@ SLOW_TESTS = {"test_failing_rank_fails_the_launch_fast", "test_structure_matches
               "test_run_quick", "test_run_quick_export"}
 
 
-# The longest files first (their seconds in a 3-process run on 2 cores, 2026-11), so that none of them starts
-# while the other processes are finishing: a file runs on one process from start to end (--dist loadfile), and
-# one started last (a compile, a benchmark) was the run's whole tail. The others keep collection order and fill
-# in behind them; they also keep every process busy while one of them builds the shared checkpoints (built_once).
-FIRST = ("test_enable_save.py",        # ~1150 s
-         "test_load_backend.py",       # ~940
-         "test_build_options.py",      # ~770: a release build of the native module from scratch
-         "test_benchmarks_quick.py",   # ~500
-         "test_memory_nodes.py",       # ~500
-         "test_docs.py",               # ~400
-         "test_memory_tier.py",        # ~390
-         "test_hf_client.py",          # ~360
-         "test_dcp_import.py",         # ~290
-         "test_reshard_clients.py",    # ~270
-         "test_save_glue.py",          # ~250
-         "test_fuzz.py",               # ~190
-         "test_memory_trainer.py",     # ~190
-         "test_dsharness.py",          # ~175
-         "test_async_save.py",         # ~170
-         "test_distributed_convert.py",  # ~150
-         "test_device_scripts.py",     # ~140
-         "test_torch_save_file.py",    # ~120
-         "test_properties.py",         # ~110
-         "test_native_faults.py",      # ~100
-         "test_trl_client.py",         # ~80 (40 alone): two launches, each four SFTTrainer jobs
-         "test_demo.py", "test_dcp_to_universal.py", "test_make_checkpoint.py")
+# The longest files first (their seconds in a 3-process run on 2 cores, 2026-11-28, less what was cut since, from
+# measurements alone), so that none of them starts while the other processes are finishing: a file runs on one
+# process from start to end (--dist loadfile), and one started last (a compile, a benchmark) was the run's whole
+# tail. The others keep collection order and fill in behind them; they also keep every process busy while one of
+# them builds the shared checkpoints (built_once).
+FIRST = ("test_enable_save.py",        # ~740 s
+         "test_load_backend.py",       # ~460
+         "test_memory_nodes.py",       # ~350
+         "test_docs.py",               # ~300
+         "test_benchmarks_quick.py",   # ~260
+         "test_memory_tier.py",        # ~240
+         "test_build_options.py",      # ~200: a release build of the native module from scratch
+         "test_hf_client.py",          # ~200
+         "test_dcp_import.py",         # ~180
+         "test_dsharness.py",          # ~140
+         "test_reshard_clients.py",    # ~120
+         "test_fuzz.py",               # ~120
+         "test_save_glue.py",          # ~120
+         "test_distributed_convert.py",  # ~115
+         "test_async_save.py",         # ~115
+         "test_memory_trainer.py",     # ~85
+         "test_demo.py",               # ~75
+         "test_torch_save_file.py",    # ~70
+         "test_dcp_to_universal.py",   # ~50
+         "test_trl_client.py",         # ~45: two launches, each four SFTTrainer jobs
+         "test_make_checkpoint.py",    # ~40
+         "test_device_scripts.py",     # ~40
+         "test_native_faults.py",      # ~40
+         "test_properties.py")         # ~30
 
 
 def pytest_collection_modifyitems(config, items):
