@@ -179,8 +179,10 @@ def _read_fresh(path):
     import subprocess
     import sys
 
+    # from the file's folder: from the repository's root `import pyckpt` would find the source folder, which
+    # has no native module (the installed package is the one under test)
     proc = subprocess.run([sys.executable, "-c", _READ_IN_A_FRESH_PROCESS, str(path)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, cwd=str(path.parent))
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().splitlines()[-1].split(maxsplit=2)  # after any line DeepSpeed logs
 
