@@ -73,7 +73,12 @@ class Publisher:
             if os.path.lexists(self.output) and not self.overwrite:
                 raise OutputExistsError(f"{self.output} already exists (pass --overwrite to replace it)")
             os.mkdir(self.staging)
-        except BaseException:
+        except BaseException as exc:
+            # An interrupt (Ctrl-C) can land after mkdir returned, before this method did: the folder is
+            # this run's then (the lock is held and clean() just ran), and nothing else would remove it.
+            # A FileExistsError from mkdir itself is the one case where it is not.
+            if not isinstance(exc, FileExistsError) and os.path.lexists(self.staging):
+                shutil.rmtree(self.staging, ignore_errors=True)
             self._release()
             raise
         return self

@@ -5,6 +5,7 @@ Runs are real `python -m pyckpt.convert` processes. A kill lands at a named step
 PYCKPT_TEST_KILL_AT hook (SIGKILL: no clean-up code runs), or at a barrier inside the copy that the
 test waits for before signalling the process."""
 
+import errno
 import os
 import resource
 import select
@@ -214,6 +215,47 @@ def test_clean_removes_orphans_of_any_host_and_legacy_names(tmp_path):
     code, err = _run("--clean", out)
     assert code == 0, err
     assert sorted(os.listdir(tmp_path)) == [".v.pyckpt-tmp-otherhost-1-aaaa", "u"]
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
+def test_an_interrupt_right_after_staging_is_made_leaves_nothing(error, tmp_path, monkeypatch):
+    # Ctrl-C is taken at the first bytecode after a call returns: right after mkdir made the staging
+    # folder, before the context manager had returned it (seen in CI as a stale .u.pyckpt-tmp-*)
+    from pyckpt.execution import publisher
+
+    made, real_mkdir = [], os.mkdir
+
+    def mkdir_then_fail(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)
+        made.append(path)
+        raise error()
+
+    monkeypatch.setattr(publisher.os, "mkdir", mkdir_then_fail)
+    with pytest.raises(error):
+        with publisher.Publisher(str(tmp_path / "u")):
+            pass
+    monkeypatch.undo()
+    assert len(made) == 1 and made[0].startswith(str(tmp_path / ".u.pyckpt-tmp-"))
+    assert stale_entries(str(tmp_path), "u") == [] and os.listdir(tmp_path) == []  # the lock released too
+
+
+def test_a_staging_folder_mkdir_found_is_not_removed(tmp_path, monkeypatch):
+    # mkdir refusing with EEXIST means the folder was not made by this run: it is left to its maker
+    from pyckpt.execution import publisher
+
+    real_mkdir = os.mkdir
+
+    def another_made_it(path, *args, **kwargs):
+        real_mkdir(path)
+        (tmp_path / os.path.basename(path) / "theirs").write_text("x")
+        raise FileExistsError(errno.EEXIST, "File exists", path)
+
+    monkeypatch.setattr(publisher.os, "mkdir", another_made_it)
+    with pytest.raises(FileExistsError):
+        with publisher.Publisher(str(tmp_path / "u"), owner="shared"):
+            pass
+    monkeypatch.undo()
+    assert (tmp_path / ".u.pyckpt-tmp-shared" / "theirs").read_text() == "x"
 
 
 def test_clean_does_not_touch_a_live_run(ckpt, tmp_path):
