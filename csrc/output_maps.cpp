@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <utility>
 
 #include "errors.hpp"
@@ -133,6 +134,29 @@ bool done(const uint8_t* base) {
         return false;
     }
     return true;
+}
+
+void prepare(int dir_fd, const std::string& name, uint64_t size, const std::string& path, bool map) {
+    if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
+        name.find('\0') != std::string::npos)
+        throw std::invalid_argument("prepare: not a file name: " + path);
+    UniqueFd fd(::openat(dir_fd, name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (!fd) throw_errno("create", path);
+    if (size > 0) {
+        // fallocate, not ftruncate: tmpfs allocates (and zeroes) the pages now, not at the first write
+        const int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(size));
+        if (rc != 0) throw_errno_code(rc, "fallocate", path);
+    }
+    if (size == 0) return;
+    if (map && size >= min_bytes()) {
+        if (uint8_t* base = acquire(fd.get(), size, path)) done(base);
+        return;
+    }
+    // tmpfs defers zeroing a fallocated page to its first access: touch every page now (a read
+    // fault is enough) through a mapping dropped at once, so the writer's first access is cheap.
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
+    if (p == MAP_FAILED) throw_errno("mmap", path);
+    ::munmap(p, size);
 }
 
 void release_all() {

@@ -39,6 +39,16 @@ uint8_t* acquire(int fd, uint64_t size, const std::string& path);
 // Gives back a mapping acquire() returned. Returns false if its file shrank under it while held
 // (the bytes written past the new end went nowhere); the entry is then dropped.
 bool done(const uint8_t* base);
+// Creates the file `name` (one component: no '/', not "." or "..") in the open folder `dir_fd`,
+// never over an existing entry nor through a link, with `size` bytes allocated now
+// (posix_fallocate) and touched (tmpfs zeroes a fallocated page at its first access), and, with
+// `map` and from min_bytes() up, its mapping cached as acquire() caches one (a process keeps the
+// mappings of only the files it will write itself). A later
+// call that writes this file over in place then copies into pages already allocated and mapped:
+// the allocation is paid here, off the caller's critical path. `path` names the file in errors.
+// Throws std::system_error (ENOSPC when the folder's filesystem is full; the file is then left
+// for the caller's clean-up of the folder) or std::invalid_argument for a bad name.
+void prepare(int dir_fd, const std::string& name, uint64_t size, const std::string& path, bool map);
 // Unmaps every cached mapping no call holds.
 void release_all();
 // How many mappings are cached and their bytes (for tests and diagnostics).

@@ -146,6 +146,17 @@ void register_executor(py::module_& m) {
     m.def("release_output_maps", [] { pyckpt::output_maps::release_all(); },
           "Unmap the writable mappings write_archives(reuse_outputs=True) keeps of files it wrote over in place "
           "(the memory of removed files is returned at once instead of at the next such call).");
+    m.def(
+        "prepare_output_map",
+        [](int dir_fd, const std::string& name, uint64_t size, const std::string& path, bool map) {
+            py::gil_scoped_release release;
+            pyckpt::output_maps::prepare(dir_fd, name, size, path, map);
+        },
+        py::arg("dir_fd"), py::arg("name"), py::arg("size"), py::arg("path"), py::arg("map") = true,
+        "Create the new file NAME in the open folder DIR_FD (no link followed, never an existing entry) with SIZE "
+        "bytes allocated now and, with MAP and from the mapping threshold up, a writable mapping kept as "
+        "write_archives keeps one (map only the files this process will write): a later write_archives(reuse_outputs=True) over this file copies into pages already allocated and "
+        "mapped. PATH names the file in errors. The GIL is released.");
     m.def("output_maps_info", [] {
               py::dict d;
               d["count"] = pyckpt::output_maps::count();

@@ -578,6 +578,7 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
     tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="job1", keep=2, persist_every=2)
     engine = _engine(cfg, ws, rank, 1)
     results = []
+    ahead = None
     inodes = []  # per save, the inode of each of DeepSpeed's files in the memory folder
     folder = tier.folder()
     for s in range(1, 6):
@@ -588,6 +589,12 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
         tag_dir = os.path.join(folder, f"s{s}")
         inodes.append({n: os.stat(os.path.join(tag_dir, n)).st_ino for n in sorted(os.listdir(tag_dir))
                        if n.endswith(".pt")})
+        if s == 1 and rank == 0:  # the node's leader made the second save's slot ahead, from s1's layout
+            from pyckpt.deepspeed.tiers import free_slot
+
+            free_slot.settle(folder)
+            slot = free_slot.path(folder)
+            ahead = {n: os.stat(os.path.join(slot, n)).st_ino for n in sorted(os.listdir(slot)) if n.endswith(".pt")}
     from pyckpt import _core
 
     mapped = _core.output_maps_info()["count"]  # this rank's files written over through a kept mapping
@@ -612,7 +619,7 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
             "mode": mode, "path": path, "log": _gather(log), "stock_path": str(stock_path),
             "vs_stock": compare_states(stock, resumed), "vs_save": compare_states(at_save, resumed),
             "latest_durable": open(os.path.join(durable, "latest")).read(), "inodes": inodes,
-            "vs_deepspeed": vs_deepspeed, "mapped": _gather(mapped)}
+            "vs_deepspeed": vs_deepspeed, "mapped": _gather(mapped), "ahead": ahead}
 
 
 def memory_refusals(task: dict, rank: int, ws: int) -> dict:

@@ -77,6 +77,7 @@ def save_to_memory(engine, request: SaveRequest, memory: MemoryTier, persist: bo
     # One persistence at a time, and never of a checkpoint this save's pruning could remove: the
     # previous one is joined next (the leaders hold it; a failure was logged there).
     join_all(engine)
+    free_slot.settle()  # the slot a previous save's leader was making: its pages count as reusable below
     # The same arrival as every save: ranks that disagree on memory= meet here and in the one gather
     # below, which the others take for their preflight; both sides then see the difference and stop.
     arrival = Arrival("save", group.rank, group.size)
@@ -115,7 +116,7 @@ def save_to_memory(engine, request: SaveRequest, memory: MemoryTier, persist: bo
     links = nodes(group, memory.folder, memory.keep, memory.job_name)
     links.model = model
     links.owner = lambda m: owns(m, identity, run)
-    share = NodeShare(links, identity, run, model, memory.keep, memory.root_path, group.size)
+    share = NodeShare(links, identity, run, model, memory.keep, memory.root_path, group.size, memory.limit_bytes)
     if links.leader:
         _leave_at_exit(memory, links, folder, save_dir, request.fsync, identity, run)
         restore = os.path.join(folder, RESTORE)
@@ -200,6 +201,7 @@ def _leave() -> None:
             continue
         try:
             wait_for_saves()
+            free_slot.settle()
             if links.sender is not None:
                 links.sender.flush(EXIT_TIMEOUT)
             record = read_record(memory.root_path, memory.job_name)

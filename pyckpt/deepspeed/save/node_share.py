@@ -27,7 +27,7 @@ from ..tiers import free_slot
 from ..tiers import node_manifest as nm
 from ..tiers.job_identity import Identity, claim, owns
 from ..tiers.links import Nodes
-from ..tiers.memory_root import node_folders
+from ..tiers.memory_root import budget, fits, node_folders
 from .destination import Destination
 from .outcome import failed_ranks
 from .request import SaveRequest
@@ -44,7 +44,7 @@ class NodeShare(Destination):
     background = False
 
     def __init__(self, links: Nodes, identity: Identity, run: str, model: str, keep: int, root: str,
-                 world_size: int):
+                 world_size: int, limit: Optional[int] = None):
         self.links = links
         self.identity = identity
         self.job = identity.job
@@ -53,6 +53,7 @@ class NodeShare(Destination):
         self.keep = keep
         self.root = root
         self.world_size = world_size
+        self.limit = limit  # the tier's byte limit (MemoryTier.limit_bytes)
         self.save_id: Optional[str] = None
         self.published: Optional[str] = None  # this node's tag folder once published
 
@@ -100,7 +101,8 @@ class NodeShare(Destination):
         if self.leader:
             known = {name: (size, crc) for r, g in enumerate(gathered) if self.links.node_of(r) == self.node
                      for name, size, crc in g[1]}
-            result = self._publish(publisher, [g[0] for g in gathered], request.tag, engine.global_steps, known)
+            result = self._publish(publisher, [g[0] for g in gathered], request.tag, engine.global_steps, known,
+                                   mine={name for name, _, _ in described})
         return self.outcome(group.all_gather(result))
 
     def _check(self, pre: List[dict], tag: str) -> Optional[str]:
@@ -130,9 +132,10 @@ class NodeShare(Destination):
         return None
 
     def _publish(self, publisher: Publisher, outcomes: List[Optional[str]], tag: str, step: int,
-                 known: Optional[dict] = None) -> Tuple[bool, Optional[str]]:
+                 known: Optional[dict] = None, mine=frozenset()) -> Tuple[bool, Optional[str]]:
         """This node's leader: the share described and published (or its staging let go). ``known``:
-        {name: (size, CRC-32)} of the files written in place (their CRCs computed as they were written)."""
+        {name: (size, CRC-32)} of the files written in place (their CRCs computed as they were written);
+        ``mine``: the names of the files this process wrote."""
         bad = [(r, m) for r, m in enumerate(outcomes) if m]
         if bad:
             return False, (f"checkpoint {tag} was not saved in the memory tier: "
@@ -142,9 +145,9 @@ class NodeShare(Destination):
             claim(self.root, self.identity, self.run)  # the folder is this job's run's before a share is in it
             first, count = self.links.ranks[self.node]
             os.chmod(publisher.staging, 0o700)  # a share's folder is as private as the folders above it
+            files = tuple(nm.describe(publisher.staging, known))
             manifest = nm.NodeManifest(self.save_id, self.job, tag, int(step), self.node, self.nodes, self.world_size,
-                                       (first, count), self.model, tuple(nm.describe(publisher.staging, known)), self.run,
-                                       self.identity.save_dir)
+                                       (first, count), self.model, files, self.run, self.identity.save_dir)
             nm.write(publisher.staging, manifest)
             problem = self.replace_problem(publisher.output)
             if problem:
@@ -160,14 +163,21 @@ class NodeShare(Destination):
             free_slot.discard(folder)
             # the run's shares here, read once for both prunings (each read stats every listed file)
             found = [(path, m) for path, m in nm.shares(folder) if self.mine(m) and m.model == self.model]
-            nm.prune(folder, self.keep, self.mine, self.model, protect=(tag, ), found=found,
-                     remove=lambda path: free_slot.retire(folder, path))
+            retired = nm.prune(folder, self.keep, self.mine, self.model, protect=(tag, ), found=found,
+                               remove=lambda path: free_slot.retire(folder, path))
             self._prune_stale(folder, found)
+            if len(found) - len(retired) < max(self.keep, 2):  # the next save retires no share: make its slot now
+                free_slot.prepare_ahead(folder, [(name, size) for name, size, _ in files], self._room, mine)
         except Exception as exc:  # the checkpoint is in place; say why older ones stay
             log.warning("pyckpt: the memory tier could not prune %s: %s", folder, describe_failure(exc))
         if self.links.sender is not None:
             self.links.sender.offer(publisher.output, tag)
         return True, None
+
+    def _room(self, nbytes: int) -> Optional[str]:
+        """Why ``nbytes`` more do not fit this job's part of the memory root now (None: they do), as a
+        checkpoint's are judged before a save."""
+        return fits(nbytes, budget(self.root, self.job, self.limit))
 
     def _prune_stale(self, folder: str, found=None) -> None:
         """Folders of this job on this root under another node number (this host was another node

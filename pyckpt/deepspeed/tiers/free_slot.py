@@ -14,14 +14,26 @@ its manifest removed right after the rename. Whatever a save did not take is rem
 published; a killed save leaves at most one slot, which the next save takes from or removes.
 Only a regular file with one link is taken (a recovery's assembly links shares' files; those stay
 where they are).
+
+Until the tier holds ``max(keep, 2)`` checkpoints no share leaves it before a save, so the job's
+second save (and, with a larger ``keep``, the next ones) would find no slot and allocate new pages
+in the call. :func:`prepare_ahead` makes the slot beforehand: once a share is published and the next
+save will retire none, a background thread creates the share's files in a new slot, each allocated
+(``posix_fallocate``), the leader's own files mapped as the writer keeps a file it wrote over
+(``_core.prepare_output_map``; the other ranks map theirs at their next save).
+The node then holds what it holds in the steady state (``max(keep, 2)`` checkpoints' pages, the slot
+counted), and only where they fit the tier's budget as a checkpoint would. Whoever next reads or
+removes the node folder joins the thread first (:func:`settle`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
-from typing import Optional
+import threading
+from typing import Dict, Iterable, Optional, Tuple
 
 from ...errors import CheckpointFormatError
 from ...execution.leftovers import remove_path
@@ -29,6 +41,12 @@ from .folder_names import SLOT
 from .folder_walk import TAG_DEPTH, held_bytes
 
 NAME = SLOT
+
+log = logging.getLogger("pyckpt")
+
+# The slots being made ahead, by node folder: the thread making each (joined by settle()).
+_AHEAD: Dict[str, threading.Thread] = {}
+_AHEAD_LOCK = threading.Lock()
 
 
 def path(node_folder: str) -> str:
@@ -115,3 +133,66 @@ def retire_before_save(folder: str, owner, model: str, keep: int, protect: Optio
     found = [(p, m) for p, m in shares(folder) if owner(m) and m.model == model]
     for share in oldest_to_retire(found, keep, protect):
         retire(folder, share)
+
+
+def prepare_ahead(node_folder: str, files: Iterable[Tuple[str, int]], room, mine=frozenset()) -> bool:
+    """Starts making the free slot of ``node_folder`` from ``files`` ((name, size) of the share just
+    published there, whose layout the next save repeats) in a background thread; ``room(nbytes)``
+    says why that many bytes do not fit the tier now (None: they do); the names in ``mine`` (the
+    files this process writes) are also mapped here. Only files directly in the tag folder are made;
+    a slot already there, or one being made, is left as it is. True when started."""
+    flat = [(name, int(size), name in mine) for name, size in files if "/" not in name and name not in (".", "..")]
+    if not flat:
+        return False
+    settle(node_folder)
+    if os.path.lexists(path(node_folder)):
+        return False
+    thread = threading.Thread(target=_make, args=(node_folder, flat, room), name="pyckpt-free-slot", daemon=False)
+    with _AHEAD_LOCK:
+        _AHEAD[node_folder] = thread
+    thread.start()
+    return True
+
+
+def _make(node_folder: str, files, room) -> None:
+    from ... import _core
+
+    slot = path(node_folder)
+    try:
+        problem = room(sum(size for _, size, _ in files))
+        if problem:
+            log.info("pyckpt: no free slot made ahead in %s: %s", node_folder, problem)
+            return
+        os.mkdir(slot, 0o700)
+    except FileExistsError:
+        return
+    except Exception as exc:  # noqa: BLE001 - a slot is an optimisation; the next save allocates instead
+        log.warning("pyckpt: could not make a free slot in %s: %s", node_folder, exc)
+        return
+    try:
+        fd = os.open(slot, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for name, size, mapped in files:
+                _core.prepare_output_map(fd, name, size, os.path.join(slot, name), mapped)
+        finally:
+            os.close(fd)
+    except Exception as exc:  # noqa: BLE001 - a full tmpfs: its pages back to the node, the save goes on
+        log.warning("pyckpt: could not make a free slot in %s (removed): %s", node_folder, exc)
+        try:
+            remove_path(slot)
+        except OSError:
+            pass
+
+
+def settle(node_folder: Optional[str] = None) -> None:
+    """Joins the making of ``node_folder``'s free slot (every node folder's without one)."""
+    with _AHEAD_LOCK:
+        keys = [node_folder] if node_folder is not None else list(_AHEAD)
+        threads = [(k, _AHEAD.get(k)) for k in keys]
+    for key, thread in threads:
+        if thread is None:
+            continue
+        thread.join()
+        with _AHEAD_LOCK:
+            if _AHEAD.get(key) is thread:
+                del _AHEAD[key]

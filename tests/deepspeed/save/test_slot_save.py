@@ -226,3 +226,98 @@ def test_a_file_truncated_under_the_saves_mapping_is_reported_not_a_sigbus(tmp_p
     assert hooks().write_past_a_shrunk_output_map(str(path)) is True
     assert path.stat().st_size == 2 << 20 and path.read_bytes() == bytes(2 << 20)
     assert _core.output_maps_info()["count"] == 0  # the broken mapping is not kept
+
+
+def _allocated(path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_a_slot_made_ahead_is_allocated_and_mapped_and_the_next_save_writes_over_it(tmp_path):
+    """Before the tier holds two checkpoints no share leaves it, so the next save would allocate new pages in
+    the call: the slot is made ahead from the layout just published (allocated, and mapped for the files this
+    process writes), and the save then copies into that file through the kept mapping, torch.save's bytes."""
+    from pyckpt import _core
+
+    _core.release_output_maps()
+    node = str(tmp_path / "node0")
+    os.makedirs(node)
+    state = _state(1, 60000)
+    first, described = _write(str(tmp_path), state, name="f.pt", node=node)
+    size = described[0][1]
+    assert size >= 1 << 20
+    seen = []
+    assert free_slot.prepare_ahead(node, [("f.pt", size), ("other.pt", 3 << 20), ("sub/x.pt", 5)],
+                                   lambda n: seen.append(n), mine={"f.pt"})
+    free_slot.settle(node)
+    slot = free_slot.path(node)
+    assert seen == [size + (3 << 20)]  # the budget asked for what the slot holds; a nested name is not made
+    assert sorted(os.listdir(slot)) == ["f.pt", "other.pt"] and oct(os.stat(slot).st_mode & 0o777) == "0o700"
+    assert os.path.getsize(os.path.join(slot, "f.pt")) == size and _allocated(os.path.join(slot, "f.pt")) >= size
+    assert _allocated(os.path.join(slot, "other.pt")) >= 3 << 20
+    assert _core.output_maps_info() == {"count": 1, "bytes": size}  # only the file this process writes
+    inode = os.stat(os.path.join(slot, "f.pt")).st_ino
+    os.rename(os.path.dirname(first), str(tmp_path / "published"))
+    state = _state(2, 60000)
+    path, described = _write(str(tmp_path), state, name="f.pt", node=node)
+    data = open(path, "rb").read()
+    assert os.stat(path).st_ino == inode and data == _torch_save(str(tmp_path), state, "f.pt")
+    assert described[0][2] == zlib.crc32(data)
+    assert _core.output_maps_info() == {"count": 1, "bytes": size}  # the mapping made ahead, not a new one
+    _core.release_output_maps()
+
+
+def test_no_slot_is_made_ahead_where_one_is_there_or_it_does_not_fit(tmp_path):
+    node = str(tmp_path / "node0")
+    os.makedirs(free_slot.path(node))
+    assert not free_slot.prepare_ahead(node, [("f.pt", 10)], lambda n: None)  # the one there is the next save's
+    assert os.listdir(free_slot.path(node)) == []
+    os.rmdir(free_slot.path(node))
+    assert free_slot.prepare_ahead(node, [("f.pt", 10)], lambda n: "it does not fit")
+    free_slot.settle()
+    assert os.listdir(node) == []
+    assert not free_slot.prepare_ahead(node, [("a/f.pt", 10)], lambda n: None)
+
+
+def test_a_slot_made_ahead_never_writes_through_a_link_nor_over_an_entry(tmp_path):
+    from pyckpt import _core
+
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    folder = tmp_path / "slot"
+    folder.mkdir()
+    os.symlink(target, folder / "link.pt")
+    (folder / "there.pt").write_bytes(b"x")
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in ("link.pt", "there.pt"):
+            with pytest.raises(FileExistsError):
+                _core.prepare_output_map(fd, name, 1 << 20, str(folder / name))
+        for name in ("../escape.pt", "..", ".", "", "a\0b"):
+            with pytest.raises(ValueError):
+                _core.prepare_output_map(fd, name, 10, str(folder / "x"))
+    finally:
+        os.close(fd)
+    assert target.read_bytes() == b"keep" and (folder / "there.pt").read_bytes() == b"x"
+    assert sorted(os.listdir(tmp_path)) == ["slot", "target"]
+
+
+def test_a_slot_that_cannot_be_allocated_is_removed_and_the_save_goes_on(tmp_path):
+    """A full memory root (here: the file size limit) while the slot is made: what was made is removed."""
+    import subprocess
+    import sys
+    import textwrap
+
+    node = tmp_path / "node0"
+    node.mkdir()
+    code = textwrap.dedent(f"""
+        import resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        from pyckpt.deepspeed.tiers import free_slot
+        assert free_slot.prepare_ahead({str(node)!r}, [("a.pt", 1 << 10), ("b.pt", 4 << 20)], lambda n: None)
+        free_slot.settle()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "could not make a free slot" in proc.stderr and "removed" in proc.stderr
+    assert os.listdir(node) == []

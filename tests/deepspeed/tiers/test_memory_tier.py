@@ -81,6 +81,8 @@ def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     ino = res["inodes"]
     assert ino[0] and ino[1] and set(ino[0].values()).isdisjoint(ino[1].values())
     assert ino[2] == ino[0] and ino[3] == ino[1] and ino[4] == ino[0]
+    # the second save, before the tier held two checkpoints, wrote over a slot made ahead from the first's layout
+    assert res["ahead"] == ino[1], (res["ahead"], ino[1])
     # and written over through kept mappings (PYCKPT_MAP_MIN_BYTES=1 here): each rank's files of the last two
     # saves, its optimizer states and, on rank 0, the model states (ZeRO-3: every rank's)
     assert all(n >= 2 for n in res["mapped"]) and res["mapped"][0] >= 4, res["mapped"]
