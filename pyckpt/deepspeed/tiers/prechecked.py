@@ -8,6 +8,11 @@ the recovery takes each CRC read here for a file that is the same file unchanged
 inode, size and modification time), reading only the others. Nothing is decided here: a share this
 did not read, or read and found damaged, is read again by the recovery, and any failure here is
 silent (the recovery meets it and says so).
+
+After its own share the node's newest replica of each other node's share is read (what a recovery
+after the loss of that node puts together from this one). Once the recovery asks, the read ahead
+goes on only with the files it asked for, so that a restart that lost no node never waits for
+replicas it does not read.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from .nodes import this_node
 _lock = threading.Lock()
 _read: Dict[tuple, int] = {}  # (st_dev, st_ino, st_size, st_mtime_ns) -> the CRC-32 read
 _thread: Optional[threading.Thread] = None
+_wanted: Optional[set] = None  # (st_dev, st_ino) of the files the recovery asked for, once it has
+# replicas are read this many files at a time, so that a recovery's request stops the read ahead soon
+_CHUNK = 4
 
 
 def _key(st: os.stat_result) -> tuple:
@@ -35,7 +43,7 @@ def start(tier) -> bool:
     """Begin reading this node's newest share of ``tier``'s job, on the node's first local rank of a job
     whose tier names its folder (an explicit job, ``$PYCKPT_JOB_ID`` or torchrun's run id); whether a
     read began."""
-    global _thread
+    global _thread, _wanted
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return False
     if not named(tier.job):
@@ -43,6 +51,7 @@ def start(tier) -> bool:
     with _lock:
         if _thread is not None and _thread.is_alive():
             return False
+        _wanted = None
         _thread = threading.Thread(target=_read_newest, args=(tier, ), name="pyckpt-precheck", daemon=True)
         _thread.start()
     return True
@@ -57,19 +66,49 @@ def _read_newest(tier) -> None:
             found = nm.shares(folder)
             if not found:
                 return
-            path, manifest = max(found, key=lambda item: item[1].step)
-            paths = [(os.path.join(path, name), size) for name, size, _ in manifest.files]
-            for crc, st in nm.crcs(paths):
-                with _lock:
-                    _read[_key(st)] = crc
+            _read_share(max(found, key=lambda item: item[1].step), False)
+            for replica in nm.replica_folders(folder):
+                held = nm.shares(replica)
+                if held:
+                    _read_share(max(held, key=lambda item: item[1].step), True)
     except Exception:  # noqa: BLE001 - the recovery reads what this did not, and reports what it meets
         return
 
 
+def _read_share(found, optional: bool) -> None:
+    """The CRC-32s of a share's files (``found``: (path, manifest)); an ``optional`` one in small
+    batches, each only the files the recovery asked for once it has asked."""
+    path, manifest = found
+    paths = [(os.path.join(path, name), size) for name, size, _ in manifest.files]
+    step = _CHUNK if optional else max(1, len(paths))
+    for i in range(0, len(paths), step):
+        batch = paths[i:i + step]
+        if optional:
+            with _lock:
+                wanted = _wanted
+            if wanted is not None:
+                batch = [(p, size) for p, size in batch if _ident(p) in wanted]
+        for crc, st in nm.crcs(batch):
+            with _lock:
+                _read[_key(st)] = crc
+
+
+def _ident(path: str) -> Optional[tuple]:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def crcs(paths: Sequence[Tuple[str, Optional[int]]]) -> List[Tuple[int, os.stat_result]]:
     """:func:`..node_manifest.crcs` of ``paths``, taking the CRC-32 read ahead for a regular file of the
-    expected size that is the file read then, unchanged; the read ahead is waited for first."""
+    expected size that is the file read then, unchanged; the read ahead is waited for first (from here
+    on it reads only these files)."""
+    global _wanted
+    wanted = {_ident(path) for path, _ in paths}
     with _lock:
+        _wanted = wanted
         pending = _thread
     if pending is not None:
         pending.join()
@@ -95,6 +134,8 @@ def forget() -> None:
         pending = _thread
     if pending is not None:
         pending.join()
+    global _wanted
     with _lock:
         _read.clear()
         _thread = None
+        _wanted = None

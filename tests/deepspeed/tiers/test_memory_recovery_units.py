@@ -448,6 +448,67 @@ def test_the_crcs_read_while_the_engine_builds_are_taken_and_a_file_changed_sinc
         prechecked.forget()
 
 
+def _replica_share(layout, step):
+    """Node 1's share of save ``step``, kept in node 0's folder as its replica."""
+    from memory_shares import describe
+
+    path = layout.node / "replica-of-node1" / f"s{step}"
+    path.mkdir(parents=True)
+    (path / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(os.urandom(7000))
+    (path / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(os.urandom(6000))
+    describe(path, save=f"save-{step}", job="job", step=step, node=1, nodes=2, world=2, ranks=(1, 1),
+             save_dir=layout.save_dir)
+    return path
+
+
+@pytest.mark.parametrize("asked_first", [False, True])
+def test_the_read_ahead_takes_the_replicas_too_until_the_recovery_asks_for_other_files(asked_first, tier_layout,
+                                                                                        monkeypatch):
+    """After the node's own newest share the read ahead reads its newest replica of each other node's share
+    (what a recovery after that node's loss puts together here); once the recovery has asked for its files,
+    it reads only those, so a restart that lost no node never waits for replicas."""
+    import threading
+    import time
+
+    from pyckpt.deepspeed.tiers import prechecked
+
+    own = tier_layout.add(5)
+    replica = _replica_share(tier_layout, 5)
+    reads = []
+    crc_of = nm.file_crc
+    monkeypatch.setattr(nm, "file_crc", lambda path, *a, **k: reads.append(os.path.basename(path)) or
+                        crc_of(path, *a, **k))
+    listed = nm.replica_folders
+    asked = threading.Event()
+
+    def replica_folders(folder):  # the recovery asks while the own share's files are being read
+        if asked_first:
+            end = time.monotonic() + 60
+            while prechecked._wanted is None and time.monotonic() < end:
+                time.sleep(0.01)
+            asked.set()
+        return listed(folder)
+
+    monkeypatch.setattr(nm, "replica_folders", replica_folders)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    own_names = sorted(n for n in os.listdir(own) if n != nm.NAME)
+    replica_names = sorted(n for n in os.listdir(replica) if n != nm.NAME)
+    try:
+        assert prechecked.start(tier_layout.tier) is True
+        if not asked_first:
+            prechecked._thread.join()
+        got = prechecked.crcs([(str(own / n), None) for n in own_names])
+        assert [c for c, _ in got] == [zlib.crc32((own / n).read_bytes()) for n in own_names]
+        assert sorted(reads) == (own_names if asked_first else sorted(own_names + replica_names))
+        assert asked.is_set() == asked_first
+        reads.clear()
+        got = prechecked.crcs([(str(replica / n), None) for n in replica_names])
+        assert [c for c, _ in got] == [zlib.crc32((replica / n).read_bytes()) for n in replica_names]
+        assert sorted(reads) == ([] if not asked_first else replica_names)  # taken from the read ahead, or read now
+    finally:
+        prechecked.forget()
+
+
 def test_the_read_ahead_reads_no_file_a_folder_link_in_a_share_leads_to(tier_layout, tmp_path, monkeypatch):
     """A share whose manifest names a file through a folder link leading out of it is not read ahead (the
     manifest's own rule refuses the share), nor is any file outside the node's folder."""
