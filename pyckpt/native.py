@@ -121,6 +121,13 @@ def write_archives(sources, outputs, ops, *, root: str, workers: int = 0, fsync:
                                     reuse_outputs=reuse_outputs, file_crcs=file_crcs)
 
 
+def prepare_output_map(dir_fd: int, name: str, size: int, path: str, mapped: bool) -> None:
+    """Creates ``name`` (one component) in the open folder ``dir_fd`` with ``size`` bytes allocated and
+    touched, never over an entry nor through a link; ``mapped``: its writable mapping is also kept, as
+    :func:`write_archives` keeps one of a file it writes over (``path`` names it in errors)."""
+    _core.prepare_output_map(dir_fd, name, size, path, mapped)
+
+
 def series_layout(archive_name: str, records, starts) -> list:
     """(offset, length) of each archive of a file write_archives writes as a series (an output with
     archive starts): records (name, size) in order, ``starts`` the index of each archive's first."""

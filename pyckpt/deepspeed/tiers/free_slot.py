@@ -20,7 +20,7 @@ second save (and, with a larger ``keep``, the next ones) would find no slot and 
 in the call. :func:`prepare_ahead` makes the slot beforehand: once a share is published and the next
 save will retire none, a background thread creates the share's files in a new slot, each allocated
 (``posix_fallocate``), the leader's own files mapped as the writer keeps a file it wrote over
-(``_core.prepare_output_map``; the other ranks map theirs at their next save).
+(``native.prepare_output_map``; the other ranks map theirs at their next save).
 The node then holds what it holds in the steady state (``max(keep, 2)`` checkpoints' pages, the slot
 counted), and only where they fit the tier's budget as a checkpoint would. Whoever next reads or
 removes the node folder joins the thread first (:func:`settle`).
@@ -155,7 +155,7 @@ def prepare_ahead(node_folder: str, files: Iterable[Tuple[str, int]], room, mine
 
 
 def _make(node_folder: str, files, room) -> None:
-    from ... import _core
+    from ...native import prepare_output_map
 
     slot = path(node_folder)
     try:
@@ -173,7 +173,7 @@ def _make(node_folder: str, files, room) -> None:
         fd = os.open(slot, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             for name, size, mapped in files:
-                _core.prepare_output_map(fd, name, size, os.path.join(slot, name), mapped)
+                prepare_output_map(fd, name, size, os.path.join(slot, name), mapped)
         finally:
             os.close(fd)
     except Exception as exc:  # noqa: BLE001 - a full tmpfs: its pages back to the node, the save goes on
