@@ -142,12 +142,10 @@ void prepare(int dir_fd, const std::string& name, uint64_t size, const std::stri
         throw std::invalid_argument("prepare: not a file name: " + path);
     UniqueFd fd(::openat(dir_fd, name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!fd) throw_errno("create", path);
-    if (size > 0) {
-        // fallocate, not ftruncate: tmpfs allocates (and zeroes) the pages now, not at the first write
-        const int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(size));
-        if (rc != 0) throw_errno_code(rc, "fallocate", path);
-    }
     if (size == 0) return;
+    // fallocate, not ftruncate: tmpfs allocates the pages now, not at the first write
+    const int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(size));
+    if (rc != 0) throw_errno_code(rc, "fallocate", path);
     if (map && size >= min_bytes()) {
         if (uint8_t* base = acquire(fd.get(), size, path)) done(base);
         return;

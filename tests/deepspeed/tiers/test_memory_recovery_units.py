@@ -509,12 +509,15 @@ def test_the_read_ahead_takes_the_replicas_too_until_the_recovery_asks_for_other
         prechecked.forget()
 
 
-def test_the_read_ahead_reads_no_file_a_folder_link_in_a_share_leads_to(tier_layout, tmp_path, monkeypatch):
+@pytest.mark.parametrize("replica", [False, True])
+def test_the_read_ahead_reads_no_file_a_folder_link_in_a_share_leads_to(replica, tier_layout, tmp_path, monkeypatch):
     """A share whose manifest names a file through a folder link leading out of it is not read ahead (the
-    manifest's own rule refuses the share), nor is any file outside the node's folder."""
+    manifest's own rule refuses the share), nor is any file outside the node's folder; a replica's too."""
     from pyckpt.deepspeed.tiers import prechecked
 
     share = tier_layout.add(7)
+    if replica:  # the node's own share is fine; the replica read after it holds the link
+        share = _replica_share(tier_layout, 7)
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     (outside / "f").write_bytes(b"secret")
@@ -530,7 +533,11 @@ def test_the_read_ahead_reads_no_file_a_folder_link_in_a_share_leads_to(tier_lay
     try:
         assert prechecked.start(tier_layout.tier) is True
         prechecked.crcs([])  # waits for the read ahead
-        assert opened == [] and nm.read(str(share)) is None
+        assert nm.read(str(share)) is None
+        if replica:  # the own share's files only
+            assert opened and all(p.startswith(os.path.realpath(tier_layout.node / "s7")) for p in opened), opened
+        else:
+            assert opened == []
     finally:
         prechecked.forget()
 
