@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -25,6 +27,17 @@ namespace {
 constexpr uint64_t kIdleCalls = 8;
 // Virtual address space only (the pages are the files'), but bounded all the same.
 constexpr std::size_t kMaxEntries = 4096;
+
+// Each entry holds a descriptor: at most a quarter of the process's descriptor limit (a job under
+// `ulimit -n 1024` keeps 256), so that the cache never takes the descriptors the job needs.
+std::size_t max_entries() {
+    static const std::size_t value = [] {
+        struct rlimit rl;
+        if (::getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return kMaxEntries;
+        return std::max<std::size_t>(1, std::min<std::size_t>(kMaxEntries, rl.rlim_cur / 4));
+    }();
+    return value;
+}
 
 struct Entry {
     UniqueFd fd;  // pins the inode: (dev, ino) cannot name another file while this is open
@@ -92,7 +105,7 @@ uint8_t* acquire(int fd, uint64_t size, const std::string& path) {
         it = g_entries.end();
     }
     if (it == g_entries.end()) {
-        if (g_entries.size() >= kMaxEntries) {
+        if (g_entries.size() >= max_entries()) {
             // Drop the least recently used one no call holds: a mapping is only ever a cache.
             auto oldest = g_entries.end();
             for (auto j = g_entries.begin(); j != g_entries.end(); ++j)
@@ -103,6 +116,8 @@ uint8_t* acquire(int fd, uint64_t size, const std::string& path) {
             g_entries.erase(oldest);
         }
         UniqueFd own(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+        // out of descriptors: the caller writes through its own, as when the cache is full
+        if (!own && (errno == EMFILE || errno == ENFILE)) return nullptr;
         if (!own) throw_errno("dup", path);
         // MAP_POPULATE: the page tables for the whole file in one pass, not one fault per page.
         void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, own.get(), 0);
@@ -147,8 +162,10 @@ void prepare(int dir_fd, const std::string& name, uint64_t size, const std::stri
     const int rc = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(size));
     if (rc != 0) throw_errno_code(rc, "fallocate", path);
     if (map && size >= min_bytes()) {
-        if (uint8_t* base = acquire(fd.get(), size, path)) done(base);
-        return;
+        if (uint8_t* base = acquire(fd.get(), size, path)) {
+            done(base);
+            return;
+        }
     }
     // tmpfs defers zeroing a fallocated page to its first access: touch every page now (a read
     // fault is enough) through a mapping dropped at once, so the writer's first access is cheap.

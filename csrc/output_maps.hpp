@@ -33,7 +33,8 @@ uint64_t min_bytes();
 void begin_call();
 // The writable mapping of the open regular file `fd` of `size` bytes (mapped now if it is not
 // cached yet, or was cached at another size), held for the caller until done(); null when the
-// cache is full of held mappings (the caller writes through the descriptor). Throws
+// cache is full of held mappings or the process is out of descriptors (the caller writes
+// through its own descriptor; the cache holds at most a quarter of RLIMIT_NOFILE). Throws
 // std::system_error naming `path` if the file cannot be mapped.
 uint8_t* acquire(int fd, uint64_t size, const std::string& path);
 // Gives back a mapping acquire() returned. Returns false if its file shrank under it while held

@@ -321,3 +321,28 @@ def test_a_slot_that_cannot_be_allocated_is_removed_and_the_save_goes_on(tmp_pat
     assert proc.returncode == 0, proc.stderr
     assert "could not make a free slot" in proc.stderr and "removed" in proc.stderr
     assert os.listdir(node) == []
+
+
+def test_the_kept_mappings_hold_at_most_a_quarter_of_the_descriptor_limit(tmp_path):
+    """Each kept mapping holds a descriptor: under `ulimit -n 64` a process that prepares and maps 40 files
+    keeps at most 16, the rest made and touched all the same, and no descriptor runs out."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        from pyckpt import native, _core
+        fd = os.open({str(tmp_path)!r}, os.O_RDONLY | os.O_DIRECTORY)
+        for i in range(40):
+            native.prepare_output_map(fd, f"f{{i}}.pt", 1 << 20, f"f{{i}}.pt", True)
+        info = _core.output_maps_info()
+        assert info["count"] == 16, info
+        for i in range(8):  # and the process still opens files
+            os.close(os.open(os.path.join({str(tmp_path)!r}, f"f{{i}}.pt"), os.O_RDONLY))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(f"f{i}.pt" for i in range(40))
+    assert all(os.path.getsize(tmp_path / f"f{i}.pt") == 1 << 20 for i in range(40))
