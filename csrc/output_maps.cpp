@@ -151,10 +151,36 @@ bool done(const uint8_t* base) {
     return true;
 }
 
-void prepare(int dir_fd, const std::string& name, uint64_t size, const std::string& path, bool map) {
+namespace {
+
+void check_name(const char* call, const std::string& name, const std::string& path) {
     if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos ||
         name.find('\0') != std::string::npos)
-        throw std::invalid_argument("prepare: not a file name: " + path);
+        throw std::invalid_argument(std::string(call) + ": not a file name: " + path);
+}
+
+}  // namespace
+
+bool map_existing(int dir_fd, const std::string& name, uint64_t size, const std::string& path) {
+    check_name("map_existing", name, path);
+    if (size < min_bytes()) return false;
+    // O_NONBLOCK: a FIFO planted under the name must not block the open (it is refused below)
+    UniqueFd fd(::openat(dir_fd, name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY | O_NONBLOCK));
+    if (!fd) {
+        if (errno == ENOENT || errno == ELOOP || errno == ENXIO || errno == EISDIR) return false;
+        throw_errno("open", path);
+    }
+    struct stat sb;
+    if (::fstat(fd.get(), &sb) != 0) throw_errno("stat", path);
+    if (!S_ISREG(sb.st_mode) || static_cast<uint64_t>(sb.st_size) != size) return false;
+    uint8_t* base = acquire(fd.get(), size, path);
+    if (!base) return false;
+    done(base);
+    return true;
+}
+
+void prepare(int dir_fd, const std::string& name, uint64_t size, const std::string& path, bool map) {
+    check_name("prepare", name, path);
     UniqueFd fd(::openat(dir_fd, name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!fd) throw_errno("create", path);
     if (size == 0) return;

@@ -50,6 +50,14 @@ bool done(const uint8_t* base);
 // Throws std::system_error (ENOSPC when the folder's filesystem is full; the file is then left
 // for the caller's clean-up of the folder) or std::invalid_argument for a bad name.
 void prepare(int dir_fd, const std::string& name, uint64_t size, const std::string& path, bool map);
+// Maps the existing file `name` (one component) of the open folder `dir_fd`, opened without
+// following a link, and caches the mapping as acquire() does: the file a later call will write
+// over in place (a share the next save retires as its free slot) then needs no page-table set-up in
+// that call. Maps nothing and returns false where the entry is not a regular file of exactly `size`
+// bytes, or is smaller than min_bytes(), or the cache has no room; true when a mapping is cached.
+// Throws std::invalid_argument for a bad name, std::system_error naming `path` if the open or the
+// mapping fails for another reason than the entry's absence.
+bool map_existing(int dir_fd, const std::string& name, uint64_t size, const std::string& path);
 // Unmaps every cached mapping no call holds.
 void release_all();
 // How many mappings are cached and their bytes (for tests and diagnostics).

@@ -128,6 +128,13 @@ def prepare_output_map(dir_fd: int, name: str, size: int, path: str, mapped: boo
     _core.prepare_output_map(dir_fd, name, size, path, mapped)
 
 
+def map_output(dir_fd: int, name: str, size: int, path: str) -> bool:
+    """Maps the existing regular file ``name`` (one component, no link followed) of the open folder
+    ``dir_fd`` of exactly ``size`` bytes, writable, kept as :func:`write_archives` keeps the mapping of
+    a file it writes over; False (nothing mapped) where it is not such a file (``path`` names it in errors)."""
+    return _core.map_output(dir_fd, name, size, path)
+
+
 def series_layout(archive_name: str, records, starts) -> list:
     """(offset, length) of each archive of a file write_archives writes as a series (an output with
     archive starts): records (name, size) in order, ``starts`` the index of each archive's first."""

@@ -158,6 +158,18 @@ void register_executor(py::module_& m) {
         "as write_archives keeps one (map only the files this process will write): a later "
         "write_archives(reuse_outputs=True) over this file copies into pages already allocated and mapped. PATH "
         "names the file in errors. The GIL is released.");
+    m.def(
+        "map_output",
+        [](int dir_fd, const std::string& name, uint64_t size, const std::string& path) {
+            py::gil_scoped_release release;
+            return pyckpt::output_maps::map_existing(dir_fd, name, size, path);
+        },
+        py::arg("dir_fd"), py::arg("name"), py::arg("size"), py::arg("path"),
+        "Map the existing regular file NAME of the open folder DIR_FD (no link followed) of exactly SIZE bytes, "
+        "writable, and keep the mapping as write_archives keeps one: a later write_archives(reuse_outputs=True) "
+        "over this file then needs no page-table set-up. False (nothing mapped) where the entry is absent, a "
+        "link, not a regular file, of another size or below the mapping threshold. PATH names the file in "
+        "errors. The GIL is released.");
     m.def("output_maps_info", [] {
               py::dict d;
               d["count"] = pyckpt::output_maps::count();

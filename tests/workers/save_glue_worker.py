@@ -566,6 +566,17 @@ def _same_files(a: str, b: str) -> list:
     return out
 
 
+def _shared_writable_inodes() -> list:
+    """The inodes of the files this process has mapped writable and shared (/proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[1].startswith("rw") and parts[1].endswith("s") and parts[4] != "0":
+                out.append(int(parts[4]))
+    return out
+
+
 def memory_tier(task: dict, rank: int, ws: int) -> dict:
     """Five saves to a memory tier (keep 2, every 2nd persisted, async every other one), then a new
     engine resumes under enable(memory=...) from the save folder: it must take the newest step, from
@@ -578,7 +589,7 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
     tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="job1", keep=2, persist_every=2)
     engine = _engine(cfg, ws, rank, 1)
     results = []
-    ahead = None
+    ahead = premapped = None
     inodes = []  # per save, the inode of each of DeepSpeed's files in the memory folder
     folder = tier.folder()
     for s in range(1, 6):
@@ -595,6 +606,11 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
             free_slot.settle(folder)
             slot = free_slot.path(folder)
             ahead = {n: os.stat(os.path.join(slot, n)).st_ino for n in sorted(os.listdir(slot)) if n.endswith(".pt")}
+        if s == 2:  # the third save writes over s1's files: each rank has mapped its own of them ahead
+            from pyckpt.deepspeed.tiers import free_slot
+
+            free_slot.settle()
+            premapped = sorted(set(_shared_writable_inodes()) & set(inodes[0].values()))
     from pyckpt import _core
 
     mapped = _core.output_maps_info()["count"]  # this rank's files written over through a kept mapping
@@ -619,7 +635,8 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
             "mode": mode, "path": path, "log": _gather(log), "stock_path": str(stock_path),
             "vs_stock": compare_states(stock, resumed), "vs_save": compare_states(at_save, resumed),
             "latest_durable": open(os.path.join(durable, "latest")).read(), "inodes": inodes,
-            "vs_deepspeed": vs_deepspeed, "mapped": _gather(mapped), "ahead": ahead}
+            "vs_deepspeed": vs_deepspeed, "mapped": _gather(mapped), "ahead": ahead,
+            "premapped": _gather(premapped)}
 
 
 def memory_refusals(task: dict, rank: int, ws: int) -> dict:

@@ -103,7 +103,13 @@ class NodeShare(Destination):
                      for name, size, crc in g[1]}
             result = self._publish(publisher, [g[0] for g in gathered], request.tag, engine.global_steps, known,
                                    mine={name for name, _, _ in described})
-        return self.outcome(group.all_gather(result))
+        results = group.all_gather(result)
+        ok, message = self.outcome(results)
+        leader = results[self.links.ranks[self.node][0]]
+        if ok and leader is not None and leader[2]:
+            # the files the next save writes over: mapped by each of their writers while training runs
+            free_slot.map_ahead(leader[2], [(name, size) for name, size, _ in described])
+        return ok, message
 
     def _check(self, pre: List[dict], tag: str) -> Optional[str]:
         """After the preflight's gather: the save's id (rank 0's staging owner) and the tag's check."""
@@ -132,8 +138,9 @@ class NodeShare(Destination):
         return None
 
     def _publish(self, publisher: Publisher, outcomes: List[Optional[str]], tag: str, step: int,
-                 known: Optional[dict] = None, mine=frozenset()) -> Tuple[bool, Optional[str]]:
-        """This node's leader: the share described and published (or its staging let go). ``known``:
+                 known: Optional[dict] = None, mine=frozenset()) -> tuple:
+        """This node's leader: the share described and published (or its staging let go): (published,
+        why not, the folder whose files the next save writes over where known). ``known``:
         {name: (size, CRC-32)} of the files written in place (their CRCs computed as they were written);
         ``mine``: the names of the files this process wrote."""
         bad = [(r, m) for r, m in enumerate(outcomes) if m]
@@ -158,6 +165,7 @@ class NodeShare(Destination):
                            f"{describe_failure(exc)}")
         self.published = publisher.output
         folder = os.path.dirname(publisher.output)
+        ahead = None  # the folder whose files the next save writes over, for its writers to map now
         try:
             # what this save did not take from the free slot; the share the pruning retires is the next one
             free_slot.discard(folder)
@@ -166,13 +174,15 @@ class NodeShare(Destination):
             retired = nm.prune(folder, self.keep, self.mine, self.model, protect=(tag, ), found=found,
                                remove=lambda path: free_slot.retire(folder, path))
             self._prune_stale(folder, found)
-            if len(found) - len(retired) < max(self.keep, 2):  # the next save retires no share: make its slot now
+            remaining = [(path, m) for path, m in found if path not in retired]
+            ahead = free_slot.next_retired(folder, remaining, self.keep)
+            if ahead is None:  # the next save retires no share: make its slot now
                 free_slot.prepare_ahead(folder, [(name, size) for name, size, _ in files], self._room, mine)
         except Exception as exc:  # the checkpoint is in place; say why older ones stay
             log.warning("pyckpt: the memory tier could not prune %s: %s", folder, describe_failure(exc))
         if self.links.sender is not None:
             self.links.sender.offer(publisher.output, tag)
-        return True, None
+        return True, None, ahead
 
     def _room(self, nbytes: int) -> Optional[str]:
         """Why ``nbytes`` more do not fit this job's part of the memory root now (None: they do), as a
@@ -200,7 +210,7 @@ class NodeShare(Destination):
     def outcome(self, results: list) -> Tuple[bool, Optional[str]]:
         """Every rank's view of the leaders' publications (None from the ranks that lead none)."""
         posted = [r for r in results if r is not None]
-        bad = [m for ok, m in posted if not ok]
+        bad = [r[1] for r in posted if not r[0]]
         if bad:
             return False, "; ".join(dict.fromkeys(bad))
         return True, None

@@ -24,6 +24,13 @@ save will retire none, a background thread creates the share's files in a new sl
 The node then holds what it holds in the steady state (``max(keep, 2)`` checkpoints' pages, the slot
 counted), and only where they fit the tier's budget as a checkpoint would. Whoever next reads or
 removes the node folder joins the thread first (:func:`settle`).
+
+Once the tier is full, the next save writes over the oldest share's files; a file its writer created
+(the job's first saves, or a share from before a restart) has no kept mapping in that process, and
+mapping it in the call costs about 0.1 s per GB of page tables. :func:`map_ahead` maps them before
+that save, in each writer's own process. Both threads run at Linux's idle priority: they take a core the
+training leaves idle, and what is left when the next save starts (:func:`settle`) runs while the ranks
+wait there.
 """
 
 from __future__ import annotations
@@ -154,9 +161,55 @@ def prepare_ahead(node_folder: str, files: Iterable[Tuple[str, int]], room, mine
     return True
 
 
+def next_retired(node_folder: str, remaining, keep: int) -> Optional[str]:
+    """The folder whose files the next save into ``node_folder`` writes over: the free slot where one is
+    there, else the share that save retires first (``remaining``: the run's shares left, (path, manifest)),
+    else None (the next save retires none)."""
+    slot = path(node_folder)
+    if os.path.lexists(slot):
+        return slot
+    out = oldest_to_retire(remaining, keep)
+    return out[0] if out else None
+
+
+def map_ahead(folder: str, files: Iterable[Tuple[str, int]]) -> bool:
+    """Maps this process's ``files`` ((name, size), the names this process writes at every save) of
+    ``folder`` (:func:`next_retired`) in a background thread, as the writer keeps the mapping of a
+    file it wrote over: the next save takes them, same inodes, and copies into them without setting up
+    their page tables in the call (about 0.1 s per GB; a file the writer created, rather than wrote
+    over, has no mapping yet). Joined by :func:`settle`. True when started."""
+    flat = [(name, int(size)) for name, size in files if "/" not in name and name not in (".", "..")]
+    if not flat:
+        return False
+    settle(folder)
+    thread = threading.Thread(target=_map, args=(folder, flat), name="pyckpt-map-ahead", daemon=False)
+    with _AHEAD_LOCK:
+        _AHEAD[folder] = thread
+    thread.start()
+    return True
+
+
+def _map(folder: str, files) -> None:
+    from ...native import map_output
+
+    _yield_to_training()
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # gone, or no folder: the next save maps what it takes
+        return
+    try:
+        for name, size in files:
+            map_output(fd, name, size, os.path.join(folder, name))
+    except Exception as exc:  # noqa: BLE001 - only a cache of mappings: the next save maps what it takes
+        log.debug("pyckpt: could not map %s ahead: %s", folder, exc)
+    finally:
+        os.close(fd)
+
+
 def _make(node_folder: str, files, room) -> None:
     from ...native import prepare_output_map
 
+    _yield_to_training()
     slot = path(node_folder)
     try:
         problem = room(sum(size for _, size, _ in files))
@@ -184,8 +237,20 @@ def _make(node_folder: str, files, room) -> None:
             pass
 
 
+def _yield_to_training() -> None:
+    """Runs this thread only on a core nothing else wants (Linux's SCHED_IDLE, which applies to the
+    calling thread alone): the slot is made while training runs, and allocating and touching a
+    checkpoint's pages costs a core for about a second per GB, which the ranks' steps would otherwise
+    wait for. What is left when the next save starts runs at full speed then (the ranks wait there)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or a policy a sandbox refuses: made at normal priority
+        pass
+
+
 def settle(node_folder: Optional[str] = None) -> None:
-    """Joins the making of ``node_folder``'s free slot (every node folder's without one)."""
+    """Joins the making of ``node_folder``'s free slot or the mapping of its files (every such thread
+    of this process without one)."""
     with _AHEAD_LOCK:
         keys = [node_folder] if node_folder is not None else list(_AHEAD)
         threads = [(k, _AHEAD.get(k)) for k in keys]

@@ -346,3 +346,93 @@ def test_the_kept_mappings_hold_at_most_a_quarter_of_the_descriptor_limit(tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(tmp_path)) == sorted(f"f{i}.pt" for i in range(40))
     assert all(os.path.getsize(tmp_path / f"f{i}.pt") == 1 << 20 for i in range(40))
+
+
+def test_the_files_the_next_save_writes_over_are_mapped_ahead_and_the_save_copies_through_that_mapping(tmp_path):
+    """A file the writer created (a job's first saves) has no kept mapping; once the share it is in is the one
+    the next save retires, its writer maps it in the background, and that save copies into it through the mapping
+    made then: the same inode, torch.save's bytes, no mapping set up in the call."""
+    from pyckpt import _core
+
+    _core.release_output_maps()
+    node = str(tmp_path / "node0")
+    os.makedirs(node)
+    first, described = _write(str(tmp_path), _state(1, 60000), name="f.pt", node=node)
+    size = described[0][1]
+    assert _core.output_maps_info()["count"] == 0  # created, not written over: not mapped
+    share = str(tmp_path / "s1")
+    os.rename(os.path.dirname(first), share)
+    # the files this process writes; one the share lacks is skipped, a nested name is not this thread's
+    assert free_slot.map_ahead(share, [("f.pt", size), ("absent.pt", 2 << 20), ("sub/f.pt", 2 << 20)])
+    free_slot.settle()
+    assert _core.output_maps_info() == {"count": 1, "bytes": size}
+    inode = os.stat(os.path.join(share, "f.pt")).st_ino
+    free_slot.retire(node, share)  # the next save's retirement: same inodes under the slot's name
+    state = _state(2, 60000)
+    path, described = _write(str(tmp_path), state, name="f.pt", node=node)
+    data = open(path, "rb").read()
+    assert os.stat(path).st_ino == inode and data == _torch_save(str(tmp_path), state, "f.pt")
+    assert described[0][2] == zlib.crc32(data)
+    assert _core.output_maps_info() == {"count": 1, "bytes": size}  # the mapping made ahead
+    assert not free_slot.map_ahead(share, [("a/b.pt", 10)])
+    _core.release_output_maps()
+
+
+def test_mapping_ahead_maps_only_a_regular_file_of_its_size_never_through_a_link(tmp_path):
+    from pyckpt import _core
+
+    _core.release_output_maps()
+    outside = tmp_path / "outside.pt"
+    outside.write_bytes(b"o" * (2 << 20))
+    folder = tmp_path / "share"
+    folder.mkdir()
+    (folder / "f.pt").write_bytes(b"f" * (2 << 20))
+    (folder / "small.pt").write_bytes(b"s" * 10)
+    os.symlink(outside, folder / "link.pt")
+    os.mkfifo(folder / "fifo.pt")
+    (folder / "dir.pt").mkdir()
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        refused = {name: _core.map_output(fd, name, 2 << 20, str(folder / name))
+                   for name in ("link.pt", "fifo.pt", "dir.pt", "absent.pt")}
+        assert refused == dict.fromkeys(refused, False)  # a FIFO neither blocks nor is mapped
+        assert not _core.map_output(fd, "f.pt", 1 << 20, str(folder / "f.pt"))  # another size than the save's
+        assert not _core.map_output(fd, "small.pt", 10, str(folder / "small.pt"))  # below the mapping threshold
+        assert _core.output_maps_info()["count"] == 0
+        for name in ("../outside.pt", "..", ".", "", "a\0b"):
+            with pytest.raises(ValueError):
+                _core.map_output(fd, name, 2 << 20, str(folder / "x"))
+        assert _core.map_output(fd, "f.pt", 2 << 20, str(folder / "f.pt"))
+        assert _core.output_maps_info() == {"count": 1, "bytes": 2 << 20}
+    finally:
+        os.close(fd)
+        _core.release_output_maps()
+    assert outside.read_bytes() == b"o" * (2 << 20) and (folder / "f.pt").read_bytes() == b"f" * (2 << 20)
+
+
+def test_a_slot_is_made_and_files_mapped_ahead_only_when_no_core_is_otherwise_wanted():
+    """The background work runs under Linux's SCHED_IDLE, set for its own thread: the training thread keeps its
+    policy."""
+    import threading
+
+    before = os.sched_getscheduler(0)
+    seen = []
+    thread = threading.Thread(target=lambda: (free_slot._yield_to_training(), seen.append(os.sched_getscheduler(0))))
+    thread.start()
+    thread.join()
+    assert seen == [os.SCHED_IDLE] and os.sched_getscheduler(0) == before
+
+
+def test_the_next_save_writes_over_the_slot_else_the_oldest_share_it_retires():
+    node = "/n"
+    shares = [(f"/n/s{i}", SimpleNamespace(step=i)) for i in (3, 1, 2)]
+    assert free_slot.next_retired(node, shares[:2], keep=2) == "/n/s1"  # two held, keep 2: the oldest goes
+    assert free_slot.next_retired(node, shares[:1], keep=2) is None  # one held: none goes, a slot is made ahead
+    assert free_slot.next_retired(node, shares, keep=3) == "/n/s1"
+    assert free_slot.next_retired(node, shares[:2], keep=3) is None
+
+
+def test_the_slot_is_what_the_next_save_writes_over_where_there_is_one(tmp_path):
+    node = str(tmp_path)
+    os.makedirs(free_slot.path(node))
+    assert free_slot.next_retired(node, [(str(tmp_path / "s1"), SimpleNamespace(step=1))], keep=1) == free_slot.path(node)

@@ -83,6 +83,10 @@ def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     assert ino[2] == ino[0] and ino[3] == ino[1] and ino[4] == ino[0]
     # the second save, before the tier held two checkpoints, wrote over a slot made ahead from the first's layout
     assert res["ahead"] == ino[1], (res["ahead"], ino[1])
+    # and the third save's (s1's files): each rank mapped the files it writes, before that save, in the background
+    premapped = res["premapped"]
+    assert all(premapped) and set(premapped[0]).isdisjoint(premapped[1]), premapped
+    assert set(premapped[0]) | set(premapped[1]) == set(ino[0].values()), (premapped, ino[0])
     # and written over through kept mappings (PYCKPT_MAP_MIN_BYTES=1 here): each rank's files of the last two
     # saves, its optimizer states and, on rank 0, the model states (ZeRO-3: every rank's)
     assert all(n >= 2 for n in res["mapped"]) and res["mapped"][0] >= 4, res["mapped"]
