@@ -13,7 +13,8 @@ BUILD=build/sanitize
 GENERATOR=()
 command -v ninja >/dev/null && GENERATOR=(-G Ninja)
 # With the test hooks (PYCKPT_TESTING): the fault-injection and portable-kernel tests run under the sanitizers too.
-cmake -S . -B "$BUILD/cmake" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPYCKPT_SANITIZE=ON \
+# Debug: no optimisation flags of CMake's own; CMakeLists.txt sets the sanitizer build's (-O2, bindings -O0).
+cmake -S . -B "$BUILD/cmake" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Debug -DPYCKPT_SANITIZE=ON \
   -DPYCKPT_TESTING=ON -DPython_EXECUTABLE="$(command -v python)" \
   -Dpybind11_DIR="$(python -m pybind11 --cmakedir)" >/dev/null
 cmake --build "$BUILD/cmake" >/dev/null
