@@ -41,8 +41,8 @@ uint8_t* acquire(int fd, uint64_t size, const std::string& path);
 // (the bytes written past the new end went nowhere); the entry is then dropped.
 bool done(const uint8_t* base);
 // Creates the file `name` (one component: no '/', not "." or "..") in the open folder `dir_fd`,
-// never over an existing entry nor through a link, with `size` bytes allocated now
-// (posix_fallocate) and touched (tmpfs zeroes a fallocated page at its first access), and, with
+// never over an existing entry nor through a link, with `size` bytes allocated now (written as
+// zeros: every page the file's, none left for the writer's first access to fault in), and, with
 // `map` and from min_bytes() up, its mapping cached as acquire() caches one (a process keeps the
 // mappings of only the files it will write itself). A later
 // call that writes this file over in place then copies into pages already allocated and mapped:

@@ -19,7 +19,7 @@ Until the tier holds ``max(keep, 2)`` checkpoints no share leaves it before a sa
 second save (and, with a larger ``keep``, the next ones) would find no slot and allocate new pages
 in the call. :func:`prepare_ahead` makes the slot beforehand: once a share is published and the next
 save will retire none, a background thread creates the share's files in a new slot, each allocated
-(``posix_fallocate``), the leader's own files mapped as the writer keeps a file it wrote over
+(written as zeros), the leader's own files mapped as the writer keeps a file it wrote over
 (``native.prepare_output_map``; the other ranks map theirs at their next save).
 The node then holds what it holds in the steady state (``max(keep, 2)`` checkpoints' pages, the slot
 counted), and only where they fit the tier's budget as a checkpoint would. Whoever next reads or
