@@ -88,3 +88,23 @@ def run_measured(cmd, watch_dir: Optional[str] = None, env=None, interval: float
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{err.decode()[-3000:]}")
     return Measurement(elapsed, peak["rss"], peak["disk"], proc.returncode)
+
+
+# tmpfs pages another run left behind are memory the measured jobs do not have: 6.2 GB of old profiling
+# tiers in /dev/shm on the 24 GB machine slowed every memory-tier step by 0.3-0.5 s (benchmarks/README.md).
+SHM_WARN_BYTES = 1 << 30
+
+
+def memory_headroom(shm: str = "/dev/shm") -> dict:
+    """What the machine's memory holds before a run: bytes used in ``shm`` and MemAvailable. Warns on stderr
+    when ``shm`` already holds more than SHM_WARN_BYTES (the figures would be taken under memory pressure)."""
+    st = os.statvfs(shm)
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    available = psutil.virtual_memory().available
+    if used > SHM_WARN_BYTES:
+        import sys
+
+        print(f"warning: {shm} already holds {used / 1e9:.1f} GB before this run (other runs' leftovers?): the "
+              f"figures are taken with that much less memory; remove what is not needed first", file=sys.stderr,
+              flush=True)
+    return {"shm_used_bytes": used, "mem_available_bytes": available}

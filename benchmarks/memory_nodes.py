@@ -258,6 +258,9 @@ def main() -> int:
     out = os.path.abspath(args.out)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
+    from measure import memory_headroom
+
+    before = memory_headroom()
     shm = f"/dev/shm/pyckpt-bench-nodes-{os.getpid()}"
     roots = [os.path.join(shm, "a"), os.path.join(shm, "b")]
     spec = os.path.join(out, "spec.json")
@@ -329,7 +332,8 @@ def main() -> int:
         result = {"replication_alone": sends, "params_arg": args.params, "width": args.width, "bucket": args.bucket, "cores": os.cpu_count(),
                   "nodes": 2, "ranks_per_node": 2, "resumed_ranks": 2, "checkpoint_tag": tag,
                   "durable_bytes": _size(os.path.join(durable, tag)), "share_bytes": share_bytes,
-                  "replication": replication, "cp_seconds": cps, "rounds": rounds, "medians": medians, "goals": goals}
+                  "replication": replication, "cp_seconds": cps, "rounds": rounds, "medians": medians, "goals": goals,
+                  "memory_before": before}
         print(json.dumps({"medians": medians, "goals": {k: v["met"] for k, v in goals.items()}}), flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -593,9 +593,12 @@ def main() -> int:
     if args.quick:
         args.params, args.width, args.rounds, args.steps = "2M", 256, 1, 2
     WAYS[:] = [w for w in args.ways.split(",") if w]
+    from measure import memory_headroom
+
+    before = memory_headroom()
     t0 = time.time()
     result = Driver(args).run()
-    result.update(params_arg=args.params, width=args.width, nproc=args.nproc, rounds=args.rounds, steps=args.steps,
+    result.update(memory_before=before, params_arg=args.params, width=args.width, nproc=args.nproc, rounds=args.rounds, steps=args.steps,
                   bucket=args.bucket, cores=os.cpu_count(), wall_s=time.time() - t0,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(json.dumps(result["medians"], indent=1), flush=True)
