@@ -14,6 +14,7 @@
 #include "errors.hpp"
 #include "fault_injection.hpp"
 #include "fd.hpp"
+#include "fsops.hpp"
 #include "output_maps.hpp"
 #include "torch_save_format.hpp"
 
@@ -22,23 +23,6 @@ namespace pyckpt {
 namespace {
 
 namespace fi = fault_injection;
-
-void pwrite_all(int fd, const uint8_t* p, uint64_t len, uint64_t off, const std::string& path) {
-    if (int e = fi::next_failure(fi::Call::Write)) throw_errno_code(e, "write", path);
-    while (len > 0) {
-        // Linux caps one write at ~2 GiB; stay well below it.
-        std::size_t chunk = static_cast<std::size_t>(std::min<uint64_t>(len, 1u << 30));
-        ssize_t n = ::pwrite(fd, p, chunk, static_cast<off_t>(off));
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            throw_errno("write", path);
-        }
-        if (n == 0) throw_errno_code(EIO, "write (no progress)", path);
-        p += n;
-        off += static_cast<uint64_t>(n);
-        len -= static_cast<uint64_t>(n);
-    }
-}
 
 struct OutputState {
     std::mutex mu;

@@ -1,9 +1,11 @@
-// Atomic renames that plain rename(2) cannot express, for publishing an output folder; and the
-// filesystem type of an open file, which Python's os module does not expose (fstatfs f_type).
+// Atomic renames that plain rename(2) cannot express, for publishing an output folder; the
+// filesystem type of an open file, which Python's os module does not expose (fstatfs f_type); and
+// a positioned write of a whole buffer.
 //
 // Thread/GIL contract: plain syscalls, safe from any thread; nothing here touches Python.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace pyckpt {
@@ -22,5 +24,10 @@ void rename_noreplace(const std::string& from, const std::string& to);
 // files of kernel pseudo-filesystems (procfs, sysfs, ...) that pass as regular files. Throws
 // std::system_error on failure.
 long filesystem_type(int fd);
+
+// Writes the `len` bytes at `p` to `fd` at `off`: short writes continued, EINTR retried, at most
+// 1 GiB per call. An armed write fault (fault_injection Call::Write) fails it first. Throws
+// std::system_error naming `path`.
+void pwrite_all(int fd, const uint8_t* p, uint64_t len, uint64_t off, const std::string& path);
 
 }  // namespace pyckpt

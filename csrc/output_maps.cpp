@@ -17,6 +17,7 @@
 
 #include "errors.hpp"
 #include "fd.hpp"
+#include "fsops.hpp"
 #include "mapping_guard.hpp"
 
 namespace pyckpt::output_maps {
@@ -166,19 +167,10 @@ void check_name(const char* call, const std::string& name, const std::string& pa
 // are touched here. Measured on 800 MB of tmpfs: 0.33-0.37 s this way, 0.64-0.76 s fallocate and a
 // touch. A full filesystem fails the write (ENOSPC), as it failed the fallocate.
 void fill_zeros(int fd, uint64_t size, const std::string& path) {
-    constexpr uint64_t kChunk = 1u << 20;
-    const std::vector<uint8_t> zeros(static_cast<std::size_t>(std::min(size, kChunk)));
-    uint64_t at = 0;
-    while (at < size) {
-        const std::size_t n = static_cast<std::size_t>(std::min<uint64_t>(zeros.size(), size - at));
-        const ssize_t w = ::pwrite(fd, zeros.data(), n, static_cast<off_t>(at));
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            throw_errno("write", path);
-        }
-        if (w == 0) throw_errno_code(ENOSPC, "write", path);
-        at += static_cast<uint64_t>(w);
-    }
+    constexpr uint64_t kSlice = 1u << 20;  // 1 MiB a call: the syscalls cost nothing next to the pages
+    const std::vector<uint8_t> zeros(static_cast<std::size_t>(std::min(size, kSlice)));
+    for (uint64_t at = 0; at < size; at += zeros.size())
+        pwrite_all(fd, zeros.data(), std::min<uint64_t>(zeros.size(), size - at), at, path);
 }
 
 }  // namespace

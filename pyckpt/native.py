@@ -122,9 +122,9 @@ def write_archives(sources, outputs, ops, *, root: str, workers: int = 0, fsync:
 
 
 def prepare_output_map(dir_fd: int, name: str, size: int, path: str, mapped: bool) -> None:
-    """Creates ``name`` (one component) in the open folder ``dir_fd`` with ``size`` bytes allocated and
-    touched, never over an entry nor through a link; ``mapped``: its writable mapping is also kept, as
-    :func:`write_archives` keeps one of a file it writes over (``path`` names it in errors)."""
+    """Creates ``name`` (one component) in the open folder ``dir_fd`` with ``size`` bytes allocated
+    (written as zeros), never over an entry nor through a link; ``mapped``: its writable mapping is also
+    kept, as :func:`write_archives` keeps one of a file it writes over (``path`` names it in errors)."""
     _core.prepare_output_map(dir_fd, name, size, path, mapped)
 
 

@@ -154,7 +154,7 @@ void register_executor(py::module_& m) {
         },
         py::arg("dir_fd"), py::arg("name"), py::arg("size"), py::arg("path"), py::arg("map") = true,
         "Create the new file NAME in the open folder DIR_FD (no link followed, never an existing entry) with SIZE "
-        "bytes allocated and touched now and, with MAP and from the mapping threshold up, a writable mapping kept "
+        "bytes allocated now (written as zeros) and, with MAP and from the mapping threshold up, a writable mapping kept "
         "as write_archives keeps one (map only the files this process will write): a later "
         "write_archives(reuse_outputs=True) over this file copies into pages already allocated and mapped. PATH "
         "names the file in errors. The GIL is released.");

@@ -142,13 +142,19 @@ def retire_before_save(folder: str, owner, model: str, keep: int, protect: Optio
         retire(folder, share)
 
 
+def _in_folder(files: Iterable[Tuple[str, int]]) -> list:
+    """The (name, size) of ``files`` directly in the tag folder (a name of one component): the only ones
+    made or mapped ahead."""
+    return [(name, size) for name, size in files if "/" not in name and name not in (".", "..")]
+
+
 def prepare_ahead(node_folder: str, files: Iterable[Tuple[str, int]], room, mine=frozenset()) -> bool:
     """Starts making the free slot of ``node_folder`` from ``files`` ((name, size) of the share just
     published there, whose layout the next save repeats) in a background thread; ``room(nbytes)``
     says why that many bytes do not fit the tier now (None: they do); the names in ``mine`` (the
     files this process writes) are also mapped here. Only files directly in the tag folder are made;
     a slot already there, or one being made, is left as it is. True when started."""
-    flat = [(name, int(size), name in mine) for name, size in files if "/" not in name and name not in (".", "..")]
+    flat = [(name, int(size), name in mine) for name, size in _in_folder(files)]
     if not flat:
         return False
     settle(node_folder)
@@ -178,7 +184,7 @@ def map_ahead(folder: str, files: Iterable[Tuple[str, int]]) -> bool:
     file it wrote over: the next save takes them, same inodes, and copies into them without setting up
     their page tables in the call (about 0.1 s per GB; a file the writer created, rather than wrote
     over, has no mapping yet). Joined by :func:`settle`. True when started."""
-    flat = [(name, int(size)) for name, size in files if "/" not in name and name not in (".", "..")]
+    flat = [(name, int(size)) for name, size in _in_folder(files)]
     if not flat:
         return False
     settle(folder)
