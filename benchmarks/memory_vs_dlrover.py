@@ -11,8 +11,10 @@ round), a *training* job and, after SIGKILLing that job's whole process group, *
 the same job, same ``--rdzv-id``). The ways:
 
 - ``pyckpt_sync`` / ``pyckpt_async``: ``pyckpt.deepspeed.save_checkpoint(engine, OUT, save_tier=MemoryTier(root=...,
-  keep=2), async_save=False/True)``; the restart builds the engine under ``pyckpt.deepspeed.enable(resume_tier=tier)``
-  and calls ``engine.load_checkpoint(OUT)``.
+  keep=2), async_save=False/True)``, after ``pyckpt.deepspeed.prepare_memory_tier(engine, OUT, save_tier=tier)`` once
+  before the first saving step (its call timed as ``prepare_call``; ``--unprepared`` leaves it out); the restart
+  builds the engine under ``pyckpt.deepspeed.enable(resume_tier=tier)``, calls ``engine.load_checkpoint(OUT)``, then
+  ``prepare_memory_tier`` again (in the first step's phase).
 - ``dlrover``: DLRover 0.6.1's ``DeepSpeedCheckpointer.save_checkpoint(OUT, tag=step,
   storage_type=StorageType.MEMORY)`` (DLRover's memory save is synchronous; its asynchronous part is the copy
   from memory to storage, which a MEMORY save does not make). DLRover keeps the shared memory alive across a
@@ -185,6 +187,13 @@ def worker(args) -> None:
         plain = [step() for _ in range(args.steps)]
         dist.barrier()
         mem = {"before": held()}
+        # pyckpt: the tier readied for the first save (its pages allocated and mapped in the background, at idle
+        # priority, while the first step runs); the call itself is timed
+        prepared, prepare_call = None, 0.0
+        if tier is not None and not args.unprepared:
+            t0 = time.perf_counter()
+            prepared = pd.prepare_memory_tier(engine, out, save_tier=tier)
+            prepare_call = time.perf_counter() - t0
         steps, calls, skipped, handles = [], [], 0, []
         for i in range(args.steps):
             steps.append(step())
@@ -209,7 +218,7 @@ def worker(args) -> None:
         dist.barrier()
         mem["after_last_save"] = held()
         every = gather({"plain": plain, "steps": steps, "calls": calls, "drain": drain, "skipped": skipped,
-                        "ok": ok})
+                        "ok": ok, "prepare_call": prepare_call})
 
         def slowest(key, i):
             return max(e[key][i] for e in every)
@@ -223,7 +232,8 @@ def worker(args) -> None:
             step_with_save=statistics.median(max(e["steps"][i] + e["calls"][i] for e in every) for i in range(n)),
             drain=max(e["drain"] for e in every), saves_ok=all(e["ok"] for e in every),
             skipped_saves=sum(e["skipped"] for e in every), memory=mem,
-            saved_step=engine.global_steps, saved_weights_sum=weights_sum())
+            saved_step=engine.global_steps, saved_weights_sum=weights_sum(), prepared=prepared,
+            prepare_call=max(e["prepare_call"] for e in every))
         result["first_call"] = result["calls"][0]
         result["later_call"] = statistics.median(result["calls"][1:]) if n > 1 else None
         # from the third save on, a tier that keeps two checkpoints writes over the oldest one's files
@@ -264,6 +274,11 @@ def worker(args) -> None:
         traceback.print_exc()
         error = f"{type(exc).__name__}: {exc}"
     t_load = time.time()
+    prepare_call = None  # pyckpt: the tier readied for the next save, after the load (part of the first step's phase)
+    if tier is not None and error is None and not args.unprepared:
+        t0 = time.perf_counter()
+        result["prepared"] = pd.prepare_memory_tier(engine, out, save_tier=tier)
+        prepare_call = time.perf_counter() - t0
     resumed_step = engine.global_steps
     loaded_sum = weights_sum()
     step(torch.Generator().manual_seed(1234))
@@ -279,9 +294,11 @@ def worker(args) -> None:
         except Exception as exc:  # noqa: BLE001 - a report, not a check
             save_error = f"{type(exc).__name__}: {exc!r}"[:300]
     times = gather({"created": t_created, "script": T_SCRIPT, "imports": t_imports, "rdzv": t_rdzv,
-                    "engine": t_engine, "load": t_load, "step": t_step, "error": error, "save_error": save_error})
+                    "engine": t_engine, "load": t_load, "step": t_step, "error": error, "save_error": save_error,
+                    "prepare_call": prepare_call})
     if rank == 0:
         result.update(resumed_step=resumed_step, loaded_weights_sum=loaded_sum, load_error=error,
+                      prepare_call=None if prepare_call is None else max(t["prepare_call"] for t in times),
                       save_after_resume_error=[t["save_error"] for t in times],
                       stamps={k: max(t[k] for t in times) for k in
                               ("created", "script", "imports", "rdzv", "engine", "load", "step")})
@@ -350,6 +367,8 @@ class Driver:
                "--width", str(a.width), "--steps", str(a.steps)]
         if a.bucket:
             cmd += ["--bucket", str(a.bucket)]
+        if a.unprepared:
+            cmd += ["--unprepared"]
         if tag:
             cmd += ["--tag", tag]
         if way == "dlrover":  # torchrun sets ROLE_NAME from --role: DLRover's workers then start no saver
@@ -517,7 +536,7 @@ class Driver:
 def _brief(row: dict) -> dict:
     t, out = row.get("train", {}), {"round": row.get("round"), "way": row["way"]}
     for k in ("plain_step", "stall", "first_call", "later_call", "steady_call", "step_with_save_over_plain",
-              "skipped_saves"):
+              "skipped_saves", "prepared", "prepare_call"):
         out[k] = t.get(k)
     for key in ("resume", "resume_evicted", "resume_no_tag"):
         if key in row:
@@ -540,7 +559,7 @@ def _medians(rows: list) -> dict:
         m: dict = {}
         if name == base:
             for k in ("plain_step", "stall", "first_call", "later_call", "steady_call", "step_with_save",
-                      "step_with_save_over_plain"):
+                      "step_with_save_over_plain", "prepare_call"):
                 vals = [r["train"][k] for r in mine if r["train"].get(k) is not None]
                 if vals:
                     m[k] = statistics.median(vals)
@@ -574,6 +593,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="plain steps, then steps with a save, per training job")
     p.add_argument("--bucket", type=float, default=None,
                    help="ZeRO reduce_bucket_size and allgather_bucket_size (elements; default DeepSpeed's 5e8)")
+    p.add_argument("--unprepared", action="store_true",
+                   help="pyckpt: no prepare_memory_tier before the first save (nor after the restart's load)")
     p.add_argument("--ways", default=",".join(ALL_WAYS))
     p.add_argument("--timeout", type=float, default=900, help="seconds a job may take")
     p.add_argument("--quick", action="store_true", help="smoke run: 2M parameters, width 256, 1 round, 2 steps")

@@ -141,6 +141,12 @@ def series_layout(archive_name: str, records, starts) -> list:
     return _core.series_layout(archive_name, records, starts)
 
 
+def torch_save_size(archive_name: str, records) -> int:
+    """The size of the file torch.save writes for ``records`` ((name, size) in write order, the closing
+    ones included: ``TorchSaveFile.closed_records``), as :func:`write_archives` writes it."""
+    return _core.torch_save_size(archive_name, records)
+
+
 def execute_into(sources, ops, dst, workers: int = 0, *, root: str = "") -> int:
     """Runs an op table over ``sources`` into the writable buffer ``dst``; pyckpt errors on refusal."""
     with native_errors(root):

@@ -4,6 +4,7 @@
 #include "../dtype_kernels.hpp"
 #include "../executor.hpp"
 #include "../output_maps.hpp"
+#include "../torch_save_format.hpp"
 #include "../zip_format.hpp"
 
 namespace pyckpt::bindings {
@@ -78,6 +79,19 @@ std::vector<std::string> convert_sources(const py::handle& seq, std::vector<std:
         out.push_back("<memory source " + std::to_string(out.size()) + ">");
     }
     return out;
+}
+
+// Full member names (ARCHIVE_NAME/name) and sizes of RECORDS, a sequence of (name, size).
+void member_records(const std::string& archive_name, const py::object& records, std::vector<std::string>& names,
+                    std::vector<uint64_t>& sizes) {
+    for (auto r : records.cast<py::sequence>()) {
+        auto rt = r.cast<py::sequence>();
+        if (rt.size() != 2) throw py::value_error("each record must be (name, size)");
+        int64_t size = rt[1].cast<int64_t>();
+        if (size < 0) throw py::value_error("record sizes must not be negative");
+        names.push_back(archive_name + "/" + rt[0].cast<std::string>());
+        sizes.push_back(static_cast<uint64_t>(size));
+    }
 }
 
 }  // namespace
@@ -183,14 +197,7 @@ void register_executor(py::module_& m) {
         [](const std::string& archive_name, const py::object& records, const py::object& starts) {
             std::vector<std::string> names;
             std::vector<uint64_t> sizes;
-            for (auto r : records.cast<py::sequence>()) {
-                auto rt = r.cast<py::sequence>();
-                if (rt.size() != 2) throw py::value_error("each record must be (name, size)");
-                int64_t size = rt[1].cast<int64_t>();
-                if (size < 0) throw py::value_error("record sizes must not be negative");
-                names.push_back(archive_name + "/" + rt[0].cast<std::string>());
-                sizes.push_back(static_cast<uint64_t>(size));
-            }
+            member_records(archive_name, records, names, sizes);
             std::vector<std::size_t> st;
             for (auto v : starts.cast<py::sequence>()) {
                 int64_t i = v.cast<int64_t>();
@@ -211,6 +218,22 @@ void register_executor(py::module_& m) {
         py::arg("archive_name"), py::arg("records"), py::arg("starts"),
         "(offset, length) of each archive of a series as write_archives lays it out: records (name, size) in "
         "order, `starts` the index of each archive's first record.");
+    m.def(
+        "torch_save_size",
+        [](const std::string& archive_name, const py::object& records) {
+            std::vector<std::string> names;
+            std::vector<uint64_t> sizes;
+            member_records(archive_name, records, names, sizes);
+            try {
+                return zip::plan_torch_save(names, sizes).file_size;
+            } catch (const std::invalid_argument& e) {
+                throw py::value_error(e.what());
+            }
+        },
+        py::arg("archive_name"), py::arg("records"),
+        "The size of the file torch.save writes for records (name, size) in write order, the closing ones "
+        "included (.data/serialization_id last): the file write_archives writes for an output whose fourth "
+        "item is 'torch_save'.");
 
     m.def(
         "execute_into",

@@ -70,9 +70,10 @@ def main() -> int:
                            "log": list(lines)}, f)
     if restart > 0:
         state, _, _ = W.resume(engine, durable)
+        prepared = _prepare(engine, durable, tier)
         if rank == 0:
-            torch.save({"state": state, "global_steps": engine.global_steps, "log": lines, "restart": restart},
-                       os.path.join(root, "resumed.pt"))
+            torch.save({"state": state, "global_steps": engine.global_steps, "log": lines, "restart": restart,
+                        "prepared": prepared}, os.path.join(root, "resumed.pt"))
         W.train_step(engine, cfg, rank, engine.global_steps + 1)  # and training goes on
         if job.get("kill_mid_write"):  # the next save clears what the killed one left in memory
             pd.save_checkpoint(engine, durable, tag=f"s{engine.global_steps}", save_tier=tier)
@@ -113,6 +114,28 @@ def main() -> int:
         dist.barrier()
         return 0
     return 1  # the kill never came
+
+
+def _prepare(engine, durable: str, tier) -> dict:
+    """prepare_memory_tier after the resume, before training goes on: what it did, and per rank the tier's
+    files it mapped (their names, from /proc/self/maps), by the folder that holds them."""
+    from pyckpt.deepspeed.tiers import free_slot
+
+    kind = pd.prepare_memory_tier(engine, durable, save_tier=tier)
+    free_slot.settle()
+    folder = tier.folder()
+    inodes = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[1].startswith("rw") and parts[1].endswith("s") and parts[4] != "0":
+                inodes.add(int(parts[4]))
+    mapped = sorted(f"{sub}/{name}" for sub in os.listdir(folder) if os.path.isdir(os.path.join(folder, sub))
+                    for name in os.listdir(os.path.join(folder, sub))
+                    if os.stat(os.path.join(folder, sub, name), follow_symlinks=False).st_ino in inodes)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mapped)
+    return {"kind": kind, "mapped": out}
 
 
 def _other_job(cfg, ws: int, rank: int, root: str, other: dict) -> None:

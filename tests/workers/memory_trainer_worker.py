@@ -144,15 +144,16 @@ def main() -> int:
     resumed_log = list(lines)
     fresh_accelerate_state()
     reference = make_trainer(job, tokenizer, ref)
-    reference.add_callback(pd.MemoryCheckpoints(reference, pd.MemoryTier(root=os.path.join(root, "mem"), job="ref",
-                                                                          keep=2), every=EVERY))
+    reference_memory = pd.MemoryCheckpoints(reference, pd.MemoryTier(root=os.path.join(root, "mem"), job="ref", keep=2),
+                                            every=EVERY)
+    reference.add_callback(reference_memory)
     reference.train()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, {"crash": crash["losses"], "ref": reference.losses})
     if rank == 0:
         with open(os.path.join(root, "result.json"), "w") as f:
             json.dump({"restart": restart, "resume_point": point, "assembled": assembled, "log": resumed_log,
-                       "global_step": crash["global_step"], "engine_steps": crash["engine_steps"],
+                       "prepared": [memory.prepared, reference_memory.prepared], "global_step": crash["global_step"], "engine_steps": crash["engine_steps"],
                        "crash_losses": [e["crash"] for e in every], "ref_losses": [e["ref"] for e in every]}, f)
     dist.barrier()
     return 0

@@ -175,6 +175,30 @@ def _listing(root: str) -> list:
     return sorted(os.listdir(root))
 
 
+def under_enable_save(task: dict, rank: int, ws: int) -> dict:
+    """pyckpt's own saves (to save_dir, asynchronous, to the memory tier) and prepare_memory_tier while
+    enable(save="atomic") routes DeepSpeed's save_checkpoint through pyckpt: each is one save, not a save
+    nested in another, and the checkpoint is DeepSpeed's own files."""
+    from pyckpt.deepspeed.tiers import free_slot
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    tier = pd.MemoryTier(root=os.path.join(root, "mem"), job="e", keep=2)
+    with pd.enable(save="atomic"):
+        ok = [bool(pd.save_checkpoint(engine, os.path.join(root, "d"), tag="sync")),
+              bool(pd.save_checkpoint(engine, os.path.join(root, "d"), tag="async", async_save=True).wait())]
+        kind = pd.prepare_memory_tier(engine, os.path.join(root, "d"), save_tier=tier)
+        free_slot.settle()
+        ok.append(bool(pd.save_checkpoint(engine, os.path.join(root, "d"), tag="mem", save_tier=tier)))
+    engine.save_checkpoint(os.path.join(root, "stock"), tag="sync")
+    engine.destroy()
+    folders = {tag: _listing(os.path.join(root, "d", tag)) for tag in ("sync", "async")}
+    folders["mem"] = _listing(os.path.join(tier.folder(), "mem"))
+    return {"ok": _gather(ok), "kind": kind, "folders": folders, "stock": _listing(os.path.join(root, "stock", "sync")),
+            "top": _listing(os.path.join(root, "d"))}
+
+
 def fault(task: dict, rank: int, ws: int) -> dict:
     """A good save, a save that fails on rank 1, one more training step, a good save; then the first loads."""
     from pyckpt.deepspeed.save import SaveError
@@ -592,6 +616,19 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
     ahead = premapped = None
     inodes = []  # per save, the inode of each of DeepSpeed's files in the memory folder
     folder = tier.folder()
+    # before training: the first save's files made in a free slot, each rank its own, allocated and mapped
+    from pyckpt.deepspeed.tiers import free_slot
+
+    prepared = pd.prepare_memory_tier(engine, durable, save_tier=tier)
+    free_slot.settle()
+    tdist.barrier()  # every rank's files made
+    slot, spare = free_slot.path(folder), free_slot.next_path(folder)
+    made = {n: os.stat(os.path.join(slot, n)) for n in sorted(os.listdir(slot))}
+    made_next = {n: os.stat(os.path.join(spare, n)) for n in sorted(os.listdir(spare))}
+    first = {"kind": prepared, "made": {n: (st.st_ino, st.st_size) for n, st in made.items()},
+             "made_next": {n: (st.st_ino, st.st_size) for n, st in made_next.items()},
+             "mapped": sorted(set(_shared_writable_inodes()) & {st.st_ino for st in made.values()}),
+             "mapped_next": sorted(set(_shared_writable_inodes()) & {st.st_ino for st in made_next.values()})}
     for s in range(1, 6):
         W.train_step(engine, cfg, rank, s)
         out = pd.save_checkpoint(engine, durable, tag=f"s{s}", client_state=_client_state(cfg), memory=tier,
@@ -600,6 +637,9 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
         tag_dir = os.path.join(folder, f"s{s}")
         inodes.append({n: os.stat(os.path.join(tag_dir, n)).st_ino for n in sorted(os.listdir(tag_dir))
                        if n.endswith(".pt")})
+        if s == 1:
+            first["s1"] = {n: (os.stat(os.path.join(tag_dir, n)).st_ino, os.stat(os.path.join(tag_dir, n)).st_size)
+                           for n in sorted(os.listdir(tag_dir)) if n.endswith(".pt")}
         if s == 1 and rank == 0:  # the node's leader made the second save's slot ahead, from s1's layout
             from pyckpt.deepspeed.tiers import free_slot
 
@@ -636,7 +676,64 @@ def memory_tier(task: dict, rank: int, ws: int) -> dict:
             "vs_stock": compare_states(stock, resumed), "vs_save": compare_states(at_save, resumed),
             "latest_durable": open(os.path.join(durable, "latest")).read(), "inodes": inodes,
             "vs_deepspeed": vs_deepspeed, "mapped": _gather(mapped), "ahead": ahead,
-            "premapped": _gather(premapped)}
+            "premapped": _gather(premapped), "first": _gather(first)}
+
+
+def memory_prepare_cases(task: dict, rank: int, ws: int) -> dict:
+    """prepare_memory_tier where it must do nothing (a budget the files exceed; a job folder another save
+    dir's job holds), and where it made a slot that no save took before a normal end."""
+    from pyckpt.deepspeed.save import memory_save
+    from pyckpt.deepspeed.tiers import free_slot
+
+    cfg = task["cfg"]
+    root = task["root"]
+    engine = _engine(cfg, ws, rank, 1)
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("pyckpt")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    mem = os.path.join(root, "mem")
+    try:
+        small = pd.prepare_memory_tier(engine, os.path.join(root, "a"),
+                                       save_tier=pd.MemoryTier(root=mem, job="small", limit_bytes=1000))
+        small_listing = _listing(os.path.join(mem, "small"))
+        # job "j" belongs to the job saving to root/a; the job saving to root/b must not put a slot there
+        tier = pd.MemoryTier(root=mem, job="j", keep=2)
+        assert pd.save_checkpoint(engine, os.path.join(root, "a"), tag="s1", save_tier=tier)
+        free_slot.settle()
+        foreign_before = _listing(tier.folder())
+        foreign = pd.prepare_memory_tier(engine, os.path.join(root, "b"), save_tier=tier)
+        foreign_listing = _listing(tier.folder())
+        # a slot made for a first save that never comes: a normal end removes it, and the folders it leaves empty
+        unused = pd.prepare_memory_tier(engine, os.path.join(root, "c"), save_tier=pd.MemoryTier(root=mem, job="c"))
+        unused_listing = _listing(os.path.join(mem, "c"))
+        c_folder = pd.MemoryTier(root=mem, job="c").folder()
+        free_slot.settle()
+        tdist.barrier()
+        c_slot = free_slot.path(c_folder)
+        slot_bytes = sum(os.path.getsize(os.path.join(c_slot, n)) for n in os.listdir(c_slot))  # the node's files
+        both = sorted(os.listdir(c_folder))
+        # room for one slot, not two: only the first save's is made
+        one = pd.prepare_memory_tier(engine, os.path.join(root, "o"),
+                                     save_tier=pd.MemoryTier(root=mem, job="one", limit_bytes=slot_bytes * 3 // 2))
+        free_slot.settle()
+        tdist.barrier()
+        one_listing = sorted(os.listdir(os.path.join(mem, "one", "node0")))
+        tdist.barrier()
+        memory_save._discard_unused()  # what the exit handler runs first at a normal end
+        tdist.barrier()
+        after_exit = sorted(os.listdir(mem))
+        kinds = [small, foreign, unused, one]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    engine.destroy()
+    return {"kinds": _gather(kinds), "small_listing": small_listing, "both": both, "one_listing": one_listing,
+            "foreign_listing": foreign_listing, "foreign_before": foreign_before, "unused_listing": unused_listing, "after_exit": after_exit,
+            "said": _gather([line for line in said if "not prepared" in line])}
 
 
 def memory_refusals(task: dict, rank: int, ws: int) -> dict:

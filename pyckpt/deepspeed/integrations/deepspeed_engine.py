@@ -30,6 +30,7 @@ from typing import Callable, Optional
 from ...errors import UnsupportedCheckpointError
 from ..load import direct
 from ..load import hooks
+from ..save.own_save import INSIDE as _INSIDE
 from ..settings import SETTINGS, save_mode
 from .patching import Patch, Row
 
@@ -50,7 +51,6 @@ LOAD_ROWS = tuple(_optimizer_row(module, cls, planner) for (module, cls), planne
         {"load_checkpoint": lambda original, _module: hooks.engine_load(original)}, PROVEN),)
 LOAD = Patch("the accelerated universal load", LOAD_ROWS, "DeepSpeed's own loader stays in place")
 
-_INSIDE = "_pyckpt_inside_save"
 _ANNOUNCED: list = []  # the one line a job prints, on its first save
 
 
@@ -68,14 +68,10 @@ def _save_checkpoint(original: Callable, _module=None) -> Callable:
             log.warning("pyckpt: DeepSpeed's save_checkpoint is %s (pyckpt.deepspeed.enable(save=%r)): %s",
                         "atomic and asynchronous" if save_mode() == "async" else "atomic", SETTINGS.save,
                         "published whole when every rank's files are complete")
-        setattr(self, _INSIDE, True)
-        try:
-            result = collective(self, save_dir, tag, client_state=dict(client_state or {}),
-                                exclude_frozen_parameters=exclude_frozen_parameters,
-                                async_save=save_mode() == "async", save_latest=bool(save_latest),
-                                training_state=False)
-        finally:
-            setattr(self, _INSIDE, False)
+        result = collective(self, save_dir, tag, client_state=dict(client_state or {}),
+                            exclude_frozen_parameters=exclude_frozen_parameters,
+                            async_save=save_mode() == "async", save_latest=bool(save_latest),
+                            training_state=False)
         # DeepSpeed's save returns True; an asynchronous one returns once the snapshot is taken
         return True if result is not False else result
 

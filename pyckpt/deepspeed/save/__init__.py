@@ -13,5 +13,6 @@ from __future__ import annotations
 from ...errors import CollectiveCallError, SaveError
 from .background import AsyncSave, wait_for_saves
 from .entry import save_checkpoint
+from .tier_preparation import prepare_memory_tier
 
-__all__ = ["save_checkpoint", "wait_for_saves", "AsyncSave", "SaveError", "CollectiveCallError"]
+__all__ = ["save_checkpoint", "prepare_memory_tier", "wait_for_saves", "AsyncSave", "SaveError", "CollectiveCallError"]

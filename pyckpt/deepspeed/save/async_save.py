@@ -23,6 +23,7 @@ from .conversions import convert_published
 from .destroy_hook import join_at_destroy
 from .guarded_io import WriteFailures, guarded
 from .in_flight import begin_save
+from .own_save import deepspeeds_own
 from .preflight import Staged
 from .publication import prune_after, publish_checkpoint
 from .request import SaveRequest
@@ -50,7 +51,7 @@ def save_async(engine, request: SaveRequest, staged: Staged, t_call: float) -> A
     clones = DeferredClones()
     engine.checkpoint_engine = CaptureCheckpointEngine(inner, arena, files, snapshot_limit, copies, clones)
     try:
-        with guarded(engine, failures), deferring_clones(clones):
+        with guarded(engine, failures), deferring_clones(clones), deepspeeds_own(engine):
             try:
                 engine.save_checkpoint(save_dir, tag=staged.staging_tag, client_state=request.client_state or {},
                                        save_latest=False, exclude_frozen_parameters=request.exclude_frozen_parameters)

@@ -161,7 +161,9 @@ def _fits_by_node(pre: list) -> Optional[str]:
 # What the exit handler needs, by memory folder: (tier, links, save_dir, fsync, store, identity, run) of the
 # latest save there.
 _AT_EXIT: dict = {}
+_UNUSED: set = set()  # node folders holding a slot made before a first save (discard_unused_at_exit)
 _CRASHED = []
+_WATCHING = []
 
 
 def after_resume(memory: MemoryTier, links, folder: str, identity, run: str) -> None:
@@ -173,16 +175,30 @@ def after_resume(memory: MemoryTier, links, folder: str, identity, run: str) -> 
 
 
 def _leave_at_exit(memory: MemoryTier, links, folder: str, save_dir: str, fsync: bool, identity, run: str) -> None:
-    if not _AT_EXIT:
-        previous = sys.excepthook
-
-        def excepthook(kind, value, tb):  # an uncaught exception: a crash, whose restart needs the tier
-            _CRASHED.append(kind)
-            previous(kind, value, tb)
-
-        sys.excepthook = excepthook
-        atexit.register(_leave)
+    _watch_exit()
     _AT_EXIT[folder] = (memory, links, save_dir, fsync, _default_store(), identity, run)
+
+
+def discard_unused_at_exit(folder: str) -> None:
+    """A node folder where a free slot was made before the job's first save (each node's leader): a process
+    that ends normally without saving there (nor resuming from it) removes that slot, and the node and
+    job folders where nothing else is in them. A crash leaves it, as it leaves the tier, for the restart."""
+    _watch_exit()
+    _UNUSED.add(folder)
+
+
+def _watch_exit() -> None:
+    if _WATCHING:
+        return
+    _WATCHING.append(True)
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):  # an uncaught exception: a crash, whose restart needs the tier
+        _CRASHED.append(kind)
+        previous(kind, value, tb)
+
+    sys.excepthook = excepthook
+    atexit.register(_leave)
 
 
 def _leave() -> None:
@@ -191,6 +207,7 @@ def _leave() -> None:
     record is still the job's run's. Anything that fails leaves the folder, saying why."""
     if _CRASHED:
         return
+    _discard_unused()
     from .background import wait_for_saves
     from ..tiers.links import forget_all
     from ..tiers.memory_root import remove_job
@@ -224,3 +241,19 @@ def _leave() -> None:
                         describe_failure(exc))
     _AT_EXIT.clear()
     forget_all()
+
+
+def _discard_unused() -> None:
+    """The slots made before a first save that never came: removed, with the folders they leave empty."""
+    for folder in sorted(_UNUSED - set(_AT_EXIT)):
+        try:
+            free_slot.settle()
+            free_slot.discard(folder)
+            free_slot.discard_next(folder)
+            for empty in (folder, os.path.dirname(folder)):
+                os.rmdir(empty)  # only where nothing else is left (a record, another node's folder: kept)
+        except OSError:
+            pass
+        except Exception as exc:
+            log.warning("pyckpt: the free slot made in %s stays: %s", folder, describe_failure(exc))
+    _UNUSED.clear()

@@ -169,6 +169,7 @@ class NodeShare(Destination):
         try:
             # what this save did not take from the free slot; the share the pruning retires is the next one
             free_slot.discard(folder)
+            free_slot.promote_next(folder)  # a second slot made before the job's first save: the next save's
             # the run's shares here, read once for both prunings (each read stats every listed file)
             found = [(path, m) for path, m in nm.shares(folder) if self.mine(m) and m.model == self.model]
             retired = nm.prune(folder, self.keep, self.mine, self.model, protect=(tag, ), found=found,

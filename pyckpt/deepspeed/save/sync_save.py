@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 from .companions import write_companions
 from .destination import Destination
 from .guarded_io import WriteFailures, guarded
+from .own_save import deepspeeds_own
 from .preflight import Staged
 from .request import SaveRequest
 from .slot_save import capturing, write_slot_files
@@ -37,6 +38,7 @@ def save_now(engine, request: SaveRequest, destination: Destination,
     with contextlib.ExitStack() as stack:
         captured = stack.enter_context(capturing(engine)) if in_place else None
         stack.enter_context(guarded(engine, failures))
+        stack.enter_context(deepspeeds_own(engine))
         try:
             engine.save_checkpoint(save_dir, tag=staged.staging_tag, client_state=request.client_state or {},
                                    save_latest=False, exclude_frozen_parameters=request.exclude_frozen_parameters)

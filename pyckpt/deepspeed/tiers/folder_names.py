@@ -7,6 +7,7 @@
     <root>/<job>/node<N>/restore/<tag>            the checkpoint a recovery put together (memory_recovery)
     <root>/<job>/node<N>/restore/checkpoint-<S>/<tag>  the same, as the Trainer's folder (memory_trainer)
     <root>/<job>/node<N>/.pyckpt-slot/            a retired share whose files the next save writes over
+    <root>/<job>/node<N>/.pyckpt-slot-next/       the slot after it, made before a job's first save
 
 A tag folder lies at most :data:`LEVELS_ABOVE_TAG` folders below the job's folder (the Trainer's
 folder in ``restore``, its staging beside it alike), so a walk of a job's tree goes no deeper than that
@@ -27,6 +28,7 @@ JOB_RECORD = "pyckpt-job.json"
 MANIFEST = "pyckpt-node.json"
 RESTORE = "restore"
 SLOT = ".pyckpt-slot"
+NEXT_SLOT = ".pyckpt-slot-next"
 REPLICA_PREFIX = "replica-of-node"
 LEVELS_ABOVE_TAG = 4  # node<N>/restore/checkpoint-<S>/<tag>
 _NODE_PREFIX = "node"

@@ -44,7 +44,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 from ...errors import CheckpointFormatError
 from ...execution.leftovers import remove_path
-from .folder_names import SLOT
+from .folder_names import NEXT_SLOT, SLOT
 from .folder_walk import TAG_DEPTH, held_bytes
 
 NAME = SLOT
@@ -58,6 +58,34 @@ _AHEAD_LOCK = threading.Lock()
 
 def path(node_folder: str) -> str:
     return os.path.join(node_folder, NAME)
+
+
+def next_path(node_folder: str) -> str:
+    """The slot after the free slot: made with it before a job's first save (:mod:`..save.tier_preparation`),
+    so that the second save too writes over pages allocated and mapped beforehand; it becomes the free
+    slot once the first save has taken that one's files (:func:`promote_next`)."""
+    return os.path.join(node_folder, NEXT_SLOT)
+
+
+def promote_next(node_folder: str) -> bool:
+    """The next slot becomes the free slot where there is none (a real folder, never a link). True when
+    it did."""
+    spare = next_path(node_folder)
+    try:
+        st = os.lstat(spare)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or os.path.lexists(path(node_folder)):
+        return False
+    os.rename(spare, path(node_folder))
+    return True
+
+
+def discard_next(node_folder: str) -> None:
+    """Removes the next slot (a job that ends without saving)."""
+    spare = next_path(node_folder)
+    if os.path.lexists(spare):
+        remove_path(spare)
 
 
 def retire(node_folder: str, share: str) -> None:
@@ -178,16 +206,20 @@ def next_retired(node_folder: str, remaining, keep: int) -> Optional[str]:
     return out[0] if out else None
 
 
-def map_ahead(folder: str, files: Iterable[Tuple[str, int]]) -> bool:
+def map_ahead(folder: str, files: Iterable[Tuple[str, int]], background: bool = True) -> bool:
     """Maps this process's ``files`` ((name, size), the names this process writes at every save) of
     ``folder`` (:func:`next_retired`) in a background thread, as the writer keeps the mapping of a
     file it wrote over: the next save takes them, same inodes, and copies into them without setting up
     their page tables in the call (about 0.1 s per GB; a file the writer created, rather than wrote
-    over, has no mapping yet). Joined by :func:`settle`. True when started."""
+    over, has no mapping yet). Joined by :func:`settle`; not ``background``: mapped in the call. True when
+    started (or done)."""
     flat = [(name, int(size)) for name, size in _in_folder(files)]
     if not flat:
         return False
     settle(folder)
+    if not background:
+        _map(folder, flat, idle=False)
+        return True
     thread = threading.Thread(target=_map, args=(folder, flat), name="pyckpt-map-ahead", daemon=False)
     with _AHEAD_LOCK:
         _AHEAD[folder] = thread
@@ -195,10 +227,11 @@ def map_ahead(folder: str, files: Iterable[Tuple[str, int]]) -> bool:
     return True
 
 
-def _map(folder: str, files) -> None:
+def _map(folder: str, files, idle: bool = True) -> None:
     from ...native import map_output
 
-    _yield_to_training()
+    if idle:
+        _yield_to_training()
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:  # gone, or no folder: the next save maps what it takes
@@ -212,9 +245,65 @@ def _map(folder: str, files) -> None:
         os.close(fd)
 
 
-def _make(node_folder: str, files, room) -> None:
+def make_own(slot: str, files: Iterable[Tuple[str, int]], background: bool = True) -> bool:
+    """Makes this process's ``files`` ((name, size), the files it writes at every save) in ``slot``, a free
+    slot (or the next one) its node's leader made empty (before a job's first save:
+    :mod:`..save.tier_preparation`): each allocated (written as zeros) and mapped as the writer keeps the
+    mapping of a file it wrote over; in a background thread joined by :func:`settle`, or (not
+    ``background``) in the call. A file that cannot be made is not left half-made; the save allocates
+    what the slot lacks. True when started (or done)."""
+    flat = [(name, int(size), True) for name, size in _in_folder(files)]
+    if not flat:
+        return False
+    settle(slot)
+    if not background:
+        _make_own(slot, flat, idle=False)
+        return True
+    thread = threading.Thread(target=_make_own, args=(slot, flat), name="pyckpt-free-slot", daemon=False)
+    with _AHEAD_LOCK:
+        _AHEAD[slot] = thread
+    thread.start()
+    return True
+
+
+def _fill(slot: str, files, made: list) -> None:
+    """Creates ``files`` ((name, size, mapped)) in the folder ``slot``, allocated, the ``mapped`` ones
+    mapped; the names created are appended to ``made`` as they are."""
     from ...native import prepare_output_map
 
+    fd = os.open(slot, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name, size, mapped in files:
+            try:
+                prepare_output_map(fd, name, size, os.path.join(slot, name), mapped)
+            except FileExistsError:
+                raise
+            except BaseException:
+                made.append(name)  # created, then the allocation failed (a full tmpfs): its pages go back too
+                raise
+            made.append(name)
+    finally:
+        os.close(fd)
+
+
+def _make_own(slot: str, files, idle: bool = True) -> None:
+    if idle:
+        _yield_to_training()
+    made: list = []
+    try:
+        _fill(slot, files, made)
+    except Exception as exc:  # noqa: BLE001 - a slot is an optimisation; the next save allocates instead
+        gone = isinstance(exc, FileNotFoundError)  # the slot was taken or removed meanwhile: nothing to undo
+        log.log(logging.INFO if gone else logging.WARNING, "pyckpt: could not make this rank's files in %s%s: %s",
+                slot, "" if gone else " (those made are removed)", exc)
+        for name in made:
+            try:
+                os.unlink(os.path.join(slot, name))
+            except OSError:
+                pass
+
+
+def _make(node_folder: str, files, room) -> None:
     _yield_to_training()
     slot = path(node_folder)
     try:
@@ -229,12 +318,7 @@ def _make(node_folder: str, files, room) -> None:
         log.warning("pyckpt: could not make a free slot in %s: %s", node_folder, exc)
         return
     try:
-        fd = os.open(slot, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            for name, size, mapped in files:
-                prepare_output_map(fd, name, size, os.path.join(slot, name), mapped)
-        finally:
-            os.close(fd)
+        _fill(slot, files, [])
     except Exception as exc:  # noqa: BLE001 - a full tmpfs: its pages back to the node, the save goes on
         log.warning("pyckpt: could not make a free slot in %s (removed): %s", node_folder, exc)
         try:

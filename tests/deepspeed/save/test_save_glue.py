@@ -148,6 +148,17 @@ def test_a_save_failing_on_one_rank_publishes_nothing_and_hangs_no_rank(tmp_path
     assert res["problems"] == []
 
 
+def test_pyckpts_own_saves_under_enable_save_are_one_save_each(tmp_path):
+    """enable(save="atomic") routes DeepSpeed's save_checkpoint through pyckpt; the saves pyckpt runs call that
+    method for DeepSpeed's own files, and must get DeepSpeed's, not a second save nested in the first."""
+    (res, ) = _launch(2, [_call("under_enable_save", h.Config(2, "fp32", 2), tmp_path)], None,
+                      "pyckpt's saves under enable(save=...)", TIMEOUT_S)
+    assert res["ok"] == [[True, True, True]] * 2 and res["kind"] == "made"
+    own = sorted(res["stock"] + ["training_state.json"])
+    assert res["folders"] == {"sync": own, "async": own, "mem": sorted(own + ["pyckpt-node.json"])}, res
+    assert res["top"] == ["async", "latest", "sync", "zero_to_fp32.py", "zero_to_torch.py"], res["top"]
+
+
 def test_a_call_on_some_ranks_only_is_named_not_hung(tmp_path):
     root = tmp_path / "ckpt"
     (res, ) = _launch(2, [_call("partial", h.Config(2, "fp32", 2), root)], None, "save on one rank", TIMEOUT_S)

@@ -436,3 +436,90 @@ def test_the_slot_is_what_the_next_save_writes_over_where_there_is_one(tmp_path)
     node = str(tmp_path)
     os.makedirs(free_slot.path(node))
     assert free_slot.next_retired(node, [(str(tmp_path / "s1"), SimpleNamespace(step=1))], keep=1) == free_slot.path(node)
+
+
+@pytest.mark.parametrize("name", ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt",
+                                  "no_extension", "ünïcode.pt"])
+def test_the_layout_of_a_save_gives_the_size_of_the_file_torch_save_writes(tmp_path, name):
+    """save_layout's stand-in pickles each file as torch.save does and sizes it (storages referenced, no data
+    copied): the size is the file torch.save writes, whatever the records, the archive name and the storages."""
+    from pyckpt.deepspeed.save.save_layout import LayoutCheckpointEngine
+    from pyckpt.deepspeed.save.snapshot import DeferredClones
+
+    files = []
+    stand_in = LayoutCheckpointEngine(_Inner(), files, DeferredClones())
+    for seed, n in ((1, 10), (2, 3000), (3, 70000)):
+        state = _state(seed, n)
+        stand_in.save(state, str(tmp_path / "never" / name))
+        ref = _torch_save(str(tmp_path), state, name)
+        assert files[-1] == (str(tmp_path / "never" / name), len(ref))
+    assert stand_in.makedirs(str(tmp_path / "never")) is None and not (tmp_path / "never").exists()
+    assert stand_in.failure is None
+
+
+def test_a_layout_failure_is_kept_not_raised_and_later_files_are_skipped(tmp_path):
+    """Every rank must still reach DeepSpeed's next collective: a file that cannot be pickled is recorded."""
+    from pyckpt.deepspeed.save.save_layout import LayoutCheckpointEngine
+    from pyckpt.deepspeed.save.snapshot import DeferredClones
+
+    files = []
+    stand_in = LayoutCheckpointEngine(_Inner(), files, DeferredClones())
+    stand_in.save({"f": lambda: None}, str(tmp_path / "a.pt"))
+    stand_in.save(_state(1, 10), str(tmp_path / "b.pt"))
+    assert files == [] and stand_in.failure.startswith(f"laying out {tmp_path / 'a.pt'}: ")
+
+
+def test_a_rank_makes_its_own_files_in_the_slot_and_removes_only_those_when_it_cannot(tmp_path):
+    """Before a first save each rank makes its own files in the slot its node's leader made (allocated and
+    mapped by it); a file that cannot be allocated takes back only what this rank made."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from pyckpt import _core
+
+    _core.release_output_maps()
+    node = tmp_path / "node0"
+    slot = node / free_slot.NAME
+    slot.mkdir(parents=True)
+    (slot / "other_rank.pt").write_bytes(b"theirs")
+    assert free_slot.make_own(str(slot), [("mine.pt", 2 << 20), ("nested/x.pt", 5)])
+    free_slot.settle()
+    assert sorted(os.listdir(slot)) == ["mine.pt", "other_rank.pt"]
+    assert os.path.getsize(slot / "mine.pt") == 2 << 20 and _allocated(str(slot / "mine.pt")) >= 2 << 20
+    assert _core.output_maps_info() == {"count": 1, "bytes": 2 << 20}
+    _core.release_output_maps()
+    os.unlink(slot / "mine.pt")
+    code = textwrap.dedent(f"""
+        import resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        from pyckpt.deepspeed.tiers import free_slot
+        assert free_slot.make_own({str(slot)!r}, [("a.pt", 1 << 10), ("b.pt", 4 << 20)])
+        free_slot.settle()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "could not make this rank's files" in proc.stderr and "removed" in proc.stderr
+    assert os.listdir(slot) == ["other_rank.pt"] and (slot / "other_rank.pt").read_bytes() == b"theirs"
+
+
+def test_the_next_slot_becomes_the_free_slot_only_where_there_is_none(tmp_path):
+    node = tmp_path / "node0"
+    node.mkdir()
+    assert not free_slot.promote_next(str(node))  # none to promote
+    spare = node / ".pyckpt-slot-next"
+    spare.mkdir()
+    (spare / "f.pt").write_bytes(b"x")
+    (node / free_slot.NAME).mkdir()
+    assert not free_slot.promote_next(str(node))  # the free slot is still there: the next one waits
+    os.rmdir(node / free_slot.NAME)
+    assert free_slot.promote_next(str(node)) and os.listdir(node) == [free_slot.NAME]
+    assert (node / free_slot.NAME / "f.pt").read_bytes() == b"x"
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    os.symlink(target, spare)
+    os.rename(node / free_slot.NAME, tmp_path / "gone")
+    assert not free_slot.promote_next(str(node))  # a link in its place is never taken for a slot
+    free_slot.discard_next(str(node))
+    assert os.listdir(node) == [] and target.is_dir()

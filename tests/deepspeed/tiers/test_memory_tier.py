@@ -77,11 +77,26 @@ def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     assert res["extras_vs_stock"] == [[], []] and res["client_vs_stock"] == [True, True]
     # the memory files are DeepSpeed's own save of the same step, byte for byte (pyckpt's two files beside)
     assert res["vs_deepspeed"] == ["pyckpt-node.json", "training_state.json"]
+    # before training, prepare_memory_tier made the first two saves' slots: each rank its own files, of the
+    # exact sizes DeepSpeed's save writes (the model states aside: their client_state differs), mapped by
+    # their writer
+    first = res["first"]
+    assert [f["kind"] for f in first] == ["made", "made"], first
+    made, made_next = first[0]["made"], first[0]["made_next"]
+    assert made and first[1]["made"] == made and set(made) == set(first[0]["s1"]), (made, first[0]["s1"])
+    assert set(made_next) == set(made) and {i for i, _ in made_next.values()}.isdisjoint(i for i, _ in made.values())
+    for which, slot in (("mapped", made), ("mapped_next", made_next)):
+        assert sorted(set(first[0][which]) | set(first[1][which])) == sorted(i for i, _ in slot.values())
+        assert set(first[0][which]).isdisjoint(first[1][which]) and all(f[which] for f in first)
+    # the first save wrote over the first slot, the second over the next one: the same inodes
+    assert {n: i for n, (i, _) in first[0]["s1"].items()} == {n: i for n, (i, _) in made.items()}
+    assert all(first[0]["s1"][n][1] == size for n, (_, size) in made.items() if "optim_states" in n)
+    assert res["inodes"][1] == {n: i for n, (i, _) in made_next.items()}
     # keep=2: two slots, written over in turn (s3 over s1's files, s4 over s2's, s5 over s3's)
     ino = res["inodes"]
     assert ino[0] and ino[1] and set(ino[0].values()).isdisjoint(ino[1].values())
     assert ino[2] == ino[0] and ino[3] == ino[1] and ino[4] == ino[0]
-    # the second save, before the tier held two checkpoints, wrote over a slot made ahead from the first's layout
+    # the second save wrote over the next slot, the free slot once the first save was published
     assert res["ahead"] == ino[1], (res["ahead"], ino[1])
     # and the third save's (s1's files): each rank mapped the files it writes, before that save, in the background
     premapped = res["premapped"]
@@ -90,6 +105,22 @@ def test_memory_saves_persist_and_resume_from_the_newest_tier(tmp_path, cfg):
     # and written over through kept mappings (PYCKPT_MAP_MIN_BYTES=1 here): each rank's files of the last two
     # saves, its optimizer states and, on rank 0, the model states (ZeRO-3: every rank's)
     assert all(n >= 2 for n in res["mapped"]) and res["mapped"][0] >= 4, res["mapped"]
+
+
+def test_preparing_the_tier_refuses_what_a_save_would_and_a_normal_end_removes_an_unused_slot(tmp_path):
+    (res, ) = _launch(2, [_call("memory_prepare_cases", h.Config(2, "fp32", 2), tmp_path)], None,
+                      "memory tier preparation", TIMEOUT_S)
+    # a budget the first save's files exceed, and a job folder of another save dir's job: nothing made there
+    assert res["kinds"] == [[None, None, "made", "made"]] * 2
+    assert res["small_listing"] == ["node0"] and res["foreign_listing"] == res["foreign_before"]
+    assert "s1" in res["foreign_before"]
+    (small, foreign), none = res["said"]
+    assert none == [] and "limit" in small and "two jobs were given the job id 'j'" in foreign, res["said"]
+    # the slot made for a first save that never came is removed at a normal end, with the folders it leaves empty
+    assert res["unused_listing"] == ["node0"] and "c" not in res["after_exit"] and "j" in res["after_exit"]
+    assert "one" not in res["after_exit"]
+    # two slots where they fit the budget (the first two saves'), one where only one does
+    assert res["both"] == [".pyckpt-slot", ".pyckpt-slot-next"] and res["one_listing"] == [".pyckpt-slot"]
 
 
 def test_what_does_not_fit_or_is_not_safe_goes_to_save_dir_with_one_line(tmp_path):
@@ -125,6 +156,13 @@ def test_a_rank_killed_mid_run_resumes_from_memory_when_torchrun_restarts_it(tmp
     assert resumed["restart"] == 1 and resumed["global_steps"] == 4
     (line, ) = resumed["log"]
     assert line.startswith("pyckpt: resuming step 4 from memory (") and "newer than step 3" in line, line
+    # prepare_memory_tier after the resume: the tier holds s3 and s4 (keep=2), so the next save writes over
+    # s3's files, and each rank mapped its own of them then, before training went on
+    prepared = resumed["prepared"]
+    mapped = prepared["mapped"]
+    assert prepared["kind"] == "mapped" and all(mapped) and set(mapped[0]).isdisjoint(mapped[1]), prepared
+    assert all(name.startswith("s3/") and name.endswith(".pt") for name in mapped[0] + mapped[1]), mapped
+    assert any("model_states" in name for name in mapped[0]), mapped
     # the restarted job saved nothing and ended normally: what it resumed is persisted, its memory gone,
     # and that copy is the state it resumed, by DeepSpeed's own load of it
     durable = tmp_path / "durable"

@@ -58,6 +58,9 @@ def test_a_trainer_killed_after_a_memory_save_resumes_that_step_from_memory(tmp_
     (line, ) = [m for m in res["log"] if "from memory" in m]
     assert line.startswith("pyckpt: resuming step 6 from memory (") and "newer than step 4 in" in line, line
     assert line.rstrip().endswith("checkpoint-4"), line
+    # at the start of training the callback readied the tier for the first save: the resumed job mapped the files
+    # of step 4's share (its next save writes over them), the fresh reference job made a free slot
+    assert res["prepared"] == ["mapped", "made"]
     # training went on from step 6: steps 7 and 8 only, the Trainer and DeepSpeed at step 8 at the end
     assert res["global_step"] == 8 and res["engine_steps"] == 8
     for rank, (resumed, reference) in enumerate(zip(res["crash_losses"], res["ref_losses"])):
