@@ -697,6 +697,11 @@ def memory_prepare_cases(task: dict, rank: int, ws: int) -> dict:
     logger.addHandler(handler)
     mem = os.path.join(root, "mem")
     try:
+        # before the first training step the optimizer may not have made its state: nothing is prepared
+        steps, engine.global_steps = engine.global_steps, 0
+        early = pd.prepare_memory_tier(engine, os.path.join(root, "a"), save_tier=pd.MemoryTier(root=mem, job="early"))
+        engine.global_steps = steps
+        early_made = os.path.exists(os.path.join(mem, "early"))
         small = pd.prepare_memory_tier(engine, os.path.join(root, "a"),
                                        save_tier=pd.MemoryTier(root=mem, job="small", limit_bytes=1000))
         small_listing = _listing(os.path.join(mem, "small"))
@@ -726,14 +731,14 @@ def memory_prepare_cases(task: dict, rank: int, ws: int) -> dict:
         memory_save._discard_unused()  # what the exit handler runs first at a normal end
         tdist.barrier()
         after_exit = sorted(os.listdir(mem))
-        kinds = [small, foreign, unused, one]
+        kinds = [early, small, foreign, unused, one]
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     engine.destroy()
-    return {"kinds": _gather(kinds), "small_listing": small_listing, "both": both, "one_listing": one_listing,
+    return {"kinds": _gather(kinds), "small_listing": small_listing, "early_made": early_made, "both": both, "one_listing": one_listing,
             "foreign_listing": foreign_listing, "foreign_before": foreign_before, "unused_listing": unused_listing, "after_exit": after_exit,
-            "said": _gather([line for line in said if "not prepared" in line])}
+            "said": _gather([line for line in said if "prepared" in line])}
 
 
 def memory_refusals(task: dict, rank: int, ws: int) -> dict:

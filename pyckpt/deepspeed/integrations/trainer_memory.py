@@ -58,9 +58,9 @@ class _MemoryCheckpoints:
     ``pyckpt.deepspeed.save_checkpoint(engine, trainer.args.output_dir, tag="global_step<step>",
     memory=tier, async_save=async_save)`` with the Trainer's state in its ``client_state``, so that
     :func:`resume_point` can hand the Trainer a folder of its own shape. ``handle`` is the last save's
-    outcome (an :class:`~..save.AsyncSave` under ``async_save``); the end of training joins it. At the start
-    of training the tier is readied for the first save (``prepare_memory_tier``). The Trainer must run
-    DeepSpeed (``TrainingArguments(deepspeed=...)``)."""
+    outcome (an :class:`~..save.AsyncSave` under ``async_save``); the end of training joins it. After the
+    first step, where no save is due then, the tier is readied for the first save (``prepare_memory_tier``).
+    The Trainer must run DeepSpeed (``TrainingArguments(deepspeed=...)``)."""
 
     def __init__(self, trainer, tier: MemoryTier, every: int, async_save: bool = True):
         if not isinstance(tier, MemoryTier):
@@ -74,7 +74,8 @@ class _MemoryCheckpoints:
         self.every = every
         self.async_save = bool(async_save)
         self.handle = None
-        self.prepared = None  # what prepare_memory_tier did at the start of training
+        self.prepared = None  # what prepare_memory_tier did after the first step of this train()
+        self._ready_tried = False
 
     def _engine(self):
         from deepspeed.runtime.engine import DeepSpeedEngine
@@ -85,16 +86,19 @@ class _MemoryCheckpoints:
                             "DeepSpeed engine; only a Trainer running DeepSpeed can save to the memory tier")
         return engine
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        """The engine is built and any checkpoint loaded: the tier is readied for the first save while the
-        first steps run (:func:`~..save.prepare_memory_tier`)."""
-        from ..save import prepare_memory_tier
-
-        self.prepared = prepare_memory_tier(self._engine(), self.trainer.args.output_dir, save_tier=self.tier)
-
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every:
+        due = not state.global_step % self.every
+        if not self._ready_tried and not due:
+            # after the job's first step (the optimizer's state exists) and before its first memory save: the
+            # tier is readied for that save (:func:`~..save.prepare_memory_tier`); a save due at this very step
+            # would only pay the same in the preparation
+            from ..save import prepare_memory_tier
+
+            self._ready_tried = True
+            self.prepared = prepare_memory_tier(self._engine(), self.trainer.args.output_dir, save_tier=self.tier)
+        if not due:
             return
+        self._ready_tried = True
         from ..save import save_checkpoint
 
         engine = self._engine()

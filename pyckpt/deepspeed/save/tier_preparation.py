@@ -1,10 +1,10 @@
-"""The memory tier made ready for a job's first save while its first steps run.
+"""The memory tier made ready for a job's first save, once training has begun.
 
 A memory save writes over the free slot's files: tmpfs pages the tier already holds, mapped by the
 process that writes them (:mod:`..tiers.free_slot`). The job's first save has no slot: it creates its
 files, and the kernel allocates every page inside the call (about 0.35 s per 800 MB, against 0.2 s for
-the whole save once the tier is warm). :func:`prepare_memory_tier`, called once on every rank before
-training (after any resume), learns the files the save will write (:mod:`.save_layout`: DeepSpeed's save
+the whole save once the tier is warm). :func:`prepare_memory_tier`, called once on every rank after the
+first training step (or a resume), learns the files the save will write (:mod:`.save_layout`: DeepSpeed's save
 run without writing), and each node's leader then readies what that save writes over:
 
 * no share of the job's run on the node and no slot: two new empty slots, the free slot and the next
@@ -48,14 +48,15 @@ MADE, MAPPED = "made", "mapped"
 def prepare_memory_tier(engine, save_dir, save_tier=None, *, exclude_frozen_parameters: bool = False,
                         background: bool = False, memory=None) -> Optional[str]:
     """Readies ``save_tier`` (the :class:`~..tiers.policy.MemoryTier` the saves to ``save_dir`` use) for
-    the job's next memory save; call it on **every** rank, once, after the engine is built and any
-    checkpoint loaded, before training. The pages that save writes over are allocated and mapped by every
-    rank at once, in the call (about 0.4 s per GB a rank writes, once per job), so that the first save costs
-    what a later one does. ``background=True`` does that in a thread at idle priority instead, while the
-    first steps run, and the first save waits for what is left; measured on a 2-core machine whose cores
-    the ranks kept busy, that thread held the first step back by more than it cost in the call (the
-    mappings it sets up contend with the training for the process's memory map).
-    ``exclude_frozen_parameters`` as the saves will pass it.
+    the job's next memory save; call it on **every** rank, once, after the first training step (or a
+    resume) and before the first save. Before the first step an optimizer may not have made its state yet
+    (torch's Adam makes its moments at its first step), so the files' sizes are not known: a call at step 0
+    prepares nothing and says so. The pages the first two saves write over are allocated and mapped
+    by every rank at once, in the call (once per job; about 1.8 s per GB of a rank's files on a 2-core
+    machine), so that the first save costs what a later one does. ``background=True`` does that in a thread
+    at idle priority instead, while the first steps run, and the first save waits for what is left: there,
+    with every core training, one first save waited 0.42 s (0.08 s steady), and the first step was as slow
+    as after the call. ``exclude_frozen_parameters`` as the saves will pass it.
 
     Returns what was done on this node ("made": a new free slot; "mapped": the files of the slot or of the
     share the save writes over), or None where nothing was (said once on rank 0: the tier's folder is
@@ -65,6 +66,11 @@ def prepare_memory_tier(engine, save_dir, save_tier=None, *, exclude_frozen_para
     if tier is None:
         raise ValueError("prepare_memory_tier needs save_tier=MemoryTier(...), the tier the saves use")
     group = TorchRanks()
+    if not getattr(engine, "global_steps", 0):  # the same on every rank: all return here, no collective left
+        if group.rank == 0:
+            log.warning("pyckpt: prepare_memory_tier was called before the first training step, when the optimizer "
+                        "may not have made its state yet; nothing was prepared: call it after the first step")
+        return None
     tier, identity = bound(tier, save_dir)
     join_all(engine)
     free_slot.settle()
