@@ -52,8 +52,8 @@ def prepare_memory_tier(engine, save_dir, save_tier=None, *, exclude_frozen_para
     resume) and before the first save. Before the first step an optimizer may not have made its state yet
     (torch's Adam makes its moments at its first step), so the files' sizes are not known: a call at step 0
     prepares nothing and says so. The pages the first two saves write over are allocated and mapped
-    by every rank at once, in the call (once per job; about 1.8 s per GB of a rank's files on a 2-core
-    machine), so that the first save costs what a later one does. ``background=True`` does that in a thread
+    by every rank at once, in the call (once per job; 0.9-3.4 s for a rank's 2 GB in the benchmarks on a
+    2-core machine), so that the first save costs what a later one does. ``background=True`` does that in a thread
     at idle priority instead, while the first steps run, and the first save waits for what is left: there,
     with every core training, one first save waited 0.42 s (0.08 s steady), and the first step was as slow
     as after the call. ``exclude_frozen_parameters`` as the saves will pass it.

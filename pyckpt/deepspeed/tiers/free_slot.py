@@ -188,9 +188,18 @@ def prepare_ahead(node_folder: str, files: Iterable[Tuple[str, int]], room, mine
     settle(node_folder)
     if os.path.lexists(path(node_folder)):
         return False
-    thread = threading.Thread(target=_make, args=(node_folder, flat, room), name="pyckpt-free-slot", daemon=False)
+    return _ahead(node_folder, "pyckpt-free-slot", _make, (node_folder, flat, room))
+
+
+def _ahead(key: str, name: str, work, args: tuple, background: bool = True) -> bool:
+    """Runs ``work(*args)`` in a background thread that :func:`settle` of ``key`` joins, or (not
+    ``background``) now, at the caller's priority. True."""
+    if not background:
+        work(*args, idle=False)
+        return True
+    thread = threading.Thread(target=work, args=args, name=name, daemon=False)
     with _AHEAD_LOCK:
-        _AHEAD[node_folder] = thread
+        _AHEAD[key] = thread
     thread.start()
     return True
 
@@ -217,14 +226,7 @@ def map_ahead(folder: str, files: Iterable[Tuple[str, int]], background: bool = 
     if not flat:
         return False
     settle(folder)
-    if not background:
-        _map(folder, flat, idle=False)
-        return True
-    thread = threading.Thread(target=_map, args=(folder, flat), name="pyckpt-map-ahead", daemon=False)
-    with _AHEAD_LOCK:
-        _AHEAD[folder] = thread
-    thread.start()
-    return True
+    return _ahead(folder, "pyckpt-map-ahead", _map, (folder, flat), background)
 
 
 def _map(folder: str, files, idle: bool = True) -> None:
@@ -256,14 +258,7 @@ def make_own(slot: str, files: Iterable[Tuple[str, int]], background: bool = Tru
     if not flat:
         return False
     settle(slot)
-    if not background:
-        _make_own(slot, flat, idle=False)
-        return True
-    thread = threading.Thread(target=_make_own, args=(slot, flat), name="pyckpt-free-slot", daemon=False)
-    with _AHEAD_LOCK:
-        _AHEAD[slot] = thread
-    thread.start()
-    return True
+    return _ahead(slot, "pyckpt-free-slot", _make_own, (slot, flat), background)
 
 
 def _fill(slot: str, files, made: list) -> None:
@@ -303,8 +298,9 @@ def _make_own(slot: str, files, idle: bool = True) -> None:
                 pass
 
 
-def _make(node_folder: str, files, room) -> None:
-    _yield_to_training()
+def _make(node_folder: str, files, room, idle: bool = True) -> None:
+    if idle:
+        _yield_to_training()
     slot = path(node_folder)
     try:
         problem = room(sum(size for _, size, _ in files))
