@@ -702,6 +702,14 @@ def memory_prepare_cases(task: dict, rank: int, ws: int) -> dict:
         early = pd.prepare_memory_tier(engine, os.path.join(root, "a"), save_tier=pd.MemoryTier(root=mem, job="early"))
         engine.global_steps = steps
         early_made = os.path.exists(os.path.join(mem, "early"))
+        # a root others can write: refused as a save refuses it, nothing made inside
+        opened = os.path.join(root, "open")
+        if rank == 0:
+            os.makedirs(opened, mode=0o777)
+            os.chmod(opened, 0o777)
+        tdist.barrier()
+        hostile = pd.prepare_memory_tier(engine, os.path.join(root, "a"), save_tier=pd.MemoryTier(root=opened, job="h"))
+        hostile_listing = _listing(opened)
         small = pd.prepare_memory_tier(engine, os.path.join(root, "a"),
                                        save_tier=pd.MemoryTier(root=mem, job="small", limit_bytes=1000))
         small_listing = _listing(os.path.join(mem, "small"))
@@ -731,12 +739,12 @@ def memory_prepare_cases(task: dict, rank: int, ws: int) -> dict:
         memory_save._discard_unused()  # what the exit handler runs first at a normal end
         tdist.barrier()
         after_exit = sorted(os.listdir(mem))
-        kinds = [early, small, foreign, unused, one]
+        kinds = [early, hostile, small, foreign, unused, one]
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     engine.destroy()
-    return {"kinds": _gather(kinds), "small_listing": small_listing, "early_made": early_made, "both": both, "one_listing": one_listing,
+    return {"kinds": _gather(kinds), "small_listing": small_listing, "early_made": early_made, "hostile_listing": hostile_listing, "both": both, "one_listing": one_listing,
             "foreign_listing": foreign_listing, "foreign_before": foreign_before, "unused_listing": unused_listing, "after_exit": after_exit,
             "said": _gather([line for line in said if "prepared" in line])}
 

@@ -523,3 +523,23 @@ def test_the_next_slot_becomes_the_free_slot_only_where_there_is_none(tmp_path):
     assert not free_slot.promote_next(str(node))  # a link in its place is never taken for a slot
     free_slot.discard_next(str(node))
     assert os.listdir(node) == [] and target.is_dir()
+
+
+def test_a_slot_that_is_a_link_is_never_mapped_nor_filled_through(tmp_path):
+    """Before a first save the leader readies what is there: a link named like the slot (or the next one) is no
+    slot, so nothing is mapped through it and nothing is made where it points."""
+    from types import SimpleNamespace
+
+    from pyckpt.deepspeed.save import tier_preparation
+
+    node = tmp_path / "node0"
+    node.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f.pt").write_bytes(b"keep")
+    os.symlink(outside, node / free_slot.NAME)
+    os.symlink(outside, node / ".pyckpt-slot-next")
+    tier = SimpleNamespace(keep=2, root_path=str(tmp_path), job_name="j", limit_bytes=None)
+    kind, folders = tier_preparation._ready_node(str(node), [("f.pt", 4)], None, None, "m", tier)
+    assert (kind, folders) == ("mapped", [])
+    assert sorted(os.listdir(outside)) == ["f.pt"] and (outside / "f.pt").read_bytes() == b"keep"

@@ -111,13 +111,15 @@ def test_preparing_the_tier_refuses_what_a_save_would_and_a_normal_end_removes_a
     (res, ) = _launch(2, [_call("memory_prepare_cases", h.Config(2, "fp32", 2), tmp_path)], None,
                       "memory tier preparation", TIMEOUT_S)
     # a budget the first save's files exceed, and a job folder of another save dir's job: nothing made there
-    assert res["kinds"] == [[None, None, None, "made", "made"]] * 2
+    assert res["kinds"] == [[None, None, None, None, "made", "made"]] * 2
+    assert res["hostile_listing"] == []  # a root writable by others: nothing made inside it
     # called before the first training step (the optimizer's state may not exist yet): nothing made, one line why
     assert res["early_made"] is False
     assert res["small_listing"] == ["node0"] and res["foreign_listing"] == res["foreign_before"]
     assert "s1" in res["foreign_before"]
-    (early, small, foreign), none = res["said"]
+    (early, hostile, small, foreign), none = res["said"]
     assert "before the first training step" in early and "nothing was prepared" in early, early
+    assert "not prepared" in hostile and "writable by" in hostile, hostile
     assert none == [] and "limit" in small and "two jobs were given the job id 'j'" in foreign, res["said"]
     # the slot made for a first save that never came is removed at a normal end, with the folders it leaves empty
     assert res["unused_listing"] == ["node0"] and "c" not in res["after_exit"] and "j" in res["after_exit"]
