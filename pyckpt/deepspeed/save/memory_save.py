@@ -41,7 +41,7 @@ from ...execution.leftovers import remove_path
 from ..tiers import free_slot
 from ..tiers import node_manifest as nm
 from ..tiers.folder_names import RESTORE
-from ..tiers.job_identity import agreed_run, bound, foreign, new_run, owns, read_record
+from ..tiers.job_identity import agreed_run, any_foreign, bound, new_run, owns, read_record
 from ..tiers.links import nodes
 from ..tiers.memory_root import budget, fits
 from ..tiers.nodes import this_node
@@ -100,7 +100,7 @@ def save_to_memory(engine, request: SaveRequest, memory: MemoryTier, persist: bo
                         f"tier, some without); checkpoint {tag} was not saved, nothing was written", published=False)
     errors = [(r, p["error"]) for r, p in enumerate(pre) if p["error"]]
     problem = "; ".join(f"rank {r}: {e}" for r, e in errors) if errors else (
-        next((f for f in (foreign(p["record"], identity, memory.root_path) for p in pre) if f), None)
+        any_foreign([p["record"] for p in pre], identity, memory.root_path)
         or _fits_by_node(pre))
     if problem:
         if group.rank == 0:

@@ -31,7 +31,7 @@ from typing import Optional
 from ...execution.distributed import TorchRanks, describe_failure
 from ..tiers import free_slot
 from ..tiers import node_manifest as nm
-from ..tiers.job_identity import agreed_run, bound, foreign, owns, read_record
+from ..tiers.job_identity import agreed_run, any_foreign, bound, owns, read_record
 from ..tiers.links import nodes
 from ..tiers.memory_root import budget, fits
 from ..tiers.nodes import this_node
@@ -86,8 +86,8 @@ def prepare_memory_tier(engine, save_dir, save_tier=None, *, exclude_frozen_para
     mine["error"] = mine["error"] or failure
     mine["files"] = files
     pre = group.all_gather(mine)
-    problem = "; ".join(f"rank {r}: {p['error']}" for r, p in enumerate(pre) if p["error"]) or next(
-        (f for f in (foreign(p["record"], identity, tier.root_path) for p in pre) if f), None)
+    problem = ("; ".join(f"rank {r}: {p['error']}" for r, p in enumerate(pre) if p["error"])
+               or any_foreign([p["record"] for p in pre], identity, tier.root_path))
     if problem:
         if group.rank == 0:
             log.warning("pyckpt: the memory tier was not prepared for the first save: %s", problem)

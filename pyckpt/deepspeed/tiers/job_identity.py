@@ -200,6 +200,12 @@ def foreign(record: Optional[JobRecord], identity: Identity, root: str) -> Optio
             f"its own (${ENV_JOB} or MemoryTier(job=...))")
 
 
+def any_foreign(records, identity: Identity, root: str) -> Optional[str]:
+    """Why the first of ``records`` (every node's record, or None) that is another save dir's job's is not
+    ``identity``'s folder (:func:`foreign`), or None."""
+    return next((f for f in (foreign(record, identity, root) for record in records) if f), None)
+
+
 def agreed_run(records: List[Optional[JobRecord]], identity: Identity) -> Optional[str]:
     """The job's run from every node's record (in node order): the first recorded for this save dir."""
     for record in records:
