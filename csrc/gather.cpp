@@ -80,15 +80,21 @@ void gather_window(const Window& w, const WindowPlan& plan, const std::vector<Pi
     }
 }
 
-const uint8_t* window_as_source_run(const Window& w, const WindowPlan& plan, const std::vector<Piece>& pieces,
-                                    SourceSet& sources, int64_t& src_index, uint64_t& src_off) {
-    if (w.ref_end - w.ref_begin != 1) return nullptr;
+bool window_source_run(const Window& w, const WindowPlan& plan, const std::vector<Piece>& pieces,
+                       int64_t& src_index, uint64_t& src_off) {
+    if (w.ref_end - w.ref_begin != 1) return false;
     const Piece& p = pieces[plan.refs[w.ref_begin]];
-    if (p.src < 0 || p.kind != KIND_COPY || p.rows != 1) return nullptr;
-    if (p.dst_off > w.begin || p.dst_off + p.dst_row < w.end) return nullptr;
+    if (p.src < 0 || p.kind != KIND_COPY || p.rows != 1) return false;
+    if (p.dst_off > w.begin || p.dst_off + p.dst_row < w.end) return false;
     src_index = p.src;
     src_off = p.src_off + (w.begin - p.dst_off);
-    return sources.map(static_cast<std::size_t>(p.src)).data() + src_off;
+    return true;
+}
+
+const uint8_t* window_as_source_run(const Window& w, const WindowPlan& plan, const std::vector<Piece>& pieces,
+                                    SourceSet& sources, int64_t& src_index, uint64_t& src_off) {
+    if (!window_source_run(w, plan, pieces, src_index, src_off)) return nullptr;
+    return sources.map(static_cast<std::size_t>(src_index)).data() + src_off;
 }
 
 bool window_is_zero_fill(const Window& w, const WindowPlan& plan, const std::vector<Piece>& pieces) {

@@ -39,6 +39,11 @@ void gather_window(const Window& w, const WindowPlan& plan, const std::vector<Pi
 const uint8_t* window_as_source_run(const Window& w, const WindowPlan& plan, const std::vector<Piece>& pieces,
                                     SourceSet& sources, int64_t& src_index, uint64_t& src_off);
 
+// The window is exactly one plain copy run from a source: its index and the offset of the
+// window's first byte there, nothing mapped.
+bool window_source_run(const Window& w, const WindowPlan& plan, const std::vector<Piece>& pieces,
+                       int64_t& src_index, uint64_t& src_off);
+
 // The window is exactly one zero-fill run.
 bool window_is_zero_fill(const Window& w, const WindowPlan& plan, const std::vector<Piece>& pieces);
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <stdexcept>
@@ -89,6 +90,27 @@ UniqueFd SourceSet::open_verified(std::size_t i) {
                                  "' was replaced by another file after it was validated (another process?)");
     if (static_cast<uint64_t>(st.st_size) < e.required) throw source_changed_error(e.path);
     return fd;
+}
+
+void SourceSet::read_into(std::size_t i, uint64_t offset, uint8_t* out, uint64_t len) {
+    Entry& e = *entries_[i];
+    std::call_once(e.read_once, [&] {
+        e.read_fd = open_verified(i);
+        // The kernel reads exactly the pages asked for (no read-ahead past a run): a rank that
+        // gathers its share of a shared file brings no other rank's bytes into the page cache.
+        ::posix_fadvise(e.read_fd.get(), 0, 0, POSIX_FADV_RANDOM);
+    });
+    while (len > 0) {
+        const ssize_t n = ::pread(e.read_fd.get(), out, len, static_cast<off_t>(offset));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            throw_errno("read", e.path);
+        }
+        if (n == 0) throw source_changed_error(e.path);
+        out += n;
+        offset += static_cast<uint64_t>(n);
+        len -= static_cast<uint64_t>(n);
+    }
 }
 
 void SourceSet::check_unchanged() const {

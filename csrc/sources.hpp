@@ -50,6 +50,13 @@ public:
     // SourceChangedError if the path now names another or shorter file.
     UniqueFd open_verified(std::size_t i);
 
+    // Copies source i's bytes [offset, offset+len) into `out` with pread on one descriptor per
+    // source (opened once, verified as open_verified does; no read-ahead past what is asked).
+    // Thread-safe. A file the kernel already holds (tmpfs, a warm page cache) copies this way
+    // without this process mapping a page of it: no fault per page, no unmapping after. Throws
+    // SourceChangedError where the file ends early.
+    void read_into(std::size_t i, uint64_t offset, uint8_t* out, uint64_t len);
+
     // Throws SourceChangedError naming the first mapped source that shrank while mapped (its
     // reads past the new end returned zeros). Call after the workers are done.
     void check_unchanged() const;
@@ -66,6 +73,8 @@ private:
         uint64_t required = 0;
         std::once_flag once;
         std::unique_ptr<MappedFile> file;
+        std::once_flag read_once;
+        UniqueFd read_fd;
     };
     std::vector<std::unique_ptr<Entry>> entries_;
 };

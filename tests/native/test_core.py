@@ -902,6 +902,35 @@ def test_execute_into_gathers(tmp_path):
     assert bytes(ba) == exp0.tobytes() == bytes(mv)
 
 
+def test_execute_into_reads_plain_runs_without_mapping_their_source(tmp_path):
+    """A window that is one plain run of a file is read by the kernel straight into the buffer (the memory
+    tier's restore: no fault per source page), the same bytes, across window edges and from an odd offset;
+    a cast still goes through the mapping."""
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    plain, cast = tmp_path / "plain.bin", tmp_path / "cast.bin"
+    plain.write_bytes(b"\7" * 3 + data.tobytes())
+    h = rng.standard_normal(1000).astype(np.float16)
+    cast.write_bytes(h.tobytes())
+
+    def mapped(path):
+        with open("/proc/self/maps") as f:
+            return any(line.rstrip().endswith(str(path)) for line in f)
+
+    dst = np.zeros(data.size, dtype=np.uint8)
+    ops = ops_array([[0, 3, 0, 0, 0, data.size, 0, 1, 0]])
+    seen = []
+    written = _core.execute_into([str(plain)], ops, dst, 2, lambda done, total: seen.append(mapped(plain)) or True,
+                                 window_bytes=(1 << 20) + 17)
+    assert written == data.size and np.array_equal(dst, data)
+    assert seen and not any(seen), "the plain run's source was mapped"
+    out = np.zeros(1000, dtype=np.float32)
+    seen.clear()
+    _core.execute_into([str(cast)], ops_array([[0, 0, 0, 0, 0, 2000, _core.KIND_F16_TO_F32, 1, 0]]), out, 1,
+                       lambda done, total: seen.append(mapped(cast)) or True)
+    assert np.array_equal(out, h.astype(np.float32)) and any(seen)
+
+
 def test_execute_into_errors(tmp_path):
     p = tmp_path / "s.bin"
     p.write_bytes(b"x" * 100)
