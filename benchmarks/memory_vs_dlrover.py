@@ -43,9 +43,17 @@ Measured per way, the slowest rank's wall time unless said:
 - restart: from the SIGKILL to the end of the first training step, in phases (each phase ends when the slowest
   rank ends it): worker start (kill -> torchrun -> the worker's first line), imports (torch, deepspeed and the
   way's package), rendezvous (``deepspeed.init_distributed``), engine build (``deepspeed.initialize`` and the
-  way's checkpointer), load, first step. After the load: the step it resumed (``engine.global_steps``) and the
-  float64 sum of the model's weights against the sum the training job recorded at its last save; after the
-  first step one more memory save (does a save after a memory resume work?).
+  way's checkpointer), load, first step. ``launch_to_first_step`` leaves out the kill (the driver's wait for the
+  killed job's processes to end, which DLRover's timed restart, launched after its untimed one, does not have).
+  The first step's own call and a second step's (after the timed phases) are recorded too. After the load: the
+  step it resumed (``engine.global_steps``) and the float64 sum of the model's weights against the sum the
+  training job recorded at its last save; after the first step one more memory save (does a save after a
+  memory resume work?).
+- ``--ballast-bytes N``: the DeepSpeed way runs with a file of N bytes in /dev/shm, DLRover's with N/2, so that
+  every way runs with as much memory in use as pyckpt's two slots (pass the ``tmpfs_bytes_after_last_save``
+  of a pyckpt way). On a VM that hands freed memory back to its host, memory a process touches first costs
+  more the more the guest holds (benchmarks/README.md, "The first step after a load").
+
 - after the round: what the way leaves in /dev/shm once its processes are gone (DLRover: after its agent is
   SIGTERMed; then removed by this driver: only entries named with this round's run id).
 
@@ -283,8 +291,9 @@ def worker(args) -> None:
         prepare_call = time.perf_counter() - t0
     resumed_step = engine.global_steps
     loaded_sum = weights_sum()
-    step(torch.Generator().manual_seed(1234))
+    first_step_call = step(torch.Generator().manual_seed(1234))
     t_step = time.time()
+    second_step_call = step()  # after the timed restart: is the first step's extra time the first step's only?
     save_error = None
     # (not after DLRover's untagged load, which resumes nothing: a save there would overwrite the memory copy
     # that the tagged restart after it loads)
@@ -297,11 +306,14 @@ def worker(args) -> None:
             save_error = f"{type(exc).__name__}: {exc!r}"[:300]
     times = gather({"created": t_created, "script": T_SCRIPT, "imports": t_imports, "rdzv": t_rdzv,
                     "engine": t_engine, "load": t_load, "step": t_step, "error": error, "save_error": save_error,
-                    "prepare_call": prepare_call})
+                    "prepare_call": prepare_call, "first_step_call": first_step_call,
+                    "second_step_call": second_step_call})
     if rank == 0:
         result.update(resumed_step=resumed_step, loaded_weights_sum=loaded_sum, load_error=error,
                       prepare_call=None if prepare_call is None else max(t["prepare_call"] for t in times),
                       save_after_resume_error=[t["save_error"] for t in times],
+                      first_step_call=max(t["first_step_call"] for t in times),
+                      second_step_call=max(t["second_step_call"] for t in times),
                       stamps={k: max(t[k] for t in times) for k in
                               ("created", "script", "imports", "rdzv", "engine", "load", "step")})
         _write(args.result, result)
@@ -445,6 +457,23 @@ class Driver:
         r["kill_to_first_step"] = s["step"] - t_kill
         return r
 
+    def hold_ballast(self, way: str):
+        """With ``--ballast-bytes N``: a file of N bytes in /dev/shm (N/2 for DLRover, which holds one copy of the
+        state where pyckpt holds two slots) for the DeepSpeed and DLRover ways' round, so that every way runs
+        with the same memory in use; its path, or None."""
+        n = int(self.args.ballast_bytes or 0)
+        if way.startswith("pyckpt") or n <= 0:
+            return None
+        if way == "dlrover":
+            n //= 2
+        path = os.path.join(SHM, f"pyckpt-vs-dlrover-ballast-{os.getpid()}")
+        chunk = b"\x01" * (64 << 20)  # written, not fallocated: every page touched, as a save touches them
+        with open(path, "wb") as f:
+            for _ in range(n // len(chunk)):
+                f.write(chunk)
+            f.write(chunk[:n % len(chunk)])
+        return path
+
     def evict_out(self) -> int:
         from pagecache import evict, resident_bytes
 
@@ -471,6 +500,7 @@ class Driver:
             os.environ.update(env)  # the agent's too
             agent = self.dlrover_agent(job)
             time.sleep(2)  # the agent's socket servers
+        ballast = self.hold_ballast(way)
         try:
             train, t_kill = self.train(way, job, env)
             row["train"] = train
@@ -491,6 +521,8 @@ class Driver:
                     got["resumed_saved_step"] = got["resumed_step"] == saved
                     got["same_weights"] = got["loaded_weights_sum"] == train["saved_weights_sum"]
         finally:
+            if ballast:
+                os.remove(ballast)
             for name in ("DLROVER_MASTER_ADDR", "NODE_ID", "NODE_RANK", "NODE_NUM"):
                 if env:
                     os.environ.pop(name, None)
@@ -578,6 +610,12 @@ def _medians(rows: list) -> dict:
             for ph in res[0]["phases"]:
                 m[f"restart_{ph}"] = statistics.median(x["phases"][ph] for x in res)
             m["kill_to_first_step"] = statistics.median(x["kill_to_first_step"] for x in res)
+            m["launch_to_first_step"] = statistics.median(x["kill_to_first_step"] - x["phases"]["kill_to_launch"]
+                                                          for x in res)
+            for k in ("first_step_call", "second_step_call"):
+                vals = [x[k] for x in res if x.get(k) is not None]
+                if vals:
+                    m[f"restart_{k}"] = statistics.median(vals)
             m["resumed_saved_step"] = [x["resumed_saved_step"] for x in res]
             m["same_weights"] = [x["same_weights"] for x in res]
             m["save_after_resume_error"] = [x.get("save_after_resume_error") for x in res]
@@ -598,6 +636,9 @@ def main() -> int:
     p.add_argument("--unprepared", action="store_true",
                    help="pyckpt: no prepare_memory_tier before the first save (nor after the restart's load)")
     p.add_argument("--ways", default=",".join(ALL_WAYS))
+    p.add_argument("--ballast-bytes", type=float, default=0,
+                   help="hold this many bytes of tmpfs through the DeepSpeed way's round (half through DLRover's): "
+                        "pyckpt's two slots, so that every way runs with the same memory in use")
     p.add_argument("--timeout", type=float, default=900, help="seconds a job may take")
     p.add_argument("--quick", action="store_true", help="smoke run: 2M parameters, width 256, 1 round, 2 steps")
     p.add_argument("--json", default=None)
@@ -621,7 +662,8 @@ def main() -> int:
     before = memory_headroom()
     t0 = time.time()
     result = Driver(args).run()
-    result.update(memory_before=before, params_arg=args.params, width=args.width, nproc=args.nproc, rounds=args.rounds, steps=args.steps,
+    result.update(memory_before=before, ballast_bytes=args.ballast_bytes, params_arg=args.params, width=args.width,
+                  nproc=args.nproc, rounds=args.rounds, steps=args.steps,
                   bucket=args.bucket, cores=os.cpu_count(), wall_s=time.time() - t0,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(json.dumps(result["medians"], indent=1), flush=True)
