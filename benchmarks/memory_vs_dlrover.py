@@ -294,6 +294,7 @@ def worker(args) -> None:
     first_step_call = step(torch.Generator().manual_seed(1234))
     t_step = time.time()
     second_step_call = step()  # after the timed restart: is the first step's extra time the first step's only?
+    aliased = state_in_shared_memory(engine)
     save_error = None
     # (not after DLRover's untagged load, which resumes nothing: a save there would overwrite the memory copy
     # that the tagged restart after it loads)
@@ -306,19 +307,43 @@ def worker(args) -> None:
             save_error = f"{type(exc).__name__}: {exc!r}"[:300]
     times = gather({"created": t_created, "script": T_SCRIPT, "imports": t_imports, "rdzv": t_rdzv,
                     "engine": t_engine, "load": t_load, "step": t_step, "error": error, "save_error": save_error,
-                    "prepare_call": prepare_call, "first_step_call": first_step_call,
+                    "prepare_call": prepare_call, "first_step_call": first_step_call, "aliased": aliased,
                     "second_step_call": second_step_call})
     if rank == 0:
         result.update(resumed_step=resumed_step, loaded_weights_sum=loaded_sum, load_error=error,
                       prepare_call=None if prepare_call is None else max(t["prepare_call"] for t in times),
                       save_after_resume_error=[t["save_error"] for t in times],
                       first_step_call=max(t["first_step_call"] for t in times),
+                      optimizer_state_in_shm=[t["aliased"] for t in times],
                       second_step_call=max(t["second_step_call"] for t in times),
                       stamps={k: max(t[k] for t in times) for k in
                               ("created", "script", "imports", "rdzv", "engine", "load", "step")})
         _write(args.result, result)
     dist.barrier()
     os._exit(0)  # no exit handlers: a normal end would persist or clean up, which a crashed job never does
+
+
+def state_in_shared_memory(engine) -> list:
+    """[optimizer-state tensors whose memory lies in a mapping of a /dev/shm file, optimizer-state tensors]: a
+    way whose load hands the optimizer views of its memory copy leaves the training steps writing into it."""
+    import torch
+
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5].startswith(SHM + "/"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                spans.append((lo, hi))
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    hits = total = 0
+    for state in inner.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.numel() > 1:
+                total += 1
+                p = value.data_ptr()
+                hits += any(lo <= p < hi for lo, hi in spans)
+    return [hits, total]
 
 
 def _adapt_dlrover_agent(checkpointer) -> None:
@@ -612,6 +637,7 @@ def _medians(rows: list) -> dict:
             m["kill_to_first_step"] = statistics.median(x["kill_to_first_step"] for x in res)
             m["launch_to_first_step"] = statistics.median(x["kill_to_first_step"] - x["phases"]["kill_to_launch"]
                                                           for x in res)
+            m["optimizer_state_in_shm"] = [x.get("optimizer_state_in_shm") for x in res]
             for k in ("first_step_call", "second_step_call"):
                 vals = [x[k] for x in res if x.get(k) is not None]
                 if vals:

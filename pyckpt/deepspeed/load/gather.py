@@ -1,4 +1,5 @@
-"""Gathering a rank's element runs from memory-mapped state files straight into live tensors.
+"""Gathering a rank's element runs from state files straight into live tensors (the executor reads a
+plain run with ``pread``, maps the file for the rest).
 
 One :class:`TensorFill` per destination tensor (a flat fp32 partition, a new optimizer-state
 buffer): Python lists where each run of each state file lands; the native executor then copies (or
