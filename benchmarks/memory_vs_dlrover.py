@@ -25,7 +25,9 @@ the same job, same ``--rdzv-id``). The ways:
   so they do not start a saver of their own, which would die with them). DLRover's local master is started as
   dlrover-run would start it (``python -m dlrover.python.master.main --platform local``), its address in
   ``DLROVER_MASTER_ADDR``. The restart loads with ``load_checkpoint(OUT)`` as DLRover documents
-  it (no tag: ``dlrover_load_no_tag``), then again naming the saved step's tag (``dlrover``: the timed load).
+  it (no tag: ``dlrover_load_no_tag``), then again naming the saved step's tag (``dlrover``: the timed load),
+  and once more the same way after that restart's steps and failed save (``dlrover_second_restart``: a second
+  crash; its optimizer state is compared with the saved one, ``same_moments``, as every restart's is).
   Two wrappers adapt DLRover's ``AsyncCheckpointAgent.save/load`` to the keywords DeepSpeed 0.19.8's
   ``TorchCheckpointEngine`` passes to ``torch.save`` (``_use_new_zipfile_serialization``) and ``torch.load``
   (``weights_only``); nothing else of DLRover is changed.
@@ -159,6 +161,12 @@ def worker(args) -> None:
     def weights_sum() -> float:
         return float(sum(q.detach().double().sum() for q in engine.module.parameters()))
 
+    def moments_sum() -> float:
+        """float64 sum of this rank's optimizer state (its partition's Adam moments)."""
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        return float(sum(v.detach().double().sum() for st in inner.state.values() for v in st.values()
+                         if torch.is_tensor(v) and v.numel() > 1))
+
     def save() -> tuple:
         """One save of the way; (its wall time, whether it wrote, the async handle or None)."""
         handle = None
@@ -228,7 +236,7 @@ def worker(args) -> None:
         dist.barrier()
         mem["after_last_save"] = held()
         every = gather({"plain": plain, "steps": steps, "calls": calls, "drain": drain, "skipped": skipped,
-                        "ok": ok, "prepare_call": prepare_call})
+                        "ok": ok, "prepare_call": prepare_call, "moments": moments_sum()})
 
         def slowest(key, i):
             return max(e[key][i] for e in every)
@@ -243,6 +251,7 @@ def worker(args) -> None:
             drain=max(e["drain"] for e in every), saves_ok=all(e["ok"] for e in every),
             skipped_saves=sum(e["skipped"] for e in every), memory=mem,
             saved_step=engine.global_steps, saved_weights_sum=weights_sum(), prepared=prepared,
+            saved_moments_sums=[e["moments"] for e in every],
             prepare_call=max(e["prepare_call"] for e in every))
         result["first_call"] = result["calls"][0]
         result["later_call"] = statistics.median(result["calls"][1:]) if n > 1 else None
@@ -291,6 +300,7 @@ def worker(args) -> None:
         prepare_call = time.perf_counter() - t0
     resumed_step = engine.global_steps
     loaded_sum = weights_sum()
+    loaded_moments = moments_sum()  # (in the first step's phase with the weights' sum: every way pays both)
     first_step_call = step(torch.Generator().manual_seed(1234))
     t_step = time.time()
     second_step_call = step()  # after the timed restart: is the first step's extra time the first step's only?
@@ -308,6 +318,7 @@ def worker(args) -> None:
     times = gather({"created": t_created, "script": T_SCRIPT, "imports": t_imports, "rdzv": t_rdzv,
                     "engine": t_engine, "load": t_load, "step": t_step, "error": error, "save_error": save_error,
                     "prepare_call": prepare_call, "first_step_call": first_step_call, "aliased": aliased,
+                    "moments": loaded_moments,
                     "second_step_call": second_step_call})
     if rank == 0:
         result.update(resumed_step=resumed_step, loaded_weights_sum=loaded_sum, load_error=error,
@@ -315,6 +326,7 @@ def worker(args) -> None:
                       save_after_resume_error=[t["save_error"] for t in times],
                       first_step_call=max(t["first_step_call"] for t in times),
                       optimizer_state_in_shm=[t["aliased"] for t in times],
+                      loaded_moments_sums=[t["moments"] for t in times],
                       second_step_call=max(t["second_step_call"] for t in times),
                       stamps={k: max(t[k] for t in times) for k in
                               ("created", "script", "imports", "rdzv", "engine", "load", "step")})
@@ -534,17 +546,21 @@ class Driver:
                 row["resume_no_tag"] = self.resume(way, job, "resume_no_tag", time.time(), env=env)
                 t_kill = time.time()  # the timed restart starts from here (the workers are already gone)
                 row["resume"] = self.resume(way, job, "resume", t_kill, tag=str(saved), env=env)
+                # DLRover's save after that resume fails (every rank but 0), so its memory still names the saved
+                # step: a second crash restores from it again (the resume's steps wrote its moments: above)
+                row["resume_again"] = self.resume(way, job, "resume_again", time.time(), tag=str(saved), env=env)
             elif way == "deepspeed":
                 row["resume"] = self.resume(way, job, "resume", t_kill)
                 row["resident_after_eviction"] = self.evict_out()
                 row["resume_evicted"] = self.resume(way, job, "resume_evicted", time.time())
             else:
                 row["resume"] = self.resume(way, job, "resume", t_kill)
-            for key in ("resume", "resume_evicted", "resume_no_tag"):
+            for key in ("resume", "resume_evicted", "resume_no_tag", "resume_again"):
                 if key in row and "resumed_step" in row[key]:
                     got = row[key]
                     got["resumed_saved_step"] = got["resumed_step"] == saved
                     got["same_weights"] = got["loaded_weights_sum"] == train["saved_weights_sum"]
+                    got["same_moments"] = got.get("loaded_moments_sums") == train.get("saved_moments_sums")
         finally:
             if ballast:
                 os.remove(ballast)
@@ -597,21 +613,23 @@ def _brief(row: dict) -> dict:
     for k in ("plain_step", "stall", "first_call", "later_call", "steady_call", "step_with_save_over_plain",
               "skipped_saves", "prepared", "prepare_call"):
         out[k] = t.get(k)
-    for key in ("resume", "resume_evicted", "resume_no_tag"):
+    for key in ("resume", "resume_evicted", "resume_no_tag", "resume_again"):
         if key in row:
             got = row[key]
-            out[key] = {k: got.get(k) for k in ("kill_to_first_step", "resumed_step", "same_weights", "load_error",
-                                                "save_after_resume_error")}
+            out[key] = {k: got.get(k) for k in ("kill_to_first_step", "resumed_step", "same_weights", "same_moments",
+                                                "load_error", "save_after_resume_error")}
             out[key]["load"] = got.get("phases", {}).get("load")
     return out
 
 
 def _medians(rows: list) -> dict:
     med: dict = {}
-    names = ALL_WAYS + ["deepspeed_evicted", "dlrover_load_no_tag"]
+    names = ALL_WAYS + ["deepspeed_evicted", "dlrover_load_no_tag", "dlrover_second_restart"]
     for name in names:
-        base = {"deepspeed_evicted": "deepspeed", "dlrover_load_no_tag": "dlrover"}.get(name, name)
-        key = {"deepspeed_evicted": "resume_evicted", "dlrover_load_no_tag": "resume_no_tag"}.get(name, "resume")
+        base = {"deepspeed_evicted": "deepspeed", "dlrover_load_no_tag": "dlrover",
+                "dlrover_second_restart": "dlrover"}.get(name, name)
+        key = {"deepspeed_evicted": "resume_evicted", "dlrover_load_no_tag": "resume_no_tag",
+               "dlrover_second_restart": "resume_again"}.get(name, "resume")
         mine = [r for r in rows if r["way"] == base and "train" in r]
         if not mine:
             continue
@@ -644,6 +662,7 @@ def _medians(rows: list) -> dict:
                     m[f"restart_{k}"] = statistics.median(vals)
             m["resumed_saved_step"] = [x["resumed_saved_step"] for x in res]
             m["same_weights"] = [x["same_weights"] for x in res]
+            m["same_moments"] = [x.get("same_moments") for x in res]
             m["save_after_resume_error"] = [x.get("save_after_resume_error") for x in res]
         med[name] = m
     return med
