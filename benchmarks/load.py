@@ -15,8 +15,8 @@ engine again and again, each way in turn (the order rotates by round):
   DeepSpeed's ds_to_universal.py (rank 0, the others waiting) and then DeepSpeed's universal load.
 
 Per load and rank: wall time (between barriers, so the slowest rank counts), bytes read (read() bytes
-from /proc/self/io; pyckpt's gathers read plain runs with pread, which it counts, and the rest through
-memory maps, which it does not, so for pyckpt the bytes its plan gathered are reported too), and the RSS the load added at its peak (sampled every 5 ms),
+from /proc/self/io; pyckpt's gathers from files on a disk go through memory maps, which read() does not
+see, so for pyckpt the bytes its plan gathered are reported too), and the RSS the load added at its peak (sampled every 5 ms),
 for pyckpt also during its own part (planning to the end of the gather, without DeepSpeed's epilogue).
 Ratios are within a round: this machine is shared and noisy.
 

@@ -71,19 +71,20 @@ struct WindowRunner {
             // With a CRC, slice by slice: it then reads the bytes just copied from the cache, one
             // pass over memory instead of two.
             const uint64_t slice = want_crc ? kDirectSlice : std::max<uint64_t>(len, 1);
-            // One plain run of a file: read by the kernel straight into the destination. From a
-            // file it holds (tmpfs, a warm page cache) that is 1.7x a copy from a mapping of it
-            // here (benchmarks/README.md, "Against DLRover"): no fault per source page, no
-            // unmapping after.
+            // One plain run of a file in memory (the memory tier's slots): read by the kernel
+            // straight into the destination (SourceSet::held_in_memory says why only there).
             const bool by_read = window_source_run(w, plan, pieces, src, src_off) &&
-                                 !sources.is_memory(static_cast<std::size_t>(src));
+                                 sources.held_in_memory(static_cast<std::size_t>(src));
+            UniqueFd read_fd;
+            if (by_read) read_fd = sources.open_verified(static_cast<std::size_t>(src));
             uint64_t at = 0;
             do {
                 Window part = w;
                 part.begin = w.begin + at;
                 part.end = std::min(w.end, part.begin + slice);
                 if (by_read)
-                    sources.read_into(static_cast<std::size_t>(src), src_off + at, mem + at, part.end - part.begin);
+                    read_exact(read_fd.get(), src_off + at, mem + at, part.end - part.begin,
+                               sources.path(static_cast<std::size_t>(src)));
                 else
                     gather_window(part, plan, pieces, sources, mem + at, drops);
                 if (want_crc) crc = crc32(crc, mem + at, part.end - part.begin);

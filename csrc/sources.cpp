@@ -1,7 +1,9 @@
 #include "sources.hpp"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -92,21 +94,26 @@ UniqueFd SourceSet::open_verified(std::size_t i) {
     return fd;
 }
 
-void SourceSet::read_into(std::size_t i, uint64_t offset, uint8_t* out, uint64_t len) {
+bool SourceSet::held_in_memory(std::size_t i) {
     Entry& e = *entries_[i];
-    std::call_once(e.read_once, [&] {
-        e.read_fd = open_verified(i);
-        // The kernel reads exactly the pages asked for (no read-ahead past a run): a rank that
-        // gathers its share of a shared file brings no other rank's bytes into the page cache.
-        ::posix_fadvise(e.read_fd.get(), 0, 0, POSIX_FADV_RANDOM);
+    if (e.memory) return false;
+    std::call_once(e.fs_once, [&] {
+        struct statfs fs {};
+        e.memory_fs = ::statfs(e.path.c_str(), &fs) == 0 &&
+                      (fs.f_type == static_cast<decltype(fs.f_type)>(TMPFS_MAGIC) ||
+                       fs.f_type == static_cast<decltype(fs.f_type)>(RAMFS_MAGIC));
     });
+    return e.memory_fs;
+}
+
+void read_exact(int fd, uint64_t offset, uint8_t* out, uint64_t len, const std::string& path) {
     while (len > 0) {
-        const ssize_t n = ::pread(e.read_fd.get(), out, len, static_cast<off_t>(offset));
+        const ssize_t n = ::pread(fd, out, len, static_cast<off_t>(offset));
         if (n < 0) {
             if (errno == EINTR) continue;
-            throw_errno("read", e.path);
+            throw_errno("read", path);
         }
-        if (n == 0) throw source_changed_error(e.path);
+        if (n == 0) throw source_changed_error(path);
         out += n;
         offset += static_cast<uint64_t>(n);
         len -= static_cast<uint64_t>(n);

@@ -3,6 +3,7 @@
 import filecmp
 import io
 import os
+import pathlib
 import random
 import struct
 import zipfile
@@ -902,33 +903,49 @@ def test_execute_into_gathers(tmp_path):
     assert bytes(ba) == exp0.tobytes() == bytes(mv)
 
 
-def test_execute_into_reads_plain_runs_without_mapping_their_source(tmp_path):
-    """A window that is one plain run of a file is read by the kernel straight into the buffer (the memory
-    tier's restore: no fault per source page), the same bytes, across window edges and from an odd offset;
-    a cast still goes through the mapping."""
+@pytest.fixture
+def shm_dir():
+    """A private folder on /dev/shm (tmpfs), removed after the test."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="pyckpt-test-", dir="/dev/shm")
+    yield pathlib.Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_execute_into_reads_plain_runs_of_files_in_memory_without_mapping_them(tmp_path, shm_dir):
+    """A window that is one plain run of a file on tmpfs (a memory tier's slot) is read by the kernel straight
+    into the buffer: no fault per source page. The same bytes, across window edges and from an odd offset.
+    A file on a disk, and a cast from any file, still go through the mapping (its read-ahead stops at the
+    run; an evicted run streams faster than by pread)."""
+    with open("/proc/mounts") as f:
+        assert any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in f), "no tmpfs at /dev/shm"
     rng = np.random.default_rng(5)
     data = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
-    plain, cast = tmp_path / "plain.bin", tmp_path / "cast.bin"
-    plain.write_bytes(b"\7" * 3 + data.tobytes())
     h = rng.standard_normal(1000).astype(np.float16)
-    cast.write_bytes(h.tobytes())
 
     def mapped(path):
         with open("/proc/self/maps") as f:
             return any(line.rstrip().endswith(str(path)) for line in f)
 
-    dst = np.zeros(data.size, dtype=np.uint8)
-    ops = ops_array([[0, 3, 0, 0, 0, data.size, 0, 1, 0]])
-    seen = []
-    written = _core.execute_into([str(plain)], ops, dst, 2, lambda done, total: seen.append(mapped(plain)) or True,
-                                 window_bytes=(1 << 20) + 17)
-    assert written == data.size and np.array_equal(dst, data)
-    assert seen and not any(seen), "the plain run's source was mapped"
-    out = np.zeros(1000, dtype=np.float32)
-    seen.clear()
-    _core.execute_into([str(cast)], ops_array([[0, 0, 0, 0, 0, 2000, _core.KIND_F16_TO_F32, 1, 0]]), out, 1,
-                       lambda done, total: seen.append(mapped(cast)) or True)
-    assert np.array_equal(out, h.astype(np.float32)) and any(seen)
+    def gather(path, dst, kind, n):
+        seen = []
+        _core.execute_into([str(path)], ops_array([[0, 3, 0, 0, 0, n, kind, 1, 0]]), dst, 2,
+                           lambda done, total: seen.append(mapped(path)) or True, window_bytes=(1 << 20) + 17)
+        assert seen
+        return any(seen)
+
+    for folder, in_memory in ((shm_dir, True), (tmp_path, False)):
+        plain, cast = folder / "plain.bin", folder / "cast.bin"
+        plain.write_bytes(b"\7" * 3 + data.tobytes())
+        cast.write_bytes(b"\7" * 3 + h.tobytes())
+        dst = np.zeros(data.size, dtype=np.uint8)
+        assert gather(plain, dst, 0, data.size) is not in_memory, (folder, "mapped" if in_memory else "not mapped")
+        assert np.array_equal(dst, data)
+        out = np.zeros(1000, dtype=np.float32)
+        assert gather(cast, out, _core.KIND_F16_TO_F32, 2000)
+        assert np.array_equal(out, h.astype(np.float32))
 
 
 def test_execute_into_errors(tmp_path):

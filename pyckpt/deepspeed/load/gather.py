@@ -1,5 +1,5 @@
-"""Gathering a rank's element runs from state files straight into live tensors (the executor reads a
-plain run with ``pread``, maps the file for the rest).
+"""Gathering a rank's element runs from state files straight into live tensors (the executor maps the
+files; a plain run of a file in memory, a memory tier's slot, it reads with ``pread``).
 
 One :class:`TensorFill` per destination tensor (a flat fp32 partition, a new optimizer-state
 buffer): Python lists where each run of each state file lands; the native executor then copies (or
