@@ -744,9 +744,10 @@ def memory_prepare_cases(task: dict, rank: int, ws: int) -> dict:
         logger.removeHandler(handler)
         logger.setLevel(level)
     engine.destroy()
-    return {"kinds": _gather(kinds), "small_listing": small_listing, "early_made": early_made, "hostile_listing": hostile_listing, "both": both, "one_listing": one_listing,
-            "foreign_listing": foreign_listing, "foreign_before": foreign_before, "unused_listing": unused_listing, "after_exit": after_exit,
-            "said": _gather([line for line in said if "prepared" in line])}
+    return {"kinds": _gather(kinds), "small_listing": small_listing, "early_made": early_made,
+            "hostile_listing": hostile_listing, "both": both, "one_listing": one_listing,
+            "foreign_listing": foreign_listing, "foreign_before": foreign_before, "unused_listing": unused_listing,
+            "after_exit": after_exit, "said": _gather([line for line in said if "prepared" in line])}
 
 
 def memory_refusals(task: dict, rank: int, ws: int) -> dict:
