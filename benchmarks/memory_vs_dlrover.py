@@ -56,6 +56,10 @@ Measured per way, the slowest rank's wall time unless said:
   of a pyckpt way). On a VM that hands freed memory back to its host, memory a process touches first costs
   more the more the guest holds (benchmarks/README.md, "The first step after a load").
 
+- ``restore_floor`` (restore_floor.py): after each pyckpt way's restart, while its tier still holds its two
+  slots, ``--nproc`` processes copy by ``pread`` from tmpfs only the bytes any restore of this job must write
+  (each rank's fp32 partition and the model's weights into memory it holds, its moments into new memory); the
+  medians compare every way's load with it (``load_over_floor``). ``--no-floor`` leaves it out.
 - after the round: what the way leaves in /dev/shm once its processes are gone (DLRover: after its agent is
   SIGTERMed; then removed by this driver: only entries named with this round's run id).
 
@@ -79,6 +83,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))  # pagecache: eviction and mincore
+
+from restore_floor import floor  # noqa: E402 - after the path above; imports nothing heavy
 
 ALL_WAYS = ["pyckpt_sync", "pyckpt_async", "dlrover", "deepspeed"]
 WAYS = list(ALL_WAYS)
@@ -555,6 +561,8 @@ class Driver:
                 row["resume_evicted"] = self.resume(way, job, "resume_evicted", time.time())
             else:
                 row["resume"] = self.resume(way, job, "resume", t_kill)
+                if not self.args.no_floor:  # while the tier still holds its slots: the memory in use of its load
+                    row["restore_floor"] = floor(train["params"], self.args.nproc)
             for key in ("resume", "resume_evicted", "resume_no_tag", "resume_again"):
                 if key in row and "resumed_step" in row[key]:
                     got = row[key]
@@ -619,6 +627,8 @@ def _brief(row: dict) -> dict:
             out[key] = {k: got.get(k) for k in ("kill_to_first_step", "resumed_step", "same_weights", "same_moments",
                                                 "load_error", "save_after_resume_error")}
             out[key]["load"] = got.get("phases", {}).get("load")
+    if "restore_floor" in row:
+        out["restore_floor"] = row["restore_floor"]["repeats"]
     return out
 
 
@@ -664,7 +674,16 @@ def _medians(rows: list) -> dict:
             m["same_weights"] = [x["same_weights"] for x in res]
             m["same_moments"] = [x.get("same_moments") for x in res]
             m["save_after_resume_error"] = [x.get("save_after_resume_error") for x in res]
+        floors = [r["restore_floor"]["median"] for r in mine if "restore_floor" in r and name == base]
+        if floors:
+            m["restore_floor"] = statistics.median(floors)
         med[name] = m
+    # every way's load over the floor measured beside pyckpt's (restore_floor.py): what is left above the copy
+    floors = [r["restore_floor"]["median"] for r in rows if "restore_floor" in r]
+    if floors:
+        low = statistics.median(floors)
+        med["restore_floor"] = {"median": low, "load_over_floor": {
+            name: m["restart_load"] / low for name, m in med.items() if "restart_load" in m}}
     return med
 
 
@@ -684,6 +703,8 @@ def main() -> int:
     p.add_argument("--ballast-bytes", type=float, default=0,
                    help="hold this many bytes of tmpfs through the DeepSpeed way's round (half through DLRover's): "
                         "pyckpt's two slots, so that every way runs with the same memory in use")
+    p.add_argument("--no-floor", action="store_true",
+                   help="leave out restore_floor.py's figure after each pyckpt restart")
     p.add_argument("--timeout", type=float, default=900, help="seconds a job may take")
     p.add_argument("--quick", action="store_true", help="smoke run: 2M parameters, width 256, 1 round, 2 steps")
     p.add_argument("--json", default=None)

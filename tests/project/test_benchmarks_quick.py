@@ -111,3 +111,20 @@ def test_memory_tier_quick(tmp_path, ds_environ):
     assert rec["same_weights"] and rec["memory"]["log"] and not rec["stock"]["log"]
     assert data["reads"]["resident_after_eviction"] >= 0 and data["persistence"][0]["persisted_bytes"] > 0
     assert not out.exists() and not root.exists()
+
+
+def test_restore_floor_quick(tmp_path):
+    # benchmarks/restore_floor.py on 2 processes: it copies what a restore of this many parameters must write
+    # (fp32 partition + weights into held memory, the two moments into new memory), reports every repeat's
+    # slowest rank, and removes its source file.
+    result = tmp_path / "floor.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "restore_floor.py"), "--params", "1000001",
+                           "--nproc", "2", "--repeats", "2", "--shm", str(tmp_path), "--json", str(result)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(result.read_text())
+    part = 500001 * 4  # the flat partition, padded to the world size
+    assert (data["held_bytes_per_rank"], data["fresh_bytes_per_rank"]) == (part + 4 * 1000001, 2 * part)
+    assert len(data["repeats"]) == 2 and all(t > 0 for t in data["repeats"])
+    assert min(data["repeats"]) <= data["median"] <= max(data["repeats"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["floor.json"]
