@@ -126,7 +126,9 @@ MEMORY_WAYS = [("pyckpt_sync", "pyckpt memory tier, sync", PYCKPT),
 
 
 def _memory_runs(results: Path) -> List[Tuple[str, dict]]:
-    found = sorted(p.name for p in results.glob("memory_vs_dlrover_*.json"))
+    # in the order they were run: _s10 after _s9, not after _rerun
+    found = sorted((p.name for p in results.glob("memory_vs_dlrover_*.json")),
+                   key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
     if not found:
         raise SystemExit(f"plot_figures: {results}: no memory_vs_dlrover_*.json to draw")
     return [(name, _load(results, name)) for name in found]

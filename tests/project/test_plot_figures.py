@@ -5,6 +5,7 @@ file named. Fast: no benchmark runs, only the script over benchmarks/results/.""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -29,6 +30,21 @@ EXPECTED = {
     "load_into_deepspeed": ["DeepSpeed's universal load", "the same under pyckpt.deepspeed.enable()",
                             "pyckpt direct resume from the ZeRO shards", "ds_to_universal.py + DeepSpeed's load"],
 }
+
+
+def memory_runs() -> list:
+    """The memory_vs_dlrover results files in the order the figures draw them: the order they were run,
+    a session's number read as a number (_s9 before _s10)."""
+    def key(path: Path):
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+    return sorted(RESULTS.glob("memory_vs_dlrover_*.json"), key=key)
+
+
+def test_the_memory_runs_are_drawn_in_the_order_they_were_run():
+    names = [p.name for p in memory_runs()]
+    assert names.index("memory_vs_dlrover_z2_100M_dp2_s9.json") < names.index("memory_vs_dlrover_z2_100M_dp2_s10.json")
+    assert names.index("memory_vs_dlrover_z2_100M_dp2_s3.json") < names.index("memory_vs_dlrover_z2_100M_dp2_s10.json")
 
 
 def run(out: Path, results: Path = RESULTS) -> subprocess.CompletedProcess:
@@ -60,7 +76,7 @@ def marks(g_name: str, svg: ET.Element) -> int:
 
 def test_every_figure_parses_and_has_its_series(drawn):
     assert sorted(p.stem for p in drawn.glob("*.svg")) == sorted(EXPECTED)
-    memory_runs = sorted(p.name for p in RESULTS.glob("memory_vs_dlrover_*.json"))
+    run_files = [p.name for p in memory_runs()]
     for name, expected in EXPECTED.items():
         svg = ET.parse(drawn / f"{name}.svg").getroot()
         assert svg.tag == f"{SVG}svg", name
@@ -70,7 +86,7 @@ def test_every_figure_parses_and_has_its_series(drawn):
         text = " ".join(t.text or "" for t in svg.iter(f"{SVG}text"))
         assert "Source (benchmarks/results/):" in text, name
         if name in ("memory_vs_dlrover_stall", "recovery_load"):  # one group per run, each named
-            for run_file in memory_runs:
+            for run_file in run_files:
                 assert run_file in text and run_file[:-len(".json")] in text, (name, run_file)
         # one mark (bar or point) or an "n/a" for every category, in every series
         for label, values in series(svg).items():
@@ -87,7 +103,7 @@ def test_the_numbers_are_the_jsons(drawn):
     convert = series(ET.parse(drawn / "convert_vs_size.svg").getroot())
     assert convert["ds_to_universal.py"] == [f"{p['tools']['ds_to_universal']['median_s']:.2f}" for p in sizes.values()]
 
-    runs = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("memory_vs_dlrover_*.json"))]
+    runs = [json.loads(p.read_text()) for p in memory_runs()]
     memory = series(ET.parse(drawn / "memory_vs_dlrover_stall.svg").getroot())
     assert memory["DLRover Flash Checkpoint, MEMORY"] == [f"{r['medians']['dlrover']['stall']:.3f}" for r in runs]
     restart = series(ET.parse(drawn / "recovery_load.svg").getroot())
