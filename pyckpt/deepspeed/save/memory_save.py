@@ -61,6 +61,27 @@ log = logging.getLogger("pyckpt")
 EXIT_TIMEOUT = 120.0
 
 
+def tier_view(tier) -> dict:
+    """What a rank knows of ``tier`` before a save or its preparation, for the ranks' one gather: its node,
+    the job folder's record, the folder, or the failure that kept it from learning them (``error``)."""
+    mine = {"error": None, "node": None, "record": None, "folder": None}
+    try:
+        mine["node"] = this_node()
+        mine["record"] = read_record(tier.root_path, tier.job_name)
+        mine["folder"] = tier.folder()
+    except Exception as exc:
+        mine["error"] = describe_failure(exc)
+    return mine
+
+
+def view_problem(pre: list, identity, tier) -> Optional[str]:
+    """Why the gathered :func:`tier_view` of every rank keeps ``tier`` from this save (a line), or None:
+    a rank's failure, or a job folder another job's record holds. The root is opened only where no rank
+    failed (a root that fails to open is one of those failures)."""
+    errors = "; ".join(f"rank {r}: {p['error']}" for r, p in enumerate(pre) if p["error"])
+    return errors or any_foreign([p["record"] for p in pre], identity, tier.root_path)
+
+
 def save_to_memory(engine, request: SaveRequest, memory: MemoryTier, persist: bool):
     """The collective save into ``memory``'s node folders (its destination a :class:`~.node_share.NodeShare`),
     or into ``request.save_dir`` when it does not fit; then the persistence. Returns what the save returns."""
@@ -82,26 +103,20 @@ def save_to_memory(engine, request: SaveRequest, memory: MemoryTier, persist: bo
     # below, which the others take for their preflight; both sides then see the difference and stop.
     arrival = Arrival("save", group.rank, group.size)
     arrival.wait(request.arrival_timeout, "pyckpt.deepspeed.save_checkpoint")
-    mine = {"memory": True, "error": None, "need": 0, "budget": None, "folder": None, "node": None, "record": None,
-            "run": new_run() if group.rank == 0 else None}
-    try:
-        mine["node"] = this_node()
-        mine["record"] = read_record(memory.root_path, memory.job_name)
-        mine["folder"] = memory.folder()
-        mine["need"] = estimate_rank_bytes(engine)
-        mine["budget"] = budget(memory.root_path, memory.job_name, memory.limit_bytes)
-        mine["reusable"] = free_slot.size(mine["folder"])  # the free slot's pages: the save writes over them
-    except Exception as exc:
-        mine["error"] = describe_failure(exc)
+    mine = dict(tier_view(memory), memory=True, need=0, budget=None, run=new_run() if group.rank == 0 else None)
+    if mine["error"] is None:
+        try:
+            mine["need"] = estimate_rank_bytes(engine)
+            mine["budget"] = budget(memory.root_path, memory.job_name, memory.limit_bytes)
+            mine["reusable"] = free_slot.size(mine["folder"])  # the free slot's pages: the save writes over them
+        except Exception as exc:
+            mine["error"] = describe_failure(exc)
     pre = group.all_gather(mine)
     arrival.done()
     if any(not (isinstance(p, dict) and p.get("memory")) for p in pre):
         raise SaveError("the ranks called save_checkpoint with different memory= settings (some with a memory "
                         f"tier, some without); checkpoint {tag} was not saved, nothing was written", published=False)
-    errors = [(r, p["error"]) for r, p in enumerate(pre) if p["error"]]
-    problem = "; ".join(f"rank {r}: {e}" for r, e in errors) if errors else (
-        any_foreign([p["record"] for p in pre], identity, memory.root_path)
-        or _fits_by_node(pre))
+    problem = view_problem(pre, identity, memory) or _fits_by_node(pre)
     if problem:
         if group.rank == 0:
             log.warning("pyckpt: checkpoint %s goes to %s, not to memory: %s", tag, save_dir, problem)

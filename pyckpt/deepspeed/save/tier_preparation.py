@@ -31,13 +31,12 @@ from typing import Optional
 from ...execution.distributed import TorchRanks, describe_failure
 from ..tiers import free_slot
 from ..tiers import node_manifest as nm
-from ..tiers.job_identity import agreed_run, any_foreign, bound, owns, read_record
+from ..tiers.job_identity import agreed_run, bound, owns
 from ..tiers.links import nodes
 from ..tiers.memory_root import budget, fits
-from ..tiers.nodes import this_node
 from ..tiers.policy import one_tier
 from .in_flight import join_all
-from .memory_save import discard_unused_at_exit
+from .memory_save import discard_unused_at_exit, tier_view, view_problem
 from .save_layout import save_layout
 
 log = logging.getLogger("pyckpt")
@@ -74,20 +73,13 @@ def prepare_memory_tier(engine, save_dir, save_tier=None, *, exclude_frozen_para
     tier, identity = bound(tier, save_dir)
     join_all(engine)
     free_slot.settle()
-    mine = {"error": None, "node": None, "record": None, "folder": None}
-    try:
-        mine["node"] = this_node()
-        mine["record"] = read_record(tier.root_path, tier.job_name)
-        mine["folder"] = tier.folder()
-    except Exception as exc:
-        mine["error"] = describe_failure(exc)
+    mine = tier_view(tier)
     # collective, so every rank runs it whatever happened above; a folder that is never made
     files, failure = save_layout(engine, mine["folder"] or os.fspath(save_dir), exclude_frozen_parameters)
     mine["error"] = mine["error"] or failure
     mine["files"] = files
     pre = group.all_gather(mine)
-    problem = ("; ".join(f"rank {r}: {p['error']}" for r, p in enumerate(pre) if p["error"])
-               or any_foreign([p["record"] for p in pre], identity, tier.root_path))
+    problem = view_problem(pre, identity, tier)
     if problem:
         if group.rank == 0:
             log.warning("pyckpt: the memory tier was not prepared for the first save: %s", problem)
