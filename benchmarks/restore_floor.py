@@ -43,16 +43,17 @@ def rank_bytes(params: int, world: int) -> dict:
     return {"held": part + 4 * params, "fresh": 2 * part}
 
 
-def _read_into(fd: int, view: memoryview, offset: int, threads: int) -> None:
+def _read_into(fd: int, view: memoryview, threads: int) -> None:
+    """``view`` filled from the file's start, 64 MiB per call, ``threads`` calls at a time."""
     spans = [(i, min(CHUNK, len(view) - i)) for i in range(0, len(view), CHUNK)]
 
     def one(span):
         at, n = span
         done = 0
         while done < n:
-            got = os.preadv(fd, [view[at + done:at + n]], offset + at + done)
+            got = os.preadv(fd, [view[at + done:at + n]], at + done)
             if got <= 0:
-                raise OSError(f"short read at {offset + at + done}")
+                raise OSError(f"short read at {at + done}")
             done += got
 
     with ThreadPoolExecutor(threads) as pool:
@@ -68,9 +69,9 @@ def _rank(path: str, sizes: dict, repeats: int, threads: int, barrier, out) -> N
     for _ in range(repeats):
         barrier.wait()
         t0 = time.perf_counter()
-        _read_into(fd, memoryview(held), 0, threads)
+        _read_into(fd, memoryview(held), threads)
         fresh = np.empty(sizes["fresh"], dtype=np.uint8)  # the moments: a new mapping, no page touched yet
-        _read_into(fd, memoryview(fresh), 0, threads)
+        _read_into(fd, memoryview(fresh), threads)
         times.append(time.perf_counter() - t0)
         del fresh  # unmapped: the next repeat touches new pages again
         barrier.wait()
@@ -83,6 +84,7 @@ def floor(params: int, world: int, repeats: int = 3, threads: int = 0, shm: str 
     sizes = rank_bytes(params, world)
     threads = threads or max(1, os.cpu_count() or 1)
     path = os.path.join(shm, f"pyckpt-restore-floor-{os.getpid()}")
+    procs = []
     try:
         with open(path, "wb") as f:  # the source's pages in tmpfs, as a slot's are
             block = os.urandom(1 << 20) * 64
@@ -100,6 +102,10 @@ def floor(params: int, world: int, repeats: int = 3, threads: int = 0, shm: str 
             if p.exitcode != 0:
                 raise RuntimeError(f"a floor rank failed (exit {p.exitcode})")
     finally:
+        for p in procs:  # a rank that failed leaves the others at the barrier: none outlives the call
+            if p.is_alive():
+                p.kill()
+                p.join()
         if os.path.exists(path):
             os.remove(path)
     slowest = [max(r[i] for r in per_rank) for i in range(repeats)]
